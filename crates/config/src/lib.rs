@@ -1,0 +1,69 @@
+//! Typed configuration for every nudge binary.
+//!
+//! Owns: the shared config sections, the [`Secret`] wrapper, and the one loading order
+//! ([`load`]): defaults, then a TOML file (`--config`, else `NUDGE_CONFIG`), then `NUDGE_`
+//! environment variables with `__` for nesting, then validation whose error names the bad key.
+//! Each binary defines its own struct in its own crate from these sections, with
+//! `#[serde(deny_unknown_fields)]`, and implements [`Validate`] for it.
+//!
+//! Must never: print a secret (not in `Debug`, not in an error message), read configuration from
+//! anywhere else (no implicit file lookup, no other environment variables), or open connections;
+//! it only describes and checks settings.
+//!
+//! # Keys
+//!
+//! Environment form: `NUDGE_` + key in upper case with `.` replaced by `__`, e.g.
+//! `database.url` is `NUDGE_DATABASE__URL`. A binary reads only the sections it has.
+//!
+//! | key | default | rule |
+//! |-----|---------|------|
+//! | `database.url` (secret) | `"postgres://postgres@127.0.0.1:5432/nudge"` | `postgres://` or `postgresql://` URL |
+//! | `database.max_connections` | `10` | 1..=1000 |
+//! | `database.acquire_timeout_ms` | `5000` | > 0 |
+//! | `amqp.url` (secret) | `"amqp://guest:guest@127.0.0.1:5672/%2f"` | `amqp://` or `amqps://` URL |
+//! | `amqp.prefetch` | `32` | >= 1 |
+//! | `amqp.connect_timeout_ms` | `10000` | > 0 |
+//! | `telemetry.log_format` | `"pretty"` | `"json"` or `"pretty"` |
+//! | `telemetry.log_filter` | `"info"` | non-empty tracing filter; `RUST_LOG` overrides it |
+//! | `telemetry.otlp_endpoint` | unset (no export) | `http://` or `https://` URL |
+//! | `telemetry.metrics_addr` | unset (no listener) | socket address, e.g. `"0.0.0.0:9464"` |
+//! | `crypto.destination_key` (secret) | unset | standard base64 of exactly 32 bytes |
+//!
+//! `NUDGE_CONFIG` is the file path, never a key.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use nudge_config::{ConfigError, DatabaseConfig, TelemetryConfig, Validate};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Debug, Default, Serialize, Deserialize)]
+//! #[serde(deny_unknown_fields, default)]
+//! struct JanitorConfig {
+//!     database: DatabaseConfig,
+//!     telemetry: TelemetryConfig,
+//! }
+//!
+//! impl Validate for JanitorConfig {
+//!     fn validate(&self) -> Result<(), ConfigError> {
+//!         self.database.validate()?;
+//!         self.telemetry.validate()
+//!     }
+//! }
+//!
+//! # fn main() -> Result<(), ConfigError> {
+//! let config: JanitorConfig = nudge_config::load(None, &["database", "telemetry"])?;
+//! # let _ = config;
+//! # Ok(())
+//! # }
+//! ```
+
+mod error;
+mod load;
+mod secret;
+mod sections;
+
+pub use error::ConfigError;
+pub use load::{CONFIG_FILE_ENV, ENV_NESTING, ENV_PREFIX, Validate, load};
+pub use secret::Secret;
+pub use sections::{AmqpConfig, CryptoConfig, DatabaseConfig, LogFormat, TelemetryConfig};

@@ -1,0 +1,90 @@
+use std::path::{Path, PathBuf};
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::ConfigError;
+
+/// Prefix of every environment variable that sets a configuration key.
+pub const ENV_PREFIX: &str = "NUDGE_";
+
+/// Environment variable naming the TOML file when `--config` is not given.
+pub const CONFIG_FILE_ENV: &str = "NUDGE_CONFIG";
+
+/// Separator for nesting in environment variable names: `NUDGE_DATABASE__URL` is `database.url`.
+pub const ENV_NESTING: &str = "__";
+
+/// Checks a loaded configuration, naming the offending key in the error.
+///
+/// A binary implements it for its struct by calling each section's `validate_at("<key>")` (or
+/// `validate()` when the section sits under its conventional name), then its own checks.
+pub trait Validate {
+    /// `Ok` when every rule holds; otherwise the first broken one, naming its key.
+    fn validate(&self) -> Result<(), ConfigError>;
+}
+
+/// Loads and validates a binary's configuration.
+///
+/// Layers, later ones winning: `T::default()`; the TOML file `config_file`, or when that is `None`
+/// the file named by `NUDGE_CONFIG` (if set and non-empty); then `NUDGE_` environment variables
+/// with `__` for nesting. Then [`Validate::validate`].
+///
+/// `sections` lists the top-level keys of `T` (e.g. `&["database", "telemetry"]`). Only
+/// environment variables under those keys are read: every nudge binary shares one `NUDGE_`
+/// namespace (a compose file or pod spec often sets `NUDGE_AMQP__URL` for all of them), and `T`
+/// denies unknown fields, so a variable for a section this binary lacks would otherwise fail
+/// start-up. A misspelt key *inside* a listed section (`NUDGE_DATABASE__URLL`) is still an error.
+/// `NUDGE_CONFIG` is never a key, so `config` cannot be a section name.
+///
+/// A file that was asked for but cannot be read is an error naming the path; when neither
+/// `config_file` nor `NUDGE_CONFIG` is given, no file is read.
+pub fn load<T>(config_file: Option<&Path>, sections: &[&str]) -> Result<T, ConfigError>
+where
+    T: DeserializeOwned + Serialize + Default + Validate,
+{
+    if sections.iter().any(|s| s.eq_ignore_ascii_case("config")) {
+        return Err(ConfigError::invalid(
+            "config",
+            "reserved for the NUDGE_CONFIG file path; choose another section name",
+        ));
+    }
+
+    let mut figment = Figment::from(Serialized::defaults(T::default()));
+    if let Some(path) = config_file
+        .map(Path::to_path_buf)
+        .or_else(config_file_from_env)
+    {
+        // figment treats a missing file as empty; a file someone named must exist.
+        std::fs::read(&path).map_err(|source| ConfigError::File {
+            path: path.clone(),
+            source,
+        })?;
+        figment = figment.merge(Toml::file_exact(&path));
+    }
+    figment = figment.merge(env_provider(sections));
+
+    let config: T = figment.extract()?;
+    config.validate()?;
+    Ok(config)
+}
+
+fn config_file_from_env() -> Option<PathBuf> {
+    std::env::var_os(CONFIG_FILE_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// `NUDGE_<SECTION>__<KEY>` variables for the listed sections only (see [`load`]).
+fn env_provider(sections: &[&str]) -> Env {
+    let sections: Vec<String> = sections.iter().map(|s| (*s).to_owned()).collect();
+    Env::prefixed(ENV_PREFIX)
+        .filter(move |name| {
+            // `name` has the prefix stripped but is not split yet: `DATABASE__URL`.
+            let name = name.as_str();
+            let top = name.split_once(ENV_NESTING).map_or(name, |(top, _)| top);
+            sections.iter().any(|s| s.eq_ignore_ascii_case(top))
+        })
+        .split(ENV_NESTING)
+}

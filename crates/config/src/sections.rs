@@ -1,0 +1,395 @@
+//! The sections a binary's config struct is composed from.
+//!
+//! Each section checks its own rules in `validate_at(prefix)`, where `prefix` is the key the
+//! section sits under in the binary's struct, so errors name the full key. The [`Validate`] impls
+//! use the conventional top-level names (`database`, `amqp`, `telemetry`, `crypto`).
+
+use std::net::SocketAddr;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use secrecy::zeroize::Zeroize as _;
+use serde::{Deserialize, Serialize};
+use url::Url;
+
+use crate::{ConfigError, Secret, Validate};
+
+fn key(prefix: &str, field: &str) -> String {
+    if prefix.is_empty() {
+        field.to_owned()
+    } else {
+        format!("{prefix}.{field}")
+    }
+}
+
+/// Parses `raw` as a URL whose scheme is one of `schemes`.
+///
+/// The message never includes `raw`: these URLs may carry a password. `url::ParseError` and the
+/// scheme do not.
+fn check_url(raw: &str, schemes: &[&str], expected: &str) -> Result<(), String> {
+    match Url::parse(raw) {
+        Ok(url) if schemes.contains(&url.scheme()) => Ok(()),
+        Ok(url) => Err(format!("{expected}, found scheme `{}`", url.scheme())),
+        Err(e) => Err(format!("{expected} ({e})")),
+    }
+}
+
+/// PostgreSQL connection settings (the ledger).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseConfig {
+    /// `postgres://` or `postgresql://` connection URL; may hold a password.
+    pub url: Secret,
+    /// Pool size, 1..=1000.
+    pub max_connections: u32,
+    /// How long to wait for a pooled connection before failing, > 0.
+    pub acquire_timeout_ms: u64,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        Self {
+            url: Secret::new("postgres://postgres@127.0.0.1:5432/nudge"),
+            max_connections: 10,
+            acquire_timeout_ms: 5000,
+        }
+    }
+}
+
+impl DatabaseConfig {
+    /// Checks the section as it sits under `prefix` (usually `"database"`).
+    pub fn validate_at(&self, prefix: &str) -> Result<(), ConfigError> {
+        check_url(
+            self.url.expose(),
+            &["postgres", "postgresql"],
+            "expected a postgres:// or postgresql:// URL",
+        )
+        .map_err(|m| ConfigError::invalid(key(prefix, "url"), m))?;
+        if !(1..=1000).contains(&self.max_connections) {
+            return Err(ConfigError::invalid(
+                key(prefix, "max_connections"),
+                format!("must be between 1 and 1000, got {}", self.max_connections),
+            ));
+        }
+        if self.acquire_timeout_ms == 0 {
+            return Err(ConfigError::invalid(
+                key(prefix, "acquire_timeout_ms"),
+                "must be greater than 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Validate for DatabaseConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_at("database")
+    }
+}
+
+/// RabbitMQ connection settings (the transport).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AmqpConfig {
+    /// `amqp://` or `amqps://` URL; may hold a password.
+    pub url: Secret,
+    /// Unacknowledged deliveries per consumer, >= 1; bounds a worker's concurrency.
+    pub prefetch: u16,
+    /// How long to wait for the broker connection, > 0.
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for AmqpConfig {
+    fn default() -> Self {
+        Self {
+            url: Secret::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            prefetch: 32,
+            connect_timeout_ms: 10_000,
+        }
+    }
+}
+
+impl AmqpConfig {
+    /// Checks the section as it sits under `prefix` (usually `"amqp"`).
+    pub fn validate_at(&self, prefix: &str) -> Result<(), ConfigError> {
+        check_url(
+            self.url.expose(),
+            &["amqp", "amqps"],
+            "expected an amqp:// or amqps:// URL",
+        )
+        .map_err(|m| ConfigError::invalid(key(prefix, "url"), m))?;
+        if self.prefetch == 0 {
+            return Err(ConfigError::invalid(
+                key(prefix, "prefetch"),
+                "must be at least 1",
+            ));
+        }
+        if self.connect_timeout_ms == 0 {
+            return Err(ConfigError::invalid(
+                key(prefix, "connect_timeout_ms"),
+                "must be greater than 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Validate for AmqpConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_at("amqp")
+    }
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// One JSON object per line, for log collectors.
+    Json,
+    /// Human-readable lines, for a terminal.
+    #[default]
+    Pretty,
+}
+
+/// Logs, traces and metrics settings, consumed by `nudge-telemetry`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// `json` or `pretty`.
+    pub log_format: LogFormat,
+    /// A tracing `EnvFilter` directive string; `RUST_LOG`, when set, wins over it.
+    ///
+    /// Only checked for emptiness here: the directive grammar belongs to `nudge-telemetry`,
+    /// which rejects a bad one at start-up naming this key.
+    pub log_filter: String,
+    /// OTLP collector endpoint (`http://` or `https://`); no export when unset.
+    pub otlp_endpoint: Option<String>,
+    /// Address for the Prometheus metrics listener; none when unset.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self {
+            log_format: LogFormat::default(),
+            log_filter: "info".to_owned(),
+            otlp_endpoint: None,
+            metrics_addr: None,
+        }
+    }
+}
+
+impl TelemetryConfig {
+    /// Checks the section as it sits under `prefix` (usually `"telemetry"`).
+    pub fn validate_at(&self, prefix: &str) -> Result<(), ConfigError> {
+        if self.log_filter.trim().is_empty() {
+            return Err(ConfigError::invalid(
+                key(prefix, "log_filter"),
+                "must not be empty (use e.g. \"info\")",
+            ));
+        }
+        if let Some(endpoint) = &self.otlp_endpoint {
+            check_url(
+                endpoint,
+                &["http", "https"],
+                "expected an http:// or https:// URL",
+            )
+            .map_err(|m| ConfigError::invalid(key(prefix, "otlp_endpoint"), m))?;
+        }
+        Ok(())
+    }
+}
+
+impl Validate for TelemetryConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_at("telemetry")
+    }
+}
+
+/// Keys for data at rest.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CryptoConfig {
+    /// Standard base64 of exactly 32 bytes: the key that encrypts destinations in the ledger.
+    pub destination_key: Option<Secret>,
+}
+
+impl CryptoConfig {
+    /// Checks the section as it sits under `prefix` (usually `"crypto"`).
+    pub fn validate_at(&self, prefix: &str) -> Result<(), ConfigError> {
+        self.decode_destination_key(prefix).map(|_| ())
+    }
+
+    /// The decoded destination key, `None` when not configured.
+    ///
+    /// Errors name `crypto.destination_key`; neither the value nor its decoded bytes are ever
+    /// part of an error.
+    pub fn destination_key_bytes(&self) -> Result<Option<[u8; 32]>, ConfigError> {
+        self.decode_destination_key("crypto")
+    }
+
+    fn decode_destination_key(&self, prefix: &str) -> Result<Option<[u8; 32]>, ConfigError> {
+        let Some(encoded) = &self.destination_key else {
+            return Ok(None);
+        };
+        let invalid = |message: &str| ConfigError::invalid(key(prefix, "destination_key"), message);
+        // The decode error is dropped: base64's messages quote offending bytes of the secret.
+        let mut decoded = STANDARD
+            .decode(encoded.expose().trim())
+            .map_err(|_| invalid("expected standard base64 (the value is not shown)"))?;
+        let bytes = <[u8; 32]>::try_from(decoded.as_slice()).map_err(|_| {
+            invalid(&format!(
+                "expected base64 of exactly 32 bytes, got {} bytes",
+                decoded.len()
+            ))
+        });
+        decoded.zeroize();
+        bytes.map(Some)
+    }
+}
+
+impl Validate for CryptoConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_at("crypto")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_section_default_is_valid() {
+        assert!(DatabaseConfig::default().validate().is_ok());
+        assert!(AmqpConfig::default().validate().is_ok());
+        assert!(TelemetryConfig::default().validate().is_ok());
+        assert!(CryptoConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn a_postgresql_scheme_is_accepted_and_a_mysql_one_is_not() {
+        let mut db = DatabaseConfig {
+            url: Secret::new("postgresql://u:p@db/nudge"),
+            ..DatabaseConfig::default()
+        };
+        assert!(db.validate().is_ok());
+        db.url = Secret::new("mysql://u:s3cr3t@db/nudge");
+        let message = db.validate().map_err(|e| e.to_string()).err();
+        let message = message.unwrap_or_default();
+        assert!(message.starts_with("invalid configuration: database.url: expected a postgres://"));
+        assert!(!message.contains("s3cr3t"), "{message}");
+    }
+
+    #[test]
+    fn errors_name_the_key_under_the_given_prefix() {
+        let db = DatabaseConfig {
+            max_connections: 0,
+            ..DatabaseConfig::default()
+        };
+        let err = db.validate_at("ledger_db").err().and_then(|e| e.key());
+        assert_eq!(err.as_deref(), Some("ledger_db.max_connections"));
+    }
+
+    #[test]
+    fn a_zero_prefetch_is_rejected() {
+        let amqp = AmqpConfig {
+            prefetch: 0,
+            ..AmqpConfig::default()
+        };
+        let key = amqp.validate().err().and_then(|e| e.key());
+        assert_eq!(key.as_deref(), Some("amqp.prefetch"));
+    }
+
+    #[test]
+    fn an_amqp_url_must_be_amqp_or_amqps() {
+        let amqp = AmqpConfig {
+            url: Secret::new("http://guest:guest@localhost/"),
+            ..AmqpConfig::default()
+        };
+        assert_eq!(
+            amqp.validate().err().and_then(|e| e.key()).as_deref(),
+            Some("amqp.url")
+        );
+        let amqps = AmqpConfig {
+            url: Secret::new("amqps://guest:guest@localhost/%2f"),
+            ..AmqpConfig::default()
+        };
+        assert!(amqps.validate().is_ok());
+    }
+
+    #[test]
+    fn telemetry_needs_a_filter_and_an_http_otlp_endpoint() {
+        let empty = TelemetryConfig {
+            log_filter: "  ".to_owned(),
+            ..TelemetryConfig::default()
+        };
+        assert_eq!(
+            empty.validate().err().and_then(|e| e.key()).as_deref(),
+            Some("telemetry.log_filter")
+        );
+        let grpc = TelemetryConfig {
+            otlp_endpoint: Some("grpc://collector:4317".to_owned()),
+            ..TelemetryConfig::default()
+        };
+        assert_eq!(
+            grpc.validate().err().and_then(|e| e.key()).as_deref(),
+            Some("telemetry.otlp_endpoint")
+        );
+        let http = TelemetryConfig {
+            otlp_endpoint: Some("http://collector:4318".to_owned()),
+            ..TelemetryConfig::default()
+        };
+        assert!(http.validate().is_ok());
+    }
+
+    #[test]
+    fn a_32_byte_base64_destination_key_decodes() {
+        let crypto = CryptoConfig {
+            destination_key: Some(Secret::new(STANDARD.encode([7u8; 32]))),
+        };
+        assert!(crypto.validate().is_ok());
+        assert_eq!(
+            crypto.destination_key_bytes().ok().flatten(),
+            Some([7u8; 32])
+        );
+        assert_eq!(
+            CryptoConfig::default().destination_key_bytes().ok(),
+            Some(None)
+        );
+    }
+
+    #[test]
+    fn a_short_or_malformed_destination_key_names_the_key_but_not_the_value() {
+        for value in [STANDARD.encode([7u8; 16]), "not base64 !!".to_owned()] {
+            let crypto = CryptoConfig {
+                destination_key: Some(Secret::new(value.clone())),
+            };
+            let message = crypto
+                .validate()
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(
+                message.starts_with("invalid configuration: crypto.destination_key: "),
+                "{message}"
+            );
+            assert!(!message.contains(&value), "{message}");
+            assert!(crypto.destination_key_bytes().is_err());
+        }
+    }
+
+    #[test]
+    fn debug_of_a_section_does_not_print_the_password() {
+        let db = DatabaseConfig {
+            url: Secret::new("postgres://nudge:s3cr3t-pw@db:5432/nudge"),
+            ..DatabaseConfig::default()
+        };
+        let amqp = AmqpConfig {
+            url: Secret::new("amqp://nudge:s3cr3t-pw@mq:5672/%2f"),
+            ..AmqpConfig::default()
+        };
+        let printed = format!("{db:?} {amqp:?}");
+        assert!(!printed.contains("s3cr3t-pw"), "{printed}");
+        assert!(printed.contains("[redacted]"));
+    }
+}

@@ -1,0 +1,364 @@
+//! `load` end to end: defaults, file, environment and the errors an operator sees.
+//!
+//! `figment::Jail` serialises these tests, runs each in a fresh temporary directory and restores
+//! the environment afterwards; `clear_env` keeps an ambient `NUDGE_*` from leaking in.
+
+#![allow(
+    clippy::result_large_err,
+    reason = "figment::Jail fixes its closures' error type to figment::Error"
+)]
+
+use std::error::Error as _;
+use std::path::Path;
+
+use figment::Jail;
+use nudge_config::{ConfigError, DatabaseConfig, LogFormat, TelemetryConfig, Validate, load};
+use serde::{Deserialize, Serialize};
+
+const SECTIONS: &[&str] = &["database", "telemetry"];
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct TestConfig {
+    database: DatabaseConfig,
+    telemetry: TelemetryConfig,
+}
+
+impl Validate for TestConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.database.validate()?;
+        self.telemetry.validate()
+    }
+}
+
+/// Display plus every source, as a binary would report it.
+fn chain(e: &ConfigError) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+fn load_test(file: Option<&Path>) -> Result<TestConfig, ConfigError> {
+    load(file, SECTIONS)
+}
+
+#[test]
+fn defaults_load_when_there_is_no_file_and_no_environment() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        let config = load_test(None).map_err(|e| chain(&e))?;
+        assert_eq!(
+            config.database.url.expose(),
+            "postgres://postgres@127.0.0.1:5432/nudge"
+        );
+        assert_eq!(config.database.max_connections, 10);
+        assert_eq!(config.database.acquire_timeout_ms, 5000);
+        assert_eq!(config.telemetry.log_format, LogFormat::Pretty);
+        assert_eq!(config.telemetry.log_filter, "info");
+        assert_eq!(config.telemetry.otlp_endpoint, None);
+        assert_eq!(config.telemetry.metrics_addr, None);
+        Ok(())
+    });
+}
+
+#[test]
+fn the_toml_file_overrides_defaults_and_keeps_the_rest() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file(
+            "nudge.toml",
+            r#"
+                [database]
+                max_connections = 50
+
+                [telemetry]
+                log_format = "json"
+                metrics_addr = "0.0.0.0:9464"
+            "#,
+        )?;
+        let config = load_test(Some(Path::new("nudge.toml"))).map_err(|e| chain(&e))?;
+        assert_eq!(config.database.max_connections, 50);
+        assert_eq!(config.database.acquire_timeout_ms, 5000);
+        assert_eq!(config.telemetry.log_format, LogFormat::Json);
+        assert_eq!(
+            config.telemetry.metrics_addr,
+            Some(([0, 0, 0, 0], 9464).into())
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn the_environment_overrides_the_toml_file() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file(
+            "nudge.toml",
+            r#"
+                [database]
+                url = "postgres://file@db/nudge"
+                max_connections = 50
+            "#,
+        )?;
+        jail.set_env("NUDGE_DATABASE__URL", "postgresql://env:pw@db:5432/nudge");
+        jail.set_env("NUDGE_TELEMETRY__LOG_FORMAT", "json");
+        let config = load_test(Some(Path::new("nudge.toml"))).map_err(|e| chain(&e))?;
+        assert_eq!(
+            config.database.url.expose(),
+            "postgresql://env:pw@db:5432/nudge"
+        );
+        assert_eq!(config.database.max_connections, 50);
+        assert_eq!(config.telemetry.log_format, LogFormat::Json);
+        Ok(())
+    });
+}
+
+#[test]
+fn nudge_config_selects_the_file_and_is_not_read_as_a_key() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("from-env.toml", "[database]\nmax_connections = 7\n")?;
+        jail.set_env("NUDGE_CONFIG", "from-env.toml");
+        let config = load_test(None).map_err(|e| chain(&e))?;
+        assert_eq!(config.database.max_connections, 7);
+        Ok(())
+    });
+}
+
+#[test]
+fn an_explicit_file_wins_over_nudge_config() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("from-env.toml", "[database]\nmax_connections = 7\n")?;
+        jail.create_file("explicit.toml", "[database]\nmax_connections = 8\n")?;
+        jail.set_env("NUDGE_CONFIG", "from-env.toml");
+        let config = load_test(Some(Path::new("explicit.toml"))).map_err(|e| chain(&e))?;
+        assert_eq!(config.database.max_connections, 8);
+        Ok(())
+    });
+}
+
+#[test]
+fn a_bad_database_url_names_database_url_without_printing_it() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.set_env("NUDGE_DATABASE__URL", "mysql://root:s3cr3t@db/nudge");
+        let err = load_test(None).err().ok_or("expected an error")?;
+        let message = chain(&err);
+        assert!(
+            message.starts_with(
+                "invalid configuration: database.url: expected a postgres:// or postgresql:// URL"
+            ),
+            "{message}"
+        );
+        assert!(!message.contains("s3cr3t"), "{message}");
+        Ok(())
+    });
+}
+
+#[test]
+fn an_unknown_key_in_the_file_is_named() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("nudge.toml", "[database]\nmax_conections = 5\n")?;
+        let err = load_test(Some(Path::new("nudge.toml")))
+            .err()
+            .ok_or("expected an error")?;
+        assert_eq!(err.key().as_deref(), Some("database.max_conections"));
+        let message = chain(&err);
+        assert!(
+            message.starts_with("invalid configuration: database.max_conections"),
+            "{message}"
+        );
+        assert!(message.contains("nudge.toml"), "{message}");
+        Ok(())
+    });
+}
+
+#[test]
+fn an_unknown_top_level_section_in_the_file_is_named() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("nudge.toml", "[databse]\nurl = \"postgres://x@db/n\"\n")?;
+        let err = load_test(Some(Path::new("nudge.toml")))
+            .err()
+            .ok_or("expected an error")?;
+        assert_eq!(err.key().as_deref(), Some("databse"));
+        Ok(())
+    });
+}
+
+#[test]
+fn a_toml_syntax_error_names_the_file() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("nudge.toml", "[database\n")?;
+        let err = load_test(Some(Path::new("nudge.toml")))
+            .err()
+            .ok_or("expected an error")?;
+        let message = chain(&err);
+        assert!(message.starts_with("invalid configuration: "), "{message}");
+        assert!(message.contains("nudge.toml"), "{message}");
+        Ok(())
+    });
+}
+
+#[test]
+fn a_wrong_type_names_the_key() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("nudge.toml", "[database]\nmax_connections = \"x\"\n")?;
+        let err = load_test(Some(Path::new("nudge.toml")))
+            .err()
+            .ok_or("expected an error")?;
+        let message = chain(&err);
+        assert!(
+            message.starts_with("invalid configuration: database.max_connections: "),
+            "{message}"
+        );
+        assert!(message.contains("invalid type"), "{message}");
+        Ok(())
+    });
+}
+
+#[test]
+fn a_wrong_type_from_the_environment_names_the_key() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.set_env("NUDGE_DATABASE__MAX_CONNECTIONS", "lots");
+        let err = load_test(None).err().ok_or("expected an error")?;
+        assert_eq!(err.key().as_deref(), Some("database.max_connections"));
+        assert!(chain(&err).contains("NUDGE_"), "{}", chain(&err));
+        Ok(())
+    });
+}
+
+#[test]
+fn a_secret_of_the_wrong_type_is_not_echoed() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("nudge.toml", "[database]\nurl = 987654321\n")?;
+        let err = load_test(Some(Path::new("nudge.toml")))
+            .err()
+            .ok_or("expected an error")?;
+        let message = chain(&err);
+        assert_eq!(err.key().as_deref(), Some("database.url"));
+        assert!(!message.contains("987654321"), "{message}");
+        Ok(())
+    });
+}
+
+#[test]
+fn an_explicitly_given_missing_file_is_an_error_naming_the_path() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        let err = load_test(Some(Path::new("absent.toml")))
+            .err()
+            .ok_or("expected an error")?;
+        assert!(matches!(err, ConfigError::File { .. }), "{err:?}");
+        assert!(err.to_string().contains("absent.toml"), "{err}");
+        Ok(())
+    });
+}
+
+#[test]
+fn a_missing_file_named_by_nudge_config_is_an_error_naming_the_path() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.set_env("NUDGE_CONFIG", "gone.toml");
+        let err = load_test(None).err().ok_or("expected an error")?;
+        assert!(err.to_string().contains("gone.toml"), "{err}");
+        Ok(())
+    });
+}
+
+#[test]
+fn environment_for_sections_this_binary_lacks_is_ignored() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.set_env("NUDGE_OTHER__X", "1");
+        jail.set_env("NUDGE_AMQP__URL", "amqp://guest:guest@mq:5672/%2f");
+        jail.set_env("NUDGE_UNRELATED", "yes");
+        let config = load_test(None).map_err(|e| chain(&e))?;
+        assert_eq!(config.database.max_connections, 10);
+        Ok(())
+    });
+}
+
+#[test]
+fn a_misspelt_key_inside_a_known_section_from_the_environment_is_an_error() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.set_env("NUDGE_DATABASE__URLL", "postgres://x@db/nudge");
+        let err = load_test(None).err().ok_or("expected an error")?;
+        assert_eq!(err.key().as_deref(), Some("database.urll"));
+        Ok(())
+    });
+}
+
+#[test]
+fn config_is_not_allowed_as_a_section_name() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        let err = load::<TestConfig>(None, &["database", "config"])
+            .err()
+            .ok_or("expected an error")?;
+        assert_eq!(err.key().as_deref(), Some("config"));
+        Ok(())
+    });
+}
+
+#[test]
+fn debug_of_a_loaded_config_does_not_contain_the_password() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.set_env(
+            "NUDGE_DATABASE__URL",
+            "postgres://nudge:pa55w0rd-xyz@db:5432/nudge",
+        );
+        let config = load_test(None).map_err(|e| chain(&e))?;
+        let printed = format!("{config:?}");
+        assert!(!printed.contains("pa55w0rd-xyz"), "{printed}");
+        assert!(printed.contains("[redacted]"), "{printed}");
+        Ok(())
+    });
+}
+
+/// A binary's section with a required field, as a binary might write one.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WithRequired {
+    #[serde(rename = "required")]
+    _required: Required,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Required {
+    #[serde(rename = "token")]
+    _token: String,
+}
+
+#[test]
+fn a_missing_required_field_names_the_full_key() {
+    use figment::providers::{Format, Toml};
+
+    let err = figment::Figment::from(Toml::string("[required]\n"))
+        .extract::<WithRequired>()
+        .err()
+        .map(ConfigError::from);
+    assert_eq!(
+        err.as_ref().and_then(ConfigError::key).as_deref(),
+        Some("required.token")
+    );
+    let message = err.as_ref().map(chain).unwrap_or_default();
+    assert!(
+        message.starts_with("invalid configuration: required.token: missing field"),
+        "{message}"
+    );
+}

@@ -1,0 +1,204 @@
+//! What a provider's answer means for a delivery, before any policy is applied.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::IdError;
+
+/// What happened when a worker tried to send, as reported by a provider adapter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SendOutcome {
+    /// The provider answered. `retry_after` is the raw header value, if any.
+    Response {
+        status: u16,
+        retry_after: Option<String>,
+        provider_message_id: Option<String>,
+    },
+    /// Connect, DNS or TLS failure: the request never left, so the provider cannot have sent it.
+    FailedBeforeSend { reason: String },
+    /// Timeout or reset after the request left: the provider may or may not have sent it.
+    UnknownAfterSend { reason: String },
+}
+
+/// Whether a provider account dedups sends by our `Idempotency-Key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IdempotencySupport {
+    Honoured,
+    NotHonoured,
+}
+
+impl From<bool> for IdempotencySupport {
+    fn from(honoured: bool) -> Self {
+        if honoured {
+            IdempotencySupport::Honoured
+        } else {
+            IdempotencySupport::NotHonoured
+        }
+    }
+}
+
+/// The class of an attempt's outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OutcomeClass {
+    Delivered,
+    /// Worth trying again later (subject to attempts, expiry and Retry-After).
+    Retryable,
+    /// Trying again would get the same answer.
+    Terminal,
+    /// The send may have happened and a resend could duplicate it.
+    Ambiguous,
+}
+
+impl OutcomeClass {
+    pub const ALL: [OutcomeClass; 4] = [
+        OutcomeClass::Delivered,
+        OutcomeClass::Retryable,
+        OutcomeClass::Terminal,
+        OutcomeClass::Ambiguous,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            OutcomeClass::Delivered => "delivered",
+            OutcomeClass::Retryable => "retryable",
+            OutcomeClass::Terminal => "terminal",
+            OutcomeClass::Ambiguous => "ambiguous",
+        }
+    }
+}
+
+impl fmt::Display for OutcomeClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for OutcomeClass {
+    type Err = IdError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        OutcomeClass::ALL
+            .into_iter()
+            .find(|c| c.as_str() == s)
+            .ok_or(IdError::UnknownOutcomeClass)
+    }
+}
+
+/// Classifies an outcome. Statuses we do not expect from a send (1xx, 3xx, out of range) are
+/// terminal: retrying a misconfigured endpoint only burns the rate budget.
+pub fn classify(outcome: &SendOutcome, idem: IdempotencySupport) -> OutcomeClass {
+    match outcome {
+        SendOutcome::Response { status, .. } => match status {
+            200..=299 => OutcomeClass::Delivered,
+            408 | 429 | 500..=599 => OutcomeClass::Retryable,
+            _ => OutcomeClass::Terminal,
+        },
+        SendOutcome::FailedBeforeSend { .. } => OutcomeClass::Retryable,
+        // Only a provider that dedups by key makes a resend of an unknown outcome safe.
+        SendOutcome::UnknownAfterSend { .. } => match idem {
+            IdempotencySupport::Honoured => OutcomeClass::Retryable,
+            IdempotencySupport::NotHonoured => OutcomeClass::Ambiguous,
+        },
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // A failed unwrap is a failed test, with its location.
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn status(status: u16) -> SendOutcome {
+        SendOutcome::Response {
+            status,
+            retry_after: None,
+            provider_message_id: None,
+        }
+    }
+
+    fn both(outcome: &SendOutcome) -> [OutcomeClass; 2] {
+        [
+            classify(outcome, IdempotencySupport::Honoured),
+            classify(outcome, IdempotencySupport::NotHonoured),
+        ]
+    }
+
+    #[test]
+    fn any_2xx_is_delivered() {
+        for s in [200, 201, 202, 204, 299] {
+            assert_eq!(both(&status(s)), [OutcomeClass::Delivered; 2], "{s}");
+        }
+    }
+
+    #[test]
+    fn throttling_request_timeout_and_server_errors_are_retryable() {
+        for s in [429, 408, 500, 502, 503, 504, 599] {
+            assert_eq!(both(&status(s)), [OutcomeClass::Retryable; 2], "{s}");
+        }
+    }
+
+    #[test]
+    fn other_client_errors_and_unexpected_statuses_are_terminal() {
+        for s in [
+            400,
+            401,
+            403,
+            404,
+            409,
+            410,
+            422,
+            499,
+            100,
+            199,
+            301,
+            304,
+            0,
+            99,
+            600,
+            u16::MAX,
+        ] {
+            assert_eq!(both(&status(s)), [OutcomeClass::Terminal; 2], "{s}");
+        }
+    }
+
+    #[test]
+    fn a_failure_before_the_request_left_is_retryable_whatever_the_provider_supports() {
+        let o = SendOutcome::FailedBeforeSend {
+            reason: "connection refused".into(),
+        };
+        assert_eq!(both(&o), [OutcomeClass::Retryable; 2]);
+    }
+
+    #[test]
+    fn an_unknown_outcome_is_retryable_only_when_the_provider_honours_idempotency() {
+        let o = SendOutcome::UnknownAfterSend {
+            reason: "timeout".into(),
+        };
+        assert_eq!(both(&o), [OutcomeClass::Retryable, OutcomeClass::Ambiguous]);
+    }
+
+    #[test]
+    fn outcome_class_names_round_trip() {
+        for c in OutcomeClass::ALL {
+            assert_eq!(c.as_str().parse::<OutcomeClass>(), Ok(c));
+            assert_eq!(c.to_string(), c.as_str());
+        }
+        assert_eq!(
+            "Delivered".parse::<OutcomeClass>(),
+            Err(IdError::UnknownOutcomeClass)
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn a_response_is_never_ambiguous_and_ignores_idempotency(s in any::<u16>()) {
+            let [a, b] = both(&status(s));
+            prop_assert_eq!(a, b);
+            prop_assert_ne!(a, OutcomeClass::Ambiguous);
+        }
+    }
+}

@@ -1,0 +1,30 @@
+//! The delivery rules of nudge, as plain values and functions.
+//!
+//! This crate owns what a delivery *is* and what may happen to it: identifiers parsed at the edge
+//! ([`ids`]), the delivery state machine ([`state`]), the `Retry-After` header ([`retry_after`]),
+//! the retry policy with injected jitter ([`policy`]), how a provider answer is classified
+//! ([`mod@classify`]) and the one function that turns an attempt's outcome into the next state
+//! ([`mod@decide`]). Every other crate asks these questions here instead of answering them again.
+//!
+//! It must never do I/O: no clock reads inside the rules (time is a parameter), no network, no
+//! database, no async runtime and no logging. Randomness only arrives through the [`Jitter`] trait
+//! so that tests can pin every number exactly.
+
+pub mod classify;
+pub mod decide;
+pub mod ids;
+pub mod lane;
+pub mod policy;
+pub mod retry_after;
+pub mod state;
+
+pub use classify::{IdempotencySupport, OutcomeClass, SendOutcome, classify};
+pub use decide::{AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide};
+pub use ids::{
+    Channel, DeliveryId, EventId, IdError, IdempotencyKey, ProviderAccount, ReminderId,
+    SubscriberRef, TenantId,
+};
+pub use lane::{Lane, UnknownLane};
+pub use policy::{FixedJitter, InvalidPolicy, Jitter, MaxJitter, RandJitter, RetryPolicy};
+pub use retry_after::{MalformedReason, MalformedRetryAfter, RetryAfter};
+pub use state::{DeliveryState, IllegalTransition};

@@ -1,0 +1,49 @@
+use nudge_domain::{DeliveryState, IllegalTransition};
+
+/// What can go wrong in the ledger. Callers match on the domain variants; `Database` and
+/// `Migrate` are infrastructure failures to report with their chain.
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("database error")]
+    Database(#[from] sqlx::Error),
+
+    #[error("failed to apply migrations")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+
+    #[error(transparent)]
+    IllegalTransition(#[from] IllegalTransition),
+
+    /// The same client event id was posted before with different content.
+    #[error("event id already used for a different reminder (tenant {tenant_id})")]
+    EventConflict { tenant_id: uuid::Uuid },
+
+    #[error("invalid input: {0}")]
+    InvalidInput(&'static str),
+
+    #[error("unknown tenant {0}")]
+    UnknownTenant(uuid::Uuid),
+
+    /// The lease was taken away (expired and reaped, or the delivery moved on) before the
+    /// outcome was recorded: the outcome is not applied.
+    #[error("lease on delivery {delivery_id} was lost (now {state})")]
+    LeaseLost {
+        delivery_id: uuid::Uuid,
+        state: DeliveryState,
+    },
+
+    /// A row that the schema's constraints should have made impossible.
+    #[error("corrupt row in {table}: {reason}")]
+    Corrupt { table: &'static str, reason: String },
+
+    #[error("destination encryption failed")]
+    Crypto,
+}
+
+impl LedgerError {
+    pub(crate) fn corrupt(table: &'static str, reason: impl std::fmt::Display) -> Self {
+        Self::Corrupt {
+            table,
+            reason: reason.to_string(),
+        }
+    }
+}

@@ -1,0 +1,82 @@
+//! The send ledger: PostgreSQL, through sqlx, as the one authority on every delivery.
+//!
+//! It owns the schema (`migrations/` at the workspace root, embedded as [`MIGRATOR`]) and
+//! every statement that reads or changes it. A queue message is only a pointer: whether a
+//! delivery is new, owed, in flight, done or dead is decided here, by conditional updates.
+//!
+//! It must never: hold a transaction open across network I/O (a claim commits before its
+//! message is published, see [`Ledger::claim_due`]); decide a delivery's next state itself (that is
+//! `nudge_domain::decide`, the ledger only records it); store a destination or message
+//! content in plaintext; log a destination, subscriber reference or content.
+//!
+//! Every function that depends on time takes `now` from the caller, so tests move time
+//! instead of sleeping.
+
+mod audit;
+mod contacts;
+mod crypto;
+mod deliveries;
+mod error;
+mod reminders;
+mod status;
+mod tenants;
+
+pub use audit::AuditEntry;
+pub use crypto::{Destination, DestinationCipher};
+pub use deliveries::{
+    Attempt, AttemptRecord, DeliveryRecord, DueDelivery, LeaseOutcome, LeasedDelivery,
+};
+pub use error::LedgerError;
+pub use reminders::{CreatedReminder, NewReminder, WindowOutcome};
+pub use status::ChannelStatus;
+pub use tenants::Tenant;
+
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+
+/// The schema, embedded at build time from the workspace's `migrations/`.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
+
+/// A handle on the ledger. Cheap to clone: it is a connection pool.
+#[derive(Debug, Clone)]
+pub struct Ledger {
+    pool: PgPool,
+}
+
+impl Ledger {
+    /// Connects a pool. Fails fast (within `acquire_timeout`) when the database is down,
+    /// so a binary started against the wrong URL says so instead of hanging.
+    pub async fn connect(
+        url: &str,
+        max_connections: u32,
+        acquire_timeout: Duration,
+    ) -> Result<Self, LedgerError> {
+        let options: PgConnectOptions = url.parse().map_err(LedgerError::Database)?;
+        // Statements are logged by sqlx at info level by default, and they carry values bound
+        // to placeholders only as `$n`; still, keep them at debug so logs stay about outcomes.
+        let options = options.log_statements(tracing::log::LevelFilter::Debug);
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(acquire_timeout)
+            .connect_with(options)
+            .await?;
+        Ok(Self { pool })
+    }
+
+    /// Wraps an existing pool (tests get one per fresh database from `#[sqlx::test]`).
+    pub fn from_pool(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// Applies every migration not yet applied. Safe to run concurrently and repeatedly.
+    pub async fn migrate(&self) -> Result<(), LedgerError> {
+        MIGRATOR.run(&self.pool).await?;
+        Ok(())
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}

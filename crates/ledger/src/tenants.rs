@@ -1,0 +1,143 @@
+use chrono::{DateTime, Utc};
+use nudge_domain::{Channel, ProviderAccount, TenantId};
+
+use crate::{Ledger, LedgerError};
+
+/// A tenant and its operator flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tenant {
+    pub id: TenantId,
+    pub name: String,
+    pub intake_paused: bool,
+    pub draining: bool,
+}
+
+#[derive(sqlx::FromRow)]
+struct TenantRow {
+    id: uuid::Uuid,
+    name: String,
+    intake_paused: bool,
+    draining: bool,
+}
+
+impl From<TenantRow> for Tenant {
+    fn from(row: TenantRow) -> Self {
+        Self {
+            id: TenantId::from_uuid(row.id),
+            name: row.name,
+            intake_paused: row.intake_paused,
+            draining: row.draining,
+        }
+    }
+}
+
+impl Ledger {
+    /// Creates a tenant, or returns the existing one of that name.
+    pub async fn create_tenant(
+        &self,
+        name: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Tenant, LedgerError> {
+        if name.is_empty() || name.len() > 200 {
+            return Err(LedgerError::InvalidInput(
+                "tenant name must be 1 to 200 bytes",
+            ));
+        }
+        let row: TenantRow = sqlx::query_as(
+            "INSERT INTO tenants (id, name, created_at, updated_at) VALUES ($1, $2, $3, $3)
+             ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name
+             RETURNING id, name, intake_paused, draining",
+        )
+        .bind(TenantId::new().as_uuid())
+        .bind(name)
+        .bind(now)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(row.into())
+    }
+
+    pub async fn tenant(&self, id: TenantId) -> Result<Option<Tenant>, LedgerError> {
+        let row: Option<TenantRow> =
+            sqlx::query_as("SELECT id, name, intake_paused, draining FROM tenants WHERE id = $1")
+                .bind(id.as_uuid())
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(row.map(Tenant::from))
+    }
+
+    pub async fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, LedgerError> {
+        let row: Option<TenantRow> =
+            sqlx::query_as("SELECT id, name, intake_paused, draining FROM tenants WHERE name = $1")
+                .bind(name)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(row.map(Tenant::from))
+    }
+
+    /// Sets the intake-pause flag; returns false when the tenant does not exist.
+    pub async fn set_intake_paused(
+        &self,
+        id: TenantId,
+        paused: bool,
+        now: DateTime<Utc>,
+    ) -> Result<bool, LedgerError> {
+        let done =
+            sqlx::query("UPDATE tenants SET intake_paused = $2, updated_at = $3 WHERE id = $1")
+                .bind(id.as_uuid())
+                .bind(paused)
+                .bind(now)
+                .execute(&self.pool)
+                .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Routes a tenant's channel to a provider account (None = the channel's default account).
+    pub async fn set_tenant_channel_account(
+        &self,
+        id: TenantId,
+        channel: Channel,
+        account: Option<&ProviderAccount>,
+        now: DateTime<Utc>,
+    ) -> Result<(), LedgerError> {
+        sqlx::query(
+            "INSERT INTO tenant_channels (tenant_id, channel, provider_account, updated_at)
+             VALUES ($1, $2, $3, $4)
+             ON CONFLICT (tenant_id, channel)
+             DO UPDATE SET provider_account = EXCLUDED.provider_account, updated_at = EXCLUDED.updated_at",
+        )
+        .bind(id.as_uuid())
+        .bind(channel.as_str())
+        .bind(account.map(|a| a.as_str()))
+        .bind(now)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| match &e {
+            sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
+                LedgerError::UnknownTenant(id.as_uuid())
+            }
+            _ => LedgerError::Database(e),
+        })?;
+        Ok(())
+    }
+
+    /// The provider account configured for a tenant's channel, if any.
+    pub async fn tenant_channel_account(
+        &self,
+        id: TenantId,
+        channel: Channel,
+    ) -> Result<Option<ProviderAccount>, LedgerError> {
+        let account: Option<Option<String>> = sqlx::query_scalar(
+            "SELECT provider_account FROM tenant_channels WHERE tenant_id = $1 AND channel = $2",
+        )
+        .bind(id.as_uuid())
+        .bind(channel.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        account
+            .flatten()
+            .map(|a| {
+                ProviderAccount::parse(&a).map_err(|e| LedgerError::corrupt("tenant_channels", e))
+            })
+            .transpose()
+    }
+}

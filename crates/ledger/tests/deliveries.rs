@@ -1,0 +1,529 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use common::*;
+use nudge_domain::{
+    AttemptContext, Channel, DeliveryState, FixedJitter, IdempotencySupport, Lane, OutcomeClass,
+    ProviderAccount, RetryPolicy, SendOutcome, decide,
+};
+use nudge_ledger::{AttemptRecord, DueDelivery, LeaseOutcome, LeasedDelivery, Ledger, LedgerError};
+use sqlx::PgPool;
+
+/// Publishes (claims and commits) everything due at `now`.
+async fn publish_due(ledger: &Ledger, now: DateTime<Utc>) -> Vec<DueDelivery> {
+    ledger.claim_due(now, 1000).await.unwrap()
+}
+
+async fn lease_one(ledger: &Ledger, due: &DueDelivery, now: DateTime<Utc>) -> LeasedDelivery {
+    match ledger
+        .lease(due.id, due.generation, "worker-1", LEASE, now)
+        .await
+        .unwrap()
+    {
+        LeaseOutcome::Leased(lease) => lease,
+        other => panic!("expected a lease, got {other:?}"),
+    }
+}
+
+fn attempt(at: DateTime<Utc>) -> AttemptRecord {
+    AttemptRecord {
+        started_at: at,
+        finished_at: at + secs(1),
+        provider_account: Some(ProviderAccount::parse("sms-main").unwrap()),
+        worker: "worker-1".into(),
+        correlation_id: Some("corr-1".into()),
+    }
+}
+
+fn response(status: u16, retry_after: Option<&str>) -> SendOutcome {
+    SendOutcome::Response {
+        status,
+        retry_after: retry_after.map(str::to_owned),
+        provider_message_id: (status / 100 == 2).then(|| "prov-123".to_owned()),
+    }
+}
+
+/// Runs the domain decision for a leased delivery and records it.
+async fn settle(ledger: &Ledger, lease: &LeasedDelivery, outcome: SendOutcome, at: DateTime<Utc>) {
+    let record = attempt(at);
+    let ctx = AttemptContext {
+        attempt_number: lease.attempt_number,
+        expires_at: lease.expires_at,
+        idempotency: IdempotencySupport::Honoured,
+    };
+    let decision = decide(
+        &ctx,
+        &outcome,
+        record.finished_at,
+        &RetryPolicy::default(),
+        &mut FixedJitter::new(2_000),
+    );
+    ledger
+        .record_outcome(lease, &decision, &record)
+        .await
+        .unwrap();
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn only_due_deliveries_are_claimed_oldest_first_and_marked_queued_with_a_new_generation(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(
+        &ledger,
+        tenant.id,
+        "later",
+        &[Channel::Sms],
+        t0() + secs(30),
+    )
+    .await;
+    owed(
+        &ledger,
+        tenant.id,
+        "second",
+        &[Channel::Sms],
+        t0() - secs(5),
+    )
+    .await;
+    owed(
+        &ledger,
+        tenant.id,
+        "first",
+        &[Channel::Sms],
+        t0() - secs(10),
+    )
+    .await;
+
+    let due = publish_due(&ledger, t0()).await;
+
+    assert_eq!(due.len(), 2);
+    assert!(due[0].next_attempt_at < due[1].next_attempt_at);
+    for d in &due {
+        assert_eq!(d.generation, 1);
+        assert_eq!(d.lane, Lane::New);
+        assert_eq!(
+            ledger.delivery(d.id).await.unwrap().unwrap().state,
+            DeliveryState::Queued
+        );
+    }
+    assert!(
+        publish_due(&ledger, t0()).await.is_empty(),
+        "queued work is not claimed twice"
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn relays_claiming_at_once_never_claim_the_same_delivery(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    for i in 0..60 {
+        owed(
+            &ledger,
+            tenant.id,
+            &format!("e{i}"),
+            &[Channel::Sms],
+            t0() - secs(i),
+        )
+        .await;
+    }
+
+    let relays: Vec<_> = (0..4)
+        .map(|_| {
+            let ledger = ledger.clone();
+            tokio::spawn(async move {
+                let mut mine = Vec::new();
+                loop {
+                    let batch = ledger.claim_due(t0(), 7).await.unwrap();
+                    if batch.is_empty() {
+                        return mine;
+                    }
+                    mine.extend(batch.into_iter().map(|d| d.id));
+                }
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for relay in relays {
+        all.extend(relay.await.unwrap());
+    }
+
+    assert_eq!(all.len(), 60);
+    all.sort();
+    all.dedup();
+    assert_eq!(all.len(), 60, "no delivery was claimed twice");
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_claimed_delivery_is_leasable_as_soon_as_the_claim_returns(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+
+    let due = ledger.claim_due(t0(), 10).await.unwrap().remove(0);
+    // A worker on another connection, as fast as it can be.
+    let outcome = ledger
+        .lease(due.id, due.generation, "w", LEASE, t0())
+        .await
+        .unwrap();
+
+    assert!(matches!(outcome, LeaseOutcome::Leased(_)), "{outcome:?}");
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_failed_publish_is_claimed_again_at_the_next_tick_with_a_new_generation(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let failed = ledger.claim_due(t0(), 10).await.unwrap();
+
+    assert_eq!(ledger.mark_unpublished(&failed).await.unwrap(), 1);
+    let again = ledger
+        .claim_unconsumed(t0() + secs(1), Duration::from_secs(60), 10)
+        .await
+        .unwrap();
+
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].id, failed[0].id);
+    assert_eq!(again[0].generation, failed[0].generation + 1);
+    let stale = ledger
+        .lease(
+            failed[0].id,
+            failed[0].generation,
+            "w",
+            LEASE,
+            t0() + secs(1),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(stale, LeaseOutcome::Stale { .. }));
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn marking_an_old_claim_unpublished_leaves_work_that_moved_on_alone(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let claimed = ledger.claim_due(t0(), 10).await.unwrap();
+    lease_one(&ledger, &claimed[0], t0()).await;
+
+    assert_eq!(ledger.mark_unpublished(&claimed).await.unwrap(), 0);
+    assert_eq!(
+        ledger.delivery(claimed[0].id).await.unwrap().unwrap().state,
+        DeliveryState::Sending
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn of_many_concurrent_leasers_of_one_delivery_exactly_one_wins(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    for i in 0..10 {
+        owed(&ledger, tenant.id, &format!("e{i}"), &[Channel::Sms], t0()).await;
+    }
+    let due = publish_due(&ledger, t0()).await;
+    assert_eq!(due.len(), 10);
+
+    for d in due {
+        let racers: Vec<_> = (0..8)
+            .map(|i| {
+                let ledger = ledger.clone();
+                tokio::spawn(async move {
+                    ledger
+                        .lease(d.id, d.generation, &format!("worker-{i}"), LEASE, t0())
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        let mut winners = 0;
+        for racer in racers {
+            match racer.await.unwrap() {
+                LeaseOutcome::Leased(_) => winners += 1,
+                LeaseOutcome::Stale { state, .. } => assert_eq!(state, DeliveryState::Sending),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(winners, 1);
+        let record = ledger.delivery(d.id).await.unwrap().unwrap();
+        assert_eq!(record.attempt_count, 1);
+    }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_message_with_an_old_generation_is_stale(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let first = publish_due(&ledger, t0()).await.remove(0);
+    // The first message is lost; the relay republishes with a new generation.
+    let second = ledger
+        .claim_unconsumed(t0() + secs(120), Duration::from_secs(60), 10)
+        .await
+        .unwrap()
+        .remove(0);
+
+    assert_eq!(second.generation, first.generation + 1);
+    let old = ledger
+        .lease(first.id, first.generation, "w", LEASE, t0() + secs(121))
+        .await
+        .unwrap();
+    assert_eq!(
+        old,
+        LeaseOutcome::Stale {
+            state: DeliveryState::Queued,
+            generation: second.generation
+        }
+    );
+    let new = ledger
+        .lease(second.id, second.generation, "w", LEASE, t0() + secs(121))
+        .await
+        .unwrap();
+    assert!(matches!(new, LeaseOutcome::Leased(_)));
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn recently_queued_work_is_not_republished(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    publish_due(&ledger, t0()).await;
+
+    let again = ledger
+        .claim_unconsumed(t0() + secs(30), Duration::from_secs(60), 10)
+        .await
+        .unwrap();
+
+    assert!(again.is_empty());
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_expired_delivery_is_settled_as_expired_instead_of_leased(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let due = publish_due(&ledger, t0()).await.remove(0);
+
+    let after_expiry = t0() + secs(3600);
+    let outcome = ledger
+        .lease(due.id, due.generation, "w", LEASE, after_expiry)
+        .await
+        .unwrap();
+
+    assert_eq!(outcome, LeaseOutcome::Expired);
+    let record = ledger.delivery(due.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::Expired);
+    assert_eq!(record.attempt_count, 0, "nothing was sent");
+    assert!(ledger.attempts(due.id).await.unwrap().is_empty());
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_delivered_outcome_settles_the_delivery_and_appends_one_attempt(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let due = publish_due(&ledger, t0()).await.remove(0);
+    let lease = lease_one(&ledger, &due, t0()).await;
+
+    settle(&ledger, &lease, response(202, None), t0()).await;
+
+    let record = ledger.delivery(due.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::Delivered);
+    assert_eq!(record.provider_message_id.as_deref(), Some("prov-123"));
+    assert_eq!(record.lease_owner, None);
+    assert_eq!(record.settled_at, Some(t0() + secs(1)));
+    let attempts = ledger.attempts(due.id).await.unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(attempts[0].attempt_number, 1);
+    assert_eq!(attempts[0].outcome_class, OutcomeClass::Delivered);
+    assert_eq!(attempts[0].http_status, Some(202));
+    assert_eq!(attempts[0].next_state, DeliveryState::Delivered);
+    assert_eq!(attempts[0].lane, Lane::New);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_429_with_retry_after_waits_exactly_that_long_then_comes_back_on_the_retry_lane(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let due = publish_due(&ledger, t0()).await.remove(0);
+    let lease = lease_one(&ledger, &due, t0()).await;
+
+    settle(&ledger, &lease, response(429, Some("120")), t0()).await;
+
+    let finished = t0() + secs(1);
+    let record = ledger.delivery(due.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::RetryWait);
+    assert_eq!(record.next_attempt_at, Some(finished + secs(120)));
+    assert_eq!(record.last_error_class.as_deref(), Some("retryable"));
+    let attempts = ledger.attempts(due.id).await.unwrap();
+    assert_eq!(attempts[0].retry_after_seen.as_deref(), Some("120"));
+    assert!(attempts[0].retry_after_valid);
+    assert_eq!(attempts[0].delay_chosen, Some(Duration::from_secs(120)));
+
+    assert!(publish_due(&ledger, finished + secs(119)).await.is_empty());
+    let retry = publish_due(&ledger, finished + secs(120)).await.remove(0);
+    assert_eq!(retry.lane, Lane::Retry);
+    assert_eq!(retry.generation, 2);
+    let second = lease_one(&ledger, &retry, finished + secs(120)).await;
+    assert_eq!(second.attempt_number, 2);
+    assert_eq!(
+        second.idempotency_key, lease.idempotency_key,
+        "the key is stable across attempts"
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_permanent_400_dead_letters_with_the_status_as_reason(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Email], t0()).await;
+    let due = publish_due(&ledger, t0()).await.remove(0);
+    let lease = lease_one(&ledger, &due, t0()).await;
+
+    settle(&ledger, &lease, response(400, None), t0()).await;
+
+    let record = ledger.delivery(due.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::DeadLettered);
+    assert_eq!(record.last_error_reason.as_deref(), Some("http_400"));
+    assert_eq!(record.last_error_class.as_deref(), Some("terminal"));
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_outcome_after_the_lease_was_lost_is_refused_and_writes_nothing(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let due = publish_due(&ledger, t0()).await.remove(0);
+    let lease = lease_one(&ledger, &due, t0()).await;
+    // Another party (the lease reaper) moved the delivery on.
+    sqlx::query("UPDATE deliveries SET state = 'ambiguous', lease_owner = NULL, lease_expires_at = NULL, settled_at = now() WHERE id = $1")
+        .bind(due.id.as_uuid())
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let decision = decide(
+        &AttemptContext {
+            attempt_number: 1,
+            expires_at: lease.expires_at,
+            idempotency: IdempotencySupport::Honoured,
+        },
+        &response(200, None),
+        t0(),
+        &RetryPolicy::default(),
+        &mut FixedJitter::zero(),
+    );
+    let err = ledger
+        .record_outcome(&lease, &decision, &attempt(t0()))
+        .await
+        .unwrap_err();
+
+    assert!(
+        matches!(
+            err,
+            LedgerError::LeaseLost {
+                state: DeliveryState::Ambiguous,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(ledger.attempts(due.id).await.unwrap().is_empty());
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_released_lease_waits_for_its_time_without_spending_an_attempt(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let due = publish_due(&ledger, t0()).await.remove(0);
+    let lease = lease_one(&ledger, &due, t0()).await;
+
+    ledger.release(&lease, t0() + secs(10), t0()).await.unwrap();
+
+    let record = ledger.delivery(due.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::RetryWait);
+    assert_eq!(record.attempt_count, 0);
+    assert_eq!(record.next_attempt_at, Some(t0() + secs(10)));
+    assert!(
+        ledger.release(&lease, t0(), t0()).await.is_err(),
+        "a lease is released once"
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_expiry_sweep_settles_only_owed_work_past_its_expiry(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(
+        &ledger,
+        tenant.id,
+        "old",
+        &[Channel::Sms],
+        t0() - secs(3600),
+    )
+    .await;
+    owed(
+        &ledger,
+        tenant.id,
+        "sending",
+        &[Channel::Push],
+        t0() - secs(3590),
+    )
+    .await;
+    owed(&ledger, tenant.id, "fresh", &[Channel::Email], t0()).await;
+    let sending = publish_due(&ledger, t0() - secs(3590))
+        .await
+        .into_iter()
+        .find(|d| d.channel == Channel::Push)
+        .unwrap();
+    lease_one(&ledger, &sending, t0() - secs(3590)).await;
+
+    let expired = ledger.expire_overdue(t0() + secs(1), 100).await.unwrap();
+
+    assert_eq!(expired, 1);
+    let status = ledger.status(t0() + secs(1)).await.unwrap();
+    let push = status.iter().find(|s| s.channel == Channel::Push).unwrap();
+    assert_eq!(
+        push.sending, 1,
+        "work being sent finishes; its outcome decides"
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn status_counts_each_channel_and_the_age_of_its_oldest_eligible_work(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "a", &[Channel::Sms], t0() - secs(90)).await;
+    owed(&ledger, tenant.id, "b", &[Channel::Sms], t0() + secs(90)).await;
+    owed(&ledger, tenant.id, "c", &[Channel::Email], t0() - secs(10)).await;
+    let email = publish_due(&ledger, t0())
+        .await
+        .into_iter()
+        .find(|d| d.channel == Channel::Email)
+        .unwrap();
+    let lease = lease_one(&ledger, &email, t0()).await;
+    settle(&ledger, &lease, response(400, None), t0()).await;
+
+    let status = ledger.status(t0()).await.unwrap();
+
+    assert_eq!(status.len(), 3);
+    let sms = status.iter().find(|s| s.channel == Channel::Sms).unwrap();
+    assert_eq!((sms.scheduled, sms.queued, sms.due), (1, 1, 0));
+    assert_eq!(sms.oldest_eligible_age_s, Some(90));
+    let email = status.iter().find(|s| s.channel == Channel::Email).unwrap();
+    assert_eq!(email.dead_lettered, 1);
+    assert_eq!(email.oldest_eligible_age_s, None);
+    let push = status.iter().find(|s| s.channel == Channel::Push).unwrap();
+    assert_eq!(
+        push.scheduled + push.queued + push.sending + push.dead_lettered,
+        0
+    );
+}

@@ -1,0 +1,333 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::*;
+use nudge_domain::{Channel, DeliveryState, EventId, IdempotencyKey, SubscriberRef, TenantId};
+use nudge_ledger::{Ledger, LedgerError, NewReminder, WindowOutcome};
+use sqlx::PgPool;
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_same_event_posted_twice_is_one_reminder(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    let r = reminder(tenant.id, "evt-1", &[Channel::Sms, Channel::Email], t0());
+
+    let first = ledger.create_reminder(&r, &cipher(), t0()).await.unwrap();
+    let second = ledger
+        .create_reminder(&r, &cipher(), t0() + secs(5))
+        .await
+        .unwrap();
+
+    assert!(first.created);
+    assert!(!second.created);
+    assert_eq!(first.id, second.id);
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM reminders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 1);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn reusing_an_event_id_for_a_different_reminder_is_a_conflict(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    ledger
+        .create_reminder(
+            &reminder(tenant.id, "evt-1", &[Channel::Sms], t0()),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+
+    let other_time = reminder(tenant.id, "evt-1", &[Channel::Sms], t0() + secs(60));
+    let err = ledger
+        .create_reminder(&other_time, &cipher(), t0())
+        .await
+        .unwrap_err();
+
+    assert!(matches!(err, LedgerError::EventConflict { .. }), "{err:?}");
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_reminder_for_an_unknown_tenant_is_refused_by_name(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let stranger = TenantId::new();
+    let err = ledger
+        .create_reminder(
+            &reminder(stranger, "evt-1", &[Channel::Sms], t0()),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, LedgerError::UnknownTenant(id) if id == stranger.as_uuid()),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_reminder_without_channels_or_expiring_before_its_time_is_not_constructible() {
+    let make = |channels: &[Channel], expires: i64| {
+        NewReminder::new(
+            TenantId::new(),
+            EventId::parse("e").unwrap(),
+            SubscriberRef::parse("s").unwrap(),
+            channels,
+            t0(),
+            t0() + secs(expires),
+        )
+    };
+    assert!(make(&[], 60).is_err());
+    assert!(make(&[Channel::Sms, Channel::Sms], 60).is_err());
+    assert!(make(&[Channel::Sms], 0).is_err());
+    assert!(make(&[Channel::Sms], -5).is_err());
+    assert!(make(&[Channel::Sms], 60).is_ok());
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_window_materialises_one_scheduled_delivery_per_channel_due_at_its_schedule(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    let at = t0() + secs(30);
+    let created = ledger
+        .create_reminder(
+            &reminder(tenant.id, "evt-1", &Channel::ALL, at),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+
+    let outcome = ledger
+        .materialise_window(tenant.id, t0(), t0() + secs(60), t0())
+        .await
+        .unwrap();
+
+    assert_eq!(
+        outcome,
+        WindowOutcome::Materialised {
+            deliveries_created: 3
+        }
+    );
+    let deliveries = ledger.deliveries_of_reminder(created.id).await.unwrap();
+    assert_eq!(deliveries.len(), 3);
+    for d in &deliveries {
+        assert_eq!(d.state, DeliveryState::Scheduled);
+        assert_eq!(d.next_attempt_at, Some(at));
+        assert_eq!(
+            d.idempotency_key,
+            IdempotencyKey::for_delivery(created.id, d.channel)
+        );
+        assert_eq!(d.attempt_count, 0);
+    }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_replayed_window_creates_nothing(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    ledger
+        .create_reminder(
+            &reminder(tenant.id, "evt-1", &[Channel::Sms], t0()),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+    let (start, end) = (t0(), t0() + secs(60));
+
+    ledger
+        .materialise_window(tenant.id, start, end, t0())
+        .await
+        .unwrap();
+    let replay = ledger
+        .materialise_window(tenant.id, start, end, t0() + secs(600))
+        .await
+        .unwrap();
+
+    assert_eq!(replay, WindowOutcome::AlreadyRun);
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM deliveries")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 1);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn two_producers_running_the_same_window_at_once_create_each_delivery_once(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    for i in 0..50 {
+        ledger
+            .create_reminder(
+                &reminder(
+                    tenant.id,
+                    &format!("evt-{i}"),
+                    &Channel::ALL,
+                    t0() + secs(i),
+                ),
+                &cipher(),
+                t0(),
+            )
+            .await
+            .unwrap();
+    }
+    let run = |l: Ledger| async move {
+        l.materialise_window(tenant.id, t0(), t0() + secs(60), t0())
+            .await
+            .unwrap()
+    };
+
+    let (a, b) = tokio::join!(
+        tokio::spawn(run(ledger.clone())),
+        tokio::spawn(run(ledger.clone()))
+    );
+    let outcomes = [a.unwrap(), b.unwrap()];
+
+    let materialised = outcomes
+        .iter()
+        .filter(|o| {
+            matches!(
+                o,
+                WindowOutcome::Materialised {
+                    deliveries_created: 150
+                }
+            )
+        })
+        .count();
+    assert_eq!(materialised, 1, "{outcomes:?}");
+    assert!(outcomes.contains(&WindowOutcome::AlreadyRun));
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM deliveries")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 150);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_window_takes_only_reminders_in_its_half_open_range_and_skips_cancelled_ones(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    let (start, end) = (t0(), t0() + secs(60));
+    for (event, at) in [
+        ("before", -1),
+        ("at-start", 0),
+        ("inside", 59),
+        ("at-end", 60),
+        ("cancelled", 10),
+    ] {
+        ledger
+            .create_reminder(
+                &reminder(tenant.id, event, &[Channel::Sms], t0() + secs(at)),
+                &cipher(),
+                t0(),
+            )
+            .await
+            .unwrap();
+    }
+    ledger
+        .cancel_reminder(tenant.id, &EventId::parse("cancelled").unwrap(), t0())
+        .await
+        .unwrap();
+
+    let outcome = ledger
+        .materialise_window(tenant.id, start, end, t0())
+        .await
+        .unwrap();
+
+    assert_eq!(
+        outcome,
+        WindowOutcome::Materialised {
+            deliveries_created: 2
+        }
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn materialising_a_reminder_again_keeps_the_existing_deliveries(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    let id = owed(
+        &ledger,
+        tenant.id,
+        "evt-1",
+        &[Channel::Push, Channel::Sms],
+        t0(),
+    )
+    .await;
+    let before = ledger.deliveries_of_reminder(id).await.unwrap();
+
+    let again = ledger
+        .materialise_reminder(tenant.id, id, t0() + secs(9))
+        .await
+        .unwrap();
+
+    assert_eq!(again, 0);
+    assert_eq!(ledger.deliveries_of_reminder(id).await.unwrap(), before);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn cancelling_a_reminder_settles_its_owed_deliveries_as_cancelled(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    let id = owed(
+        &ledger,
+        tenant.id,
+        "evt-1",
+        &[Channel::Push, Channel::Sms],
+        t0(),
+    )
+    .await;
+
+    let cancelled = ledger
+        .cancel_reminder(tenant.id, &EventId::parse("evt-1").unwrap(), t0())
+        .await
+        .unwrap();
+    let unknown = ledger
+        .cancel_reminder(tenant.id, &EventId::parse("nope").unwrap(), t0())
+        .await
+        .unwrap();
+
+    assert_eq!(cancelled, Some(2));
+    assert_eq!(unknown, None);
+    for d in ledger.deliveries_of_reminder(id).await.unwrap() {
+        assert_eq!(d.state, DeliveryState::Cancelled);
+        assert!(d.settled_at.is_some());
+    }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_paused_tenant_flag_is_stored_and_read_back(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    assert!(!tenant.intake_paused);
+
+    assert!(
+        ledger
+            .set_intake_paused(tenant.id, true, t0())
+            .await
+            .unwrap()
+    );
+    assert!(
+        ledger
+            .tenant(tenant.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .intake_paused
+    );
+    assert!(
+        !ledger
+            .set_intake_paused(TenantId::new(), true, t0())
+            .await
+            .unwrap()
+    );
+}

@@ -1,0 +1,407 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::*;
+use nudge_domain::{Channel, DeliveryState, Lane, OutcomeClass, SubscriberRef};
+use nudge_ledger::{AuditEntry, Destination, LeaseOutcome, Ledger, LedgerError};
+use sqlx::PgPool;
+
+/// Inserts a bare delivery row in the given state, satisfying the other constraints.
+async fn insert_in_state(
+    pool: &PgPool,
+    ledger: &Ledger,
+    state: &str,
+    n: usize,
+) -> Result<(), sqlx::Error> {
+    let tenant = ledger.create_tenant("schema", t0()).await.unwrap();
+    let reminder = owed(
+        ledger,
+        tenant.id,
+        &format!("schema-{n}"),
+        &[Channel::Sms],
+        t0(),
+    )
+    .await;
+    sqlx::query("DELETE FROM deliveries WHERE reminder_id = $1")
+        .bind(reminder.as_uuid())
+        .execute(pool)
+        .await?;
+    let settled = matches!(
+        state,
+        "delivered" | "dead_lettered" | "expired" | "cancelled" | "ambiguous"
+    );
+    let leased = state == "sending";
+    sqlx::query(
+        "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
+             scheduled_at, expires_at, next_attempt_at, lease_owner, lease_expires_at, settled_at,
+             created_at, updated_at)
+         VALUES (gen_random_uuid(), $1, $2, 'sms', $3, $4, $5, $6, $5, $7, $8, $9, $5, $5)",
+    )
+    .bind(reminder.as_uuid())
+    .bind(tenant.id.as_uuid())
+    .bind(state)
+    .bind(format!("key-{n}"))
+    .bind(t0())
+    .bind(t0() + secs(60))
+    .bind(leased.then_some("w"))
+    .bind(leased.then(|| t0() + secs(60)))
+    .bind(settled.then(t0))
+    .execute(pool)
+    .await
+    .map(|_| ())
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_schema_accepts_exactly_the_domain_states(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    for (n, state) in DeliveryState::ALL.iter().enumerate() {
+        insert_in_state(&pool, &ledger, state.as_str(), n)
+            .await
+            .unwrap_or_else(|e| panic!("{state} refused: {e}"));
+    }
+    assert!(insert_in_state(&pool, &ledger, "lost", 99).await.is_err());
+    assert!(
+        insert_in_state(&pool, &ledger, "Delivered", 98)
+            .await
+            .is_err()
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_schema_check_lists_match_the_domain_names(pool: PgPool) {
+    let constraint = |table: &'static str, column: &'static str| {
+        let pool = pool.clone();
+        async move {
+            let defs: Vec<String> = sqlx::query_scalar(
+                "SELECT pg_get_constraintdef(c.oid) FROM pg_constraint c
+                 JOIN pg_class t ON t.oid = c.conrelid
+                 WHERE t.relname = $1 AND c.contype = 'c'",
+            )
+            .bind(table)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            defs.into_iter()
+                .find(|d| d.starts_with(&format!("CHECK (({column} = ANY")))
+                .unwrap_or_else(|| panic!("no CHECK on {table}.{column}"))
+        }
+    };
+    let names_in = |def: &str| -> Vec<String> {
+        def.split('\'')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect()
+    };
+
+    let states: Vec<String> = DeliveryState::ALL
+        .iter()
+        .map(|s| s.as_str().to_owned())
+        .collect();
+    assert_eq!(names_in(&constraint("deliveries", "state").await), states);
+    assert_eq!(
+        names_in(&constraint("attempts", "next_state").await),
+        states
+    );
+    let channels: Vec<String> = Channel::ALL.iter().map(|c| c.as_str().to_owned()).collect();
+    assert_eq!(
+        names_in(&constraint("deliveries", "channel").await),
+        channels
+    );
+    assert_eq!(names_in(&constraint("contacts", "channel").await), channels);
+    let lanes: Vec<String> = Lane::ALL.iter().map(|l| l.as_str().to_owned()).collect();
+    assert_eq!(names_in(&constraint("deliveries", "lane").await), lanes);
+    assert_eq!(names_in(&constraint("attempts", "lane").await), lanes);
+    let classes: Vec<String> = OutcomeClass::ALL
+        .iter()
+        .map(|c| c.as_str().to_owned())
+        .collect();
+    assert_eq!(
+        names_in(&constraint("attempts", "outcome_class").await),
+        classes
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_same_reminder_and_channel_cannot_have_two_deliveries(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    let reminder = owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+
+    let dup = sqlx::query(
+        "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
+             scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
+         VALUES (gen_random_uuid(), $1, $2, 'sms', 'scheduled', 'other-key', $3, $4, $3, $3, $3)",
+    )
+    .bind(reminder.as_uuid())
+    .bind(tenant.id.as_uuid())
+    .bind(t0())
+    .bind(t0() + secs(60))
+    .execute(&pool)
+    .await
+    .unwrap_err();
+
+    assert!(dup.as_database_error().unwrap().is_unique_violation());
+}
+
+async fn one_attempt(ledger: &Ledger) -> nudge_domain::DeliveryId {
+    let tenant = tenant(ledger).await;
+    owed(ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let due = ledger.claim_due(t0(), 10).await.unwrap().remove(0);
+    let LeaseOutcome::Leased(lease) = ledger
+        .lease(due.id, due.generation, "w", LEASE, t0())
+        .await
+        .unwrap()
+    else {
+        panic!("not leased");
+    };
+    let decision = nudge_domain::decide(
+        &nudge_domain::AttemptContext {
+            attempt_number: 1,
+            expires_at: lease.expires_at,
+            idempotency: nudge_domain::IdempotencySupport::Honoured,
+        },
+        &nudge_domain::SendOutcome::Response {
+            status: 200,
+            retry_after: None,
+            provider_message_id: None,
+        },
+        t0(),
+        &nudge_domain::RetryPolicy::default(),
+        &mut nudge_domain::FixedJitter::zero(),
+    );
+    let record = nudge_ledger::AttemptRecord {
+        started_at: t0(),
+        finished_at: t0(),
+        provider_account: None,
+        worker: "w".into(),
+        correlation_id: None,
+    };
+    ledger
+        .record_outcome(&lease, &decision, &record)
+        .await
+        .unwrap();
+    due.id
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_database_refuses_to_change_or_delete_an_attempt(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    one_attempt(&ledger).await;
+
+    let update = sqlx::query("UPDATE attempts SET reason = 'rewritten'")
+        .execute(&pool)
+        .await;
+    let delete = sqlx::query("DELETE FROM attempts").execute(&pool).await;
+    let truncate = sqlx::query("TRUNCATE attempts").execute(&pool).await;
+
+    for refused in [update, delete, truncate] {
+        let err = refused.unwrap_err();
+        assert!(err.to_string().contains("append-only"), "{err}");
+    }
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM attempts")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 1);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn retention_may_delete_attempts_inside_its_own_transaction_only(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let delivery = one_attempt(&ledger).await;
+
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL nudge.retention = 'on'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM deliveries WHERE id = $1")
+        .bind(delivery.as_uuid())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM attempts")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 0, "the attempt history went with its delivery");
+    // The setting was local to that transaction.
+    let again = one_attempt_in_new_tenant(&ledger, &pool).await;
+    assert!(again.is_err());
+}
+
+async fn one_attempt_in_new_tenant(ledger: &Ledger, pool: &PgPool) -> Result<u64, sqlx::Error> {
+    let tenant = ledger.create_tenant("another", t0()).await.unwrap();
+    owed(ledger, tenant.id, "e2", &[Channel::Sms], t0()).await;
+    sqlx::query("INSERT INTO attempts (delivery_id, attempt_number, generation, lane, started_at, finished_at, outcome_class, next_state)
+                 SELECT id, 1, 0, 'new', $1, $1, 'retryable', 'retry_wait' FROM deliveries WHERE tenant_id = $2")
+        .bind(t0())
+        .bind(tenant.id.as_uuid())
+        .execute(pool)
+        .await?;
+    sqlx::query("DELETE FROM attempts")
+        .execute(pool)
+        .await
+        .map(|r| r.rows_affected())
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_audit_log_is_append_only(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    ledger
+        .record_audit(&AuditEntry {
+            at: t0(),
+            actor: "ops@clinic".into(),
+            action: "pause_intake".into(),
+            target: Some("tenant:clinic-a".into()),
+            reason: Some("provider incident".into()),
+            details: serde_json::json!({"paused": true}),
+        })
+        .await
+        .unwrap();
+
+    assert!(
+        sqlx::query("UPDATE audit_log SET reason = 'x'")
+            .execute(&pool)
+            .await
+            .is_err()
+    );
+    assert!(
+        sqlx::query("DELETE FROM audit_log")
+            .execute(&pool)
+            .await
+            .is_err()
+    );
+    let recent = ledger.recent_audit(10).await.unwrap();
+    assert_eq!(recent.len(), 1);
+    assert_eq!(recent[0].reason.as_deref(), Some("provider incident"));
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_destination_is_stored_only_encrypted_and_opens_for_the_leased_delivery(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    let subscriber = SubscriberRef::parse("patient-0001").unwrap();
+    let phone = Destination::new("+15550100");
+    ledger
+        .upsert_contact(
+            tenant.id,
+            &subscriber,
+            Channel::Sms,
+            &phone,
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+    owed(
+        &ledger,
+        tenant.id,
+        "e",
+        &[Channel::Sms, Channel::Push],
+        t0(),
+    )
+    .await;
+
+    let dump: Vec<String> = sqlx::query_scalar("SELECT c::text FROM contacts c")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert!(
+        dump.iter().all(|row| !row.contains("5550100")),
+        "no plaintext in any column"
+    );
+
+    for due in ledger.claim_due(t0(), 10).await.unwrap() {
+        let LeaseOutcome::Leased(lease) = ledger
+            .lease(due.id, due.generation, "w", LEASE, t0())
+            .await
+            .unwrap()
+        else {
+            panic!("not leased");
+        };
+        let found = ledger.destination_for(&lease, &cipher()).await.unwrap();
+        match due.channel {
+            Channel::Sms => assert_eq!(found, Some(phone.clone())),
+            _ => assert_eq!(found, None, "no push token on file"),
+        }
+        if due.channel == Channel::Sms {
+            let wrong_key = nudge_ledger::DestinationCipher::new(&[1u8; 32]);
+            let err = ledger
+                .destination_for(&lease, &wrong_key)
+                .await
+                .unwrap_err();
+            assert!(matches!(err, LedgerError::Crypto));
+        }
+    }
+}
+
+/// The relay's "what is due now" must stay an index scan however much settled history
+/// and future work the table holds.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn finding_due_work_uses_the_partial_index_on_a_large_ledger(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    let reminder = owed(&ledger, tenant.id, "seed", &[Channel::Sms], t0()).await;
+    // 60,000 settled deliveries and 20,000 scheduled for tomorrow, next to a few due now.
+    sqlx::query(
+        "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels, scheduled_at, expires_at, created_at)
+         SELECT gen_random_uuid(), $1, 'bulk-' || g, 'p', ARRAY['sms'], $2, $2 + interval '1 day', $2
+         FROM generate_series(1, 80000) g",
+    )
+    .bind(tenant.id.as_uuid())
+    .bind(t0())
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
+             scheduled_at, expires_at, next_attempt_at, settled_at, created_at, updated_at)
+         SELECT gen_random_uuid(), r.id, r.tenant_id, 'sms',
+                CASE WHEN n % 4 = 0 THEN 'scheduled' ELSE 'delivered' END,
+                'bulk-key-' || n, r.scheduled_at, r.expires_at + interval '1 day',
+                r.scheduled_at + interval '1 day',
+                CASE WHEN n % 4 = 0 THEN NULL ELSE r.scheduled_at END, r.created_at, r.created_at
+         FROM (SELECT *, row_number() OVER () AS n FROM reminders WHERE event_id LIKE 'bulk-%') r",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE deliveries")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let plan: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN SELECT id FROM deliveries
+         WHERE state IN ('scheduled', 'retry_wait') AND next_attempt_at <= $1
+         ORDER BY next_attempt_at LIMIT 100 FOR UPDATE SKIP LOCKED",
+    )
+    .bind(t0())
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let plan = plan.join("\n");
+    assert!(
+        plan.contains("Index Scan using deliveries_due_idx"),
+        "{plan}"
+    );
+    assert!(!plan.contains("Seq Scan"), "{plan}");
+
+    let oldest: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN SELECT min(next_attempt_at) FROM deliveries
+         WHERE channel = 'sms' AND state IN ('scheduled', 'queued', 'retry_wait')",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let oldest = oldest.join("\n");
+    assert!(oldest.contains("deliveries_eligible_idx"), "{oldest}");
+
+    let claimed = ledger.claim_due(t0(), 100).await.unwrap();
+    assert_eq!(claimed.len(), 1, "only the one due delivery of {reminder}");
+}

@@ -1,0 +1,213 @@
+//! Telemetry set-up shared by every nudge binary.
+//!
+//! Owns: installing the process-wide tracing subscriber once, from `main`, via [`init`] (JSON or
+//! human-readable logs on stderr, filtered by `RUST_LOG` or `telemetry.log_filter`), the
+//! [`TelemetryGuard`] that flushes on exit, and [`error_chain`] for reporting an error once with
+//! its causes. OTLP export and the Prometheus listener will live here too.
+//!
+//! Must never: be called from a library crate (libraries only emit `tracing` events), log a
+//! destination, subscriber reference, message body or secret (it logs only the service name and
+//! the log format), or panic when called twice.
+
+mod json;
+
+use std::io::{IsTerminal as _, Write as _};
+
+use nudge_config::{LogFormat, TelemetryConfig};
+use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::ParseError;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::{SubscriberInitExt as _, TryInitError};
+
+/// Why telemetry could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    /// The log filter is not valid `EnvFilter` syntax. `key` is `telemetry.log_filter`, or
+    /// `RUST_LOG` when that variable was set and therefore used instead.
+    #[error("invalid configuration: {key}: not a valid tracing filter")]
+    InvalidFilter {
+        /// Where the filter came from.
+        key: &'static str,
+        /// The parse failure, naming the bad directive.
+        #[source]
+        source: ParseError,
+    },
+
+    /// A global subscriber (or `log` logger) is already installed, e.g. `init` ran twice.
+    #[error("telemetry is already initialised in this process")]
+    AlreadyInitialised(#[source] TryInitError),
+}
+
+/// Keeps telemetry alive; hold it until `main` returns, then let it drop.
+///
+/// Logs are written synchronously to stderr today, so dropping it only flushes stderr. It exists
+/// now so binaries are already wired correctly for when it owns the OTLP exporter and metrics
+/// handles, whose buffered spans and samples must be flushed before the process exits.
+#[must_use = "dropping the guard flushes and stops telemetry; bind it (`let _telemetry = ...`) in main"]
+#[derive(Debug)]
+pub struct TelemetryGuard {
+    _private: (),
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        // Nowhere left to report a failed flush of stderr; the process is exiting.
+        let _ = std::io::stderr().flush();
+    }
+}
+
+/// Installs the global tracing subscriber for `service_name` and returns the guard.
+///
+/// - Filter: `RUST_LOG` when set and non-empty, else `cfg.log_filter`; an invalid one is an error
+///   naming its source.
+/// - Format: [`LogFormat::Json`] writes one object per line with `service` (= `service_name`),
+///   `timestamp`, `level`, `target`, `fields`, `span` and `spans`; [`LogFormat::Pretty`] writes
+///   human-readable lines, coloured when stderr is a terminal.
+/// - Bridges `log` records from dependencies into tracing.
+///
+/// Call once, first thing in `main` after loading config; a second call returns
+/// [`TelemetryError::AlreadyInitialised`].
+pub fn init(
+    service_name: &'static str,
+    cfg: &TelemetryConfig,
+) -> Result<TelemetryGuard, TelemetryError> {
+    let rust_log = std::env::var("RUST_LOG").ok();
+    let filter = build_filter(rust_log.as_deref(), &cfg.log_filter)?;
+
+    let (json, pretty) = match cfg.log_format {
+        LogFormat::Json => (Some(json::json_layer(service_name, std::io::stderr)), None),
+        LogFormat::Pretty => (
+            None,
+            Some(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    .with_ansi(std::io::stderr().is_terminal()),
+            ),
+        ),
+    };
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(json)
+        .with(pretty)
+        .try_init()
+        .map_err(TelemetryError::AlreadyInitialised)?;
+
+    tracing::info!(service = service_name, log_format = ?cfg.log_format, "telemetry initialised");
+    // Not silently ignored: an operator who set these expects export, and it is not built yet.
+    if cfg.otlp_endpoint.is_some() {
+        tracing::warn!(
+            "telemetry.otlp_endpoint is set but OTLP export is not available yet; ignoring it"
+        );
+    }
+    if cfg.metrics_addr.is_some() {
+        tracing::warn!(
+            "telemetry.metrics_addr is set but the metrics listener is not available yet; ignoring it"
+        );
+    }
+
+    Ok(TelemetryGuard { _private: () })
+}
+
+/// The filter from `RUST_LOG` when set and non-empty, else from the configured directives.
+pub(crate) fn build_filter(
+    rust_log: Option<&str>,
+    configured: &str,
+) -> Result<EnvFilter, TelemetryError> {
+    let (key, directives) = match rust_log.filter(|v| !v.trim().is_empty()) {
+        Some(v) => ("RUST_LOG", v),
+        None => ("telemetry.log_filter", configured),
+    };
+    EnvFilter::try_new(directives).map_err(|source| TelemetryError::InvalidFilter { key, source })
+}
+
+/// `e` and each of its sources, joined with `": "`, for the one place an error is reported.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("failed to lease delivery")]
+    struct Outer(#[source] Middle);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("query failed")]
+    struct Middle(#[source] std::io::Error);
+
+    #[test]
+    fn error_chain_joins_every_source_with_a_colon() {
+        let e = Outer(Middle(std::io::Error::other("connection reset")));
+        assert_eq!(
+            error_chain(&e),
+            "failed to lease delivery: query failed: connection reset"
+        );
+    }
+
+    #[test]
+    fn error_chain_of_an_error_without_source_is_its_message() {
+        let e = std::io::Error::other("boom");
+        assert_eq!(error_chain(&e), "boom");
+    }
+
+    #[test]
+    fn the_configured_filter_is_used_when_rust_log_is_unset_or_empty() {
+        for rust_log in [None, Some(""), Some("  ")] {
+            let filter = build_filter(rust_log, "warn,nudge=debug");
+            assert_eq!(
+                filter.map(|f| f.to_string()).ok().as_deref(),
+                Some("nudge=debug,warn")
+            );
+        }
+    }
+
+    #[test]
+    fn rust_log_wins_over_the_configured_filter() {
+        let filter = build_filter(Some("trace"), "info");
+        assert_eq!(filter.map(|f| f.to_string()).ok().as_deref(), Some("trace"));
+    }
+
+    #[test]
+    fn an_invalid_configured_filter_names_telemetry_log_filter() {
+        let err = build_filter(None, "nudge=loud").err();
+        assert!(
+            matches!(
+                err,
+                Some(TelemetryError::InvalidFilter {
+                    key: "telemetry.log_filter",
+                    ..
+                })
+            ),
+            "{err:?}"
+        );
+        let message = err.map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(
+            message,
+            "invalid configuration: telemetry.log_filter: not a valid tracing filter"
+        );
+    }
+
+    #[test]
+    fn an_invalid_rust_log_names_rust_log() {
+        let err = build_filter(Some("nudge=loud"), "info").err();
+        assert!(
+            matches!(
+                err,
+                Some(TelemetryError::InvalidFilter {
+                    key: "RUST_LOG",
+                    ..
+                })
+            ),
+            "{err:?}"
+        );
+    }
+}

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The test command: brings up PostgreSQL and RabbitMQ if they are not answering, then runs every
+# test in the workspace against them. Tests that need the database create a fresh database each
+# (DATABASE_URL names the server they connect to for that). Nothing is skipped for lack of a
+# service: if one cannot be reached, this fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/services.sh
+
+export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
+export NUDGE_TEST_AMQP_URL=${NUDGE_TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
+
+cargo test --workspace --locked "$@"
