@@ -102,7 +102,9 @@ impl DeliveryState {
         matches!(
             (self, to),
             (Scheduled, Queued | Expired | Cancelled)
-                | (Queued, Sending | RetryWait | Expired | Cancelled)
+                // Dead-lettered from `queued`: its message was poison (the worker could not
+                // process it and the broker's delivery limit dead-lettered it).
+                | (Queued, Sending | RetryWait | DeadLettered | Expired | Cancelled)
                 | (
                     Sending,
                     Delivered | RetryWait | DeadLettered | Expired | Ambiguous
@@ -172,6 +174,7 @@ mod tests {
         (Scheduled, Cancelled),
         (Queued, Sending),
         (Queued, RetryWait),
+        (Queued, DeadLettered),
         (Queued, Expired),
         (Queued, Cancelled),
         (Sending, Delivered),

@@ -10,6 +10,42 @@ fn destination_aad(tenant_id: TenantId, subscriber_ref: &str, channel: Channel) 
     format!("destination:{tenant_id}:{channel}:{subscriber_ref}").into_bytes()
 }
 
+pub(crate) async fn upsert_contact(
+    conn: &mut sqlx::PgConnection,
+    tenant_id: TenantId,
+    subscriber_ref: &SubscriberRef,
+    channel: Channel,
+    destination: &Destination,
+    cipher: &DestinationCipher,
+    now: DateTime<Utc>,
+) -> Result<(), LedgerError> {
+    let sealed = cipher.seal(
+        destination.expose().as_bytes(),
+        &destination_aad(tenant_id, subscriber_ref.as_str(), channel),
+    )?;
+    sqlx::query(
+        "INSERT INTO contacts (tenant_id, subscriber_ref, channel, destination_ciphertext, updated_at)
+         VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (tenant_id, subscriber_ref, channel)
+         DO UPDATE SET destination_ciphertext = EXCLUDED.destination_ciphertext,
+                       updated_at = EXCLUDED.updated_at",
+    )
+    .bind(tenant_id.as_uuid())
+    .bind(subscriber_ref.as_str())
+    .bind(channel.as_str())
+    .bind(sealed)
+    .bind(now)
+    .execute(&mut *conn)
+    .await
+    .map_err(|e| match &e {
+        sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
+            LedgerError::UnknownTenant(tenant_id.as_uuid())
+        }
+        _ => LedgerError::Database(e),
+    })?;
+    Ok(())
+}
+
 impl Ledger {
     /// Stores (or replaces) a subscriber's destination for one channel, encrypted.
     pub async fn upsert_contact(
@@ -21,31 +57,17 @@ impl Ledger {
         cipher: &DestinationCipher,
         now: DateTime<Utc>,
     ) -> Result<(), LedgerError> {
-        let sealed = cipher.seal(
-            destination.expose().as_bytes(),
-            &destination_aad(tenant_id, subscriber_ref.as_str(), channel),
-        )?;
-        sqlx::query(
-            "INSERT INTO contacts (tenant_id, subscriber_ref, channel, destination_ciphertext, updated_at)
-             VALUES ($1, $2, $3, $4, $5)
-             ON CONFLICT (tenant_id, subscriber_ref, channel)
-             DO UPDATE SET destination_ciphertext = EXCLUDED.destination_ciphertext,
-                           updated_at = EXCLUDED.updated_at",
+        let mut conn = self.pool.acquire().await?;
+        upsert_contact(
+            &mut conn,
+            tenant_id,
+            subscriber_ref,
+            channel,
+            destination,
+            cipher,
+            now,
         )
-        .bind(tenant_id.as_uuid())
-        .bind(subscriber_ref.as_str())
-        .bind(channel.as_str())
-        .bind(sealed)
-        .bind(now)
-        .execute(&self.pool)
         .await
-        .map_err(|e| match &e {
-            sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
-                LedgerError::UnknownTenant(tenant_id.as_uuid())
-            }
-            _ => LedgerError::Database(e),
-        })?;
-        Ok(())
     }
 
     /// Loads and decrypts the destination of a leased delivery, just before the send.

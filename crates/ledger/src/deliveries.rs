@@ -2,8 +2,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use nudge_domain::{
-    Channel, Decision, DeliveryId, DeliveryState, IdempotencyKey, Lane, OutcomeClass,
-    ProviderAccount, ReminderId, TenantId,
+    AttemptContext, Channel, Decision, DeliveryId, DeliveryState, IdempotencyKey,
+    IdempotencySupport, Jitter, Lane, OutcomeClass, ProviderAccount, ReminderId, RetryPolicy,
+    SendOutcome, TenantId, decide,
 };
 
 use crate::{Ledger, LedgerError};
@@ -268,6 +269,116 @@ impl TryFrom<AttemptRow> for Attempt {
     }
 }
 
+/// What identifies a lease for a conditional update.
+struct HeldLease {
+    id: DeliveryId,
+    owner: String,
+    generation: u64,
+    lane: Lane,
+    attempt_number: u32,
+}
+
+impl From<&LeasedDelivery> for HeldLease {
+    fn from(lease: &LeasedDelivery) -> Self {
+        Self {
+            id: lease.id,
+            owner: lease.lease_owner.clone(),
+            generation: lease.generation,
+            lane: lease.lane,
+            attempt_number: lease.attempt_number,
+        }
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct ReapRow {
+    id: uuid::Uuid,
+    lease_owner: Option<String>,
+    generation: i64,
+    lane: String,
+    attempt_count: i32,
+    expires_at: DateTime<Utc>,
+    lease_idempotent: Option<bool>,
+    provider_account: Option<String>,
+    last_attempt_at: Option<DateTime<Utc>>,
+}
+
+/// Applies a decision to a held lease and appends the attempt. Returns false, writing
+/// nothing, when the lease is no longer held as described.
+async fn apply_decision(
+    conn: &mut sqlx::PgConnection,
+    lease: &HeldLease,
+    decision: &Decision,
+    attempt: &AttemptRecord,
+) -> Result<bool, LedgerError> {
+    let next = DeliveryState::Sending.transition(decision.next_state)?;
+    let now = attempt.finished_at;
+    let facts = &decision.facts;
+    let settled = next.is_terminal() || next.is_held();
+    let error_class = match facts.outcome_class {
+        OutcomeClass::Delivered => None,
+        other => Some(other.as_str()),
+    };
+    let updated = sqlx::query(
+        "UPDATE deliveries
+         SET state = $4, next_attempt_at = $5, lease_owner = NULL, lease_expires_at = NULL,
+             lease_idempotent = NULL,
+             provider_message_id = COALESCE($6, provider_message_id),
+             provider_account = COALESCE($7, provider_account),
+             last_error_class = $8, last_error_reason = $9,
+             settled_at = CASE WHEN $10 THEN $11 ELSE NULL END, updated_at = $11
+         WHERE id = $1 AND state = 'sending' AND lease_owner = $2 AND generation = $3",
+    )
+    .bind(lease.id.as_uuid())
+    .bind(&lease.owner)
+    .bind(to_i64(lease.generation))
+    .bind(next.as_str())
+    .bind(decision.next_attempt_at)
+    .bind(facts.provider_message_id.as_deref())
+    .bind(attempt.provider_account.as_ref().map(|a| a.as_str()))
+    .bind(error_class)
+    .bind(facts.reason.as_deref())
+    .bind(settled)
+    .bind(now)
+    .execute(&mut *conn)
+    .await?;
+    if updated.rows_affected() != 1 {
+        return Ok(false);
+    }
+    sqlx::query(
+        "INSERT INTO attempts (delivery_id, attempt_number, generation, lane, started_at,
+             finished_at, outcome_class, http_status, retry_after_seen, retry_after_valid,
+             delay_chosen_ms, next_state, next_attempt_at, reason, provider_account,
+             provider_message_id, worker, correlation_id)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)",
+    )
+    .bind(lease.id.as_uuid())
+    .bind(i32::try_from(lease.attempt_number.max(1)).unwrap_or(i32::MAX))
+    .bind(to_i64(lease.generation))
+    .bind(lease.lane.as_str())
+    .bind(attempt.started_at)
+    .bind(attempt.finished_at)
+    .bind(facts.outcome_class.as_str())
+    .bind(
+        facts
+            .http_status
+            .map(|s| i16::try_from(s).unwrap_or(i16::MAX)),
+    )
+    .bind(facts.retry_after_seen.as_deref())
+    .bind(facts.retry_after_valid)
+    .bind(facts.delay_chosen.map(millis))
+    .bind(next.as_str())
+    .bind(decision.next_attempt_at)
+    .bind(facts.reason.as_deref())
+    .bind(attempt.provider_account.as_ref().map(|a| a.as_str()))
+    .bind(facts.provider_message_id.as_deref())
+    .bind(&attempt.worker)
+    .bind(attempt.correlation_id.as_deref())
+    .execute(&mut *conn)
+    .await?;
+    Ok(true)
+}
+
 fn parse<T>(value: &str) -> Result<T, LedgerError>
 where
     T: std::str::FromStr,
@@ -412,11 +523,28 @@ impl Ledger {
         lease_for: Duration,
         now: DateTime<Utc>,
     ) -> Result<LeaseOutcome, LedgerError> {
+        self.lease_via(id, generation, owner, lease_for, now, None)
+            .await
+    }
+
+    /// [`lease`](Self::lease), recording which provider account the attempt goes through and
+    /// whether it honours idempotency keys. If the lease then expires without an outcome,
+    /// the reaper resends only when that is safe.
+    pub async fn lease_via(
+        &self,
+        id: DeliveryId,
+        generation: u64,
+        owner: &str,
+        lease_for: Duration,
+        now: DateTime<Utc>,
+        via: Option<(&ProviderAccount, IdempotencySupport)>,
+    ) -> Result<LeaseOutcome, LedgerError> {
         let leased: Option<LeaseRow> = sqlx::query_as(
             "UPDATE deliveries
              SET state = 'sending', lease_owner = $3, lease_expires_at = $4,
                  attempt_count = attempt_count + 1,
                  first_attempt_at = COALESCE(first_attempt_at, $5), last_attempt_at = $5,
+                 provider_account = COALESCE($6, provider_account), lease_idempotent = $7,
                  updated_at = $5
              WHERE id = $1 AND generation = $2 AND state = 'queued'
                AND next_attempt_at <= $5 AND expires_at > $5
@@ -428,6 +556,8 @@ impl Ledger {
         .bind(owner)
         .bind(now + chrono_duration(lease_for))
         .bind(now)
+        .bind(via.map(|(account, _)| account.as_str()))
+        .bind(via.map(|(_, idem)| idem == IdempotencySupport::Honoured))
         .fetch_optional(&self.pool)
         .await?;
         if let Some(row) = leased {
@@ -472,70 +602,87 @@ impl Ledger {
         decision: &Decision,
         attempt: &AttemptRecord,
     ) -> Result<(), LedgerError> {
-        let next = DeliveryState::Sending.transition(decision.next_state)?;
-        let now = attempt.finished_at;
-        let facts = &decision.facts;
-        let settled = next.is_terminal() || next.is_held();
-        let error_class = match facts.outcome_class {
-            OutcomeClass::Delivered => None,
-            other => Some(other.as_str()),
-        };
         let mut tx = self.pool.begin().await?;
-        let updated = sqlx::query(
-            "UPDATE deliveries
-             SET state = $4, next_attempt_at = $5, lease_owner = NULL, lease_expires_at = NULL,
-                 provider_message_id = COALESCE($6, provider_message_id),
-                 provider_account = COALESCE($7, provider_account),
-                 last_error_class = $8, last_error_reason = $9,
-                 settled_at = CASE WHEN $10 THEN $11 ELSE NULL END, updated_at = $11
-             WHERE id = $1 AND state = 'sending' AND lease_owner = $2 AND generation = $3",
-        )
-        .bind(lease.id.as_uuid())
-        .bind(&lease.lease_owner)
-        .bind(to_i64(lease.generation))
-        .bind(next.as_str())
-        .bind(decision.next_attempt_at)
-        .bind(facts.provider_message_id.as_deref())
-        .bind(attempt.provider_account.as_ref().map(|a| a.as_str()))
-        .bind(error_class)
-        .bind(facts.reason.as_deref())
-        .bind(settled)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        if updated.rows_affected() != 1 {
+        let applied = apply_decision(&mut tx, &HeldLease::from(lease), decision, attempt).await?;
+        if !applied {
             tx.rollback().await?;
             return Err(self.lease_lost(lease.id).await);
         }
-        sqlx::query(
-            "INSERT INTO attempts (delivery_id, attempt_number, generation, lane, started_at,
-                 finished_at, outcome_class, http_status, retry_after_seen, retry_after_valid,
-                 delay_chosen_ms, next_state, next_attempt_at, reason, provider_account,
-                 provider_message_id, worker, correlation_id)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)",
-        )
-        .bind(lease.id.as_uuid())
-        .bind(i32::try_from(lease.attempt_number).unwrap_or(i32::MAX))
-        .bind(to_i64(lease.generation))
-        .bind(lease.lane.as_str())
-        .bind(attempt.started_at)
-        .bind(attempt.finished_at)
-        .bind(facts.outcome_class.as_str())
-        .bind(facts.http_status.map(|s| i16::try_from(s).unwrap_or(i16::MAX)))
-        .bind(facts.retry_after_seen.as_deref())
-        .bind(facts.retry_after_valid)
-        .bind(facts.delay_chosen.map(millis))
-        .bind(next.as_str())
-        .bind(decision.next_attempt_at)
-        .bind(facts.reason.as_deref())
-        .bind(attempt.provider_account.as_ref().map(|a| a.as_str()))
-        .bind(facts.provider_message_id.as_deref())
-        .bind(&attempt.worker)
-        .bind(attempt.correlation_id.as_deref())
-        .execute(&mut *tx)
-        .await?;
         tx.commit().await?;
         Ok(())
+    }
+
+    /// Settles deliveries whose lease expired without an outcome (the worker crashed or was
+    /// cut off mid-send). Whether the provider got the request is unknown, so the domain
+    /// decides as for a timeout after send: retry when the account honours idempotency keys
+    /// (the key makes a resend safe), `ambiguous` when it does not or is not known; never
+    /// past the attempt budget or the expiry. Each one gets an attempt row.
+    pub async fn reap_expired_leases(
+        &self,
+        now: DateTime<Utc>,
+        limit: u32,
+        policy: &RetryPolicy,
+        jitter: &mut (impl Jitter + Send),
+    ) -> Result<Vec<(DeliveryId, DeliveryState)>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let rows: Vec<ReapRow> = sqlx::query_as(
+            "SELECT id, lease_owner, generation, lane, attempt_count, expires_at,
+                    lease_idempotent, provider_account, last_attempt_at
+             FROM deliveries
+             WHERE state = 'sending' AND lease_expires_at <= $1
+             ORDER BY lease_expires_at LIMIT $2
+             FOR UPDATE SKIP LOCKED",
+        )
+        .bind(now)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut reaped = Vec::with_capacity(rows.len());
+        for row in rows {
+            let held = HeldLease {
+                id: DeliveryId::from_uuid(row.id),
+                owner: row.lease_owner.unwrap_or_default(),
+                generation: to_u64(row.generation)?,
+                lane: parse(&row.lane)?,
+                attempt_number: u32::try_from(row.attempt_count)
+                    .map_err(|e| LedgerError::corrupt("deliveries", e))?,
+            };
+            let idempotency = if row.lease_idempotent == Some(true) {
+                IdempotencySupport::Honoured
+            } else {
+                IdempotencySupport::NotHonoured
+            };
+            let ctx = AttemptContext {
+                attempt_number: held.attempt_number.max(1),
+                expires_at: row.expires_at,
+                idempotency,
+            };
+            let outcome = SendOutcome::UnknownAfterSend {
+                reason: "lease_expired".to_owned(),
+            };
+            let mut decision = decide(&ctx, &outcome, now, policy, jitter);
+            decision.facts.reason = Some(format!(
+                "lease_expired: {}",
+                decision.facts.reason.as_deref().unwrap_or("unknown")
+            ));
+            let record = AttemptRecord {
+                started_at: row.last_attempt_at.unwrap_or(now).min(now),
+                finished_at: now,
+                provider_account: row
+                    .provider_account
+                    .as_deref()
+                    .map(ProviderAccount::parse)
+                    .transpose()
+                    .map_err(|e| LedgerError::corrupt("deliveries", e))?,
+                worker: "lease-reaper".to_owned(),
+                correlation_id: None,
+            };
+            if apply_decision(&mut tx, &held, &decision, &record).await? {
+                reaped.push((held.id, decision.next_state));
+            }
+        }
+        tx.commit().await?;
+        Ok(reaped)
     }
 
     /// Gives a lease back without an attempt having been made (shutdown before sending, or
@@ -550,7 +697,8 @@ impl Ledger {
         let updated = sqlx::query(
             "UPDATE deliveries
              SET state = 'retry_wait', next_attempt_at = $4, lease_owner = NULL,
-                 lease_expires_at = NULL, attempt_count = attempt_count - 1, updated_at = $5
+                 lease_expires_at = NULL, lease_idempotent = NULL,
+                 attempt_count = attempt_count - 1, updated_at = $5
              WHERE id = $1 AND state = 'sending' AND lease_owner = $2 AND generation = $3",
         )
         .bind(lease.id.as_uuid())

@@ -15,19 +15,23 @@
 mod audit;
 mod contacts;
 mod crypto;
+mod dead_letters;
 mod deliveries;
 mod error;
 mod reminders;
+mod schedules;
 mod status;
 mod tenants;
 
 pub use audit::AuditEntry;
 pub use crypto::{Destination, DestinationCipher};
+pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{
     Attempt, AttemptRecord, DeliveryRecord, DueDelivery, LeaseOutcome, LeasedDelivery,
 };
 pub use error::LedgerError;
 pub use reminders::{CreatedReminder, NewReminder, WindowOutcome};
+pub use schedules::Schedule;
 pub use status::ChannelStatus;
 pub use tenants::Tenant;
 

@@ -2,8 +2,10 @@ use chrono::{DateTime, Utc};
 use nudge_domain::{
     Channel, DeliveryId, EventId, IdempotencyKey, ReminderId, SubscriberRef, TenantId,
 };
+use sqlx::PgConnection;
 
-use crate::crypto::DestinationCipher;
+use crate::contacts::upsert_contact;
+use crate::crypto::{Destination, DestinationCipher};
 use crate::{Ledger, LedgerError};
 
 /// A reminder as the clinic app describes it, checked: at least one channel, no channel
@@ -64,6 +66,14 @@ impl NewReminder {
     pub fn tenant_id(&self) -> TenantId {
         self.tenant_id
     }
+
+    pub fn channels(&self) -> &[Channel] {
+        &self.channels
+    }
+
+    pub fn subscriber_ref(&self) -> &SubscriberRef {
+        &self.subscriber_ref
+    }
 }
 
 /// The answer to a create: the same event posted twice gets the same id, `created: false`.
@@ -71,6 +81,8 @@ impl NewReminder {
 pub struct CreatedReminder {
     pub id: ReminderId,
     pub created: bool,
+    /// Deliveries created with the reminder (its window had run, or its time had come).
+    pub deliveries_created: u64,
 }
 
 /// What a producer tick did for one `(tenant, window)`.
@@ -80,6 +92,8 @@ pub enum WindowOutcome {
     Materialised { deliveries_created: u64 },
     /// The window had run before: nothing was created.
     AlreadyRun,
+    /// The tenant's intake is paused: no run intent, so the window runs after resume.
+    Paused,
 }
 
 pub(crate) fn content_aad(tenant_id: TenantId, reminder_id: ReminderId) -> Vec<u8> {
@@ -104,80 +118,58 @@ struct ExistingReminder {
     expires_at: DateTime<Utc>,
 }
 
+fn unknown_tenant(tenant_id: TenantId) -> impl FnOnce(sqlx::Error) -> LedgerError {
+    move |e| match &e {
+        sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
+            LedgerError::UnknownTenant(tenant_id.as_uuid())
+        }
+        _ => LedgerError::Database(e),
+    }
+}
+
 impl Ledger {
     /// Creates a reminder, idempotently on `(tenant, event_id)`. Re-posting the same event
     /// answers with the first reminder's id; re-using the event id for a different reminder
     /// (other subscriber, channels or times) is a [`LedgerError::EventConflict`].
+    ///
+    /// A reminder that the producer's windows would not pick up any more (its time has come,
+    /// or a run intent already covers its time) gets its deliveries in the same transaction,
+    /// unless the tenant's intake is paused: then the producer's catch-up materialises it
+    /// when the tenant resumes.
     pub async fn create_reminder(
         &self,
         reminder: &NewReminder,
         cipher: &DestinationCipher,
         now: DateTime<Utc>,
     ) -> Result<CreatedReminder, LedgerError> {
-        let id = ReminderId::new();
-        let content = reminder
-            .content
-            .as_deref()
-            .map(|c| cipher.seal(c, &content_aad(reminder.tenant_id, id)))
-            .transpose()?;
-        let channels: Vec<&str> = reminder.channels.iter().map(|c| c.as_str()).collect();
-        let inserted: Option<uuid::Uuid> = sqlx::query_scalar(
-            "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels,
-                                    content_ciphertext, scheduled_at, expires_at, created_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-             ON CONFLICT (tenant_id, event_id) DO NOTHING
-             RETURNING id",
-        )
-        .bind(id.as_uuid())
-        .bind(reminder.tenant_id.as_uuid())
-        .bind(reminder.event_id.as_str())
-        .bind(reminder.subscriber_ref.as_str())
-        .bind(&channels)
-        .bind(content)
-        .bind(reminder.scheduled_at)
-        .bind(reminder.expires_at)
-        .bind(now)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(|e| match &e {
-            sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
-                LedgerError::UnknownTenant(reminder.tenant_id.as_uuid())
-            }
-            _ => LedgerError::Database(e),
-        })?;
-        if let Some(id) = inserted {
-            return Ok(CreatedReminder {
-                id: ReminderId::from_uuid(id),
-                created: true,
-            });
-        }
+        self.import_reminder(reminder, &[], cipher, now).await
+    }
 
-        let existing: ExistingReminder = sqlx::query_as(
-            "SELECT id, subscriber_ref, channels, scheduled_at, expires_at
-             FROM reminders WHERE tenant_id = $1 AND event_id = $2",
-        )
-        .bind(reminder.tenant_id.as_uuid())
-        .bind(reminder.event_id.as_str())
-        .fetch_one(&self.pool)
-        .await?;
-        let mut existing_channels = existing.channels.clone();
-        existing_channels.sort();
-        let mut wanted: Vec<String> = channels.iter().map(|c| (*c).to_owned()).collect();
-        wanted.sort();
-        let same = existing.subscriber_ref == reminder.subscriber_ref.as_str()
-            && existing_channels == wanted
-            && existing.scheduled_at == reminder.scheduled_at
-            && existing.expires_at == reminder.expires_at;
-        if same {
-            Ok(CreatedReminder {
-                id: ReminderId::from_uuid(existing.id),
-                created: false,
-            })
-        } else {
-            Err(LedgerError::EventConflict {
-                tenant_id: reminder.tenant_id.as_uuid(),
-            })
+    /// Like [`create_reminder`](Self::create_reminder), and stores the subscriber's
+    /// destinations (encrypted) in the same transaction: all of it is written, or none.
+    pub async fn import_reminder(
+        &self,
+        reminder: &NewReminder,
+        contacts: &[(Channel, Destination)],
+        cipher: &DestinationCipher,
+        now: DateTime<Utc>,
+    ) -> Result<CreatedReminder, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        for (channel, destination) in contacts {
+            upsert_contact(
+                &mut tx,
+                reminder.tenant_id,
+                &reminder.subscriber_ref,
+                *channel,
+                destination,
+                cipher,
+                now,
+            )
+            .await?;
         }
+        let created = create_reminder_in(&mut tx, reminder, cipher, now).await?;
+        tx.commit().await?;
+        Ok(created)
     }
 
     /// Marks a reminder cancelled and settles its owed deliveries as `cancelled`. A delivery
@@ -220,7 +212,8 @@ impl Ledger {
     /// The producer's tick for one tenant and window `[start, end)`: in one transaction,
     /// writes the run intent and materialises a `scheduled` delivery (due at the reminder's
     /// `scheduled_at`) for each channel of each reminder scheduled in the window. A window
-    /// that has run before creates nothing, whether replayed later or by a concurrent producer.
+    /// that has run before creates nothing, whether replayed later or by a concurrent
+    /// producer; a paused tenant gets no run intent.
     pub async fn materialise_window(
         &self,
         tenant_id: TenantId,
@@ -234,6 +227,17 @@ impl Ledger {
             ));
         }
         let mut tx = self.pool.begin().await?;
+        // Lock the tenant row so a concurrent pause either lands before this intent or waits.
+        let paused: Option<bool> =
+            sqlx::query_scalar("SELECT intake_paused FROM tenants WHERE id = $1 FOR SHARE")
+                .bind(tenant_id.as_uuid())
+                .fetch_optional(&mut *tx)
+                .await?;
+        match paused {
+            None => return Err(LedgerError::UnknownTenant(tenant_id.as_uuid())),
+            Some(true) => return Ok(WindowOutcome::Paused),
+            Some(false) => {}
+        }
         let intent: Option<i64> = sqlx::query_scalar(
             "INSERT INTO run_intents (tenant_id, window_start, window_end, deliveries_created, created_at)
              VALUES ($1, $2, $3, 0, $4)
@@ -245,21 +249,15 @@ impl Ledger {
         .bind(end)
         .bind(now)
         .fetch_optional(&mut *tx)
-        .await
-        .map_err(|e| match &e {
-            sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
-                LedgerError::UnknownTenant(tenant_id.as_uuid())
-            }
-            _ => LedgerError::Database(e),
-        })?;
+        .await?;
         let Some(intent) = intent else {
             return Ok(WindowOutcome::AlreadyRun);
         };
 
         let reminders: Vec<WindowReminder> = sqlx::query_as(
             "SELECT id, channels, scheduled_at, expires_at FROM reminders
-                 WHERE tenant_id = $1 AND scheduled_at >= $2 AND scheduled_at < $3
-                   AND cancelled_at IS NULL",
+             WHERE tenant_id = $1 AND scheduled_at >= $2 AND scheduled_at < $3
+               AND cancelled_at IS NULL",
         )
         .bind(tenant_id.as_uuid())
         .bind(start)
@@ -278,8 +276,8 @@ impl Ledger {
         })
     }
 
-    /// Materialises one reminder's deliveries now, whatever its window (for a reminder that
-    /// arrives after its window has run). Idempotent: existing deliveries are kept.
+    /// Materialises one reminder's deliveries now, whatever its window. Idempotent:
+    /// existing deliveries are kept.
     pub async fn materialise_reminder(
         &self,
         tenant_id: TenantId,
@@ -289,7 +287,7 @@ impl Ledger {
         let mut tx = self.pool.begin().await?;
         let reminders: Vec<WindowReminder> = sqlx::query_as(
             "SELECT id, channels, scheduled_at, expires_at FROM reminders
-                 WHERE tenant_id = $1 AND id = $2 AND cancelled_at IS NULL",
+             WHERE tenant_id = $1 AND id = $2 AND cancelled_at IS NULL",
         )
         .bind(tenant_id.as_uuid())
         .bind(reminder_id.as_uuid())
@@ -299,12 +297,118 @@ impl Ledger {
         tx.commit().await?;
         Ok(created)
     }
+
+    /// The end of the latest window run for a tenant, where the producer's catch-up resumes.
+    pub async fn last_window_end(
+        &self,
+        tenant_id: TenantId,
+    ) -> Result<Option<DateTime<Utc>>, LedgerError> {
+        Ok(
+            sqlx::query_scalar("SELECT max(window_end) FROM run_intents WHERE tenant_id = $1")
+                .bind(tenant_id.as_uuid())
+                .fetch_one(&self.pool)
+                .await?,
+        )
+    }
+}
+
+async fn create_reminder_in(
+    tx: &mut PgConnection,
+    reminder: &NewReminder,
+    cipher: &DestinationCipher,
+    now: DateTime<Utc>,
+) -> Result<CreatedReminder, LedgerError> {
+    let id = ReminderId::new();
+    let content = reminder
+        .content
+        .as_deref()
+        .map(|c| cipher.seal(c, &content_aad(reminder.tenant_id, id)))
+        .transpose()?;
+    let channels: Vec<&str> = reminder.channels.iter().map(|c| c.as_str()).collect();
+    let inserted: Option<uuid::Uuid> = sqlx::query_scalar(
+        "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels,
+                                content_ciphertext, scheduled_at, expires_at, created_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+         ON CONFLICT (tenant_id, event_id) DO NOTHING
+         RETURNING id",
+    )
+    .bind(id.as_uuid())
+    .bind(reminder.tenant_id.as_uuid())
+    .bind(reminder.event_id.as_str())
+    .bind(reminder.subscriber_ref.as_str())
+    .bind(&channels)
+    .bind(content)
+    .bind(reminder.scheduled_at)
+    .bind(reminder.expires_at)
+    .bind(now)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(unknown_tenant(reminder.tenant_id))?;
+
+    if inserted.is_some() {
+        // Would a producer window still pick it up? If not, materialise it now.
+        let materialise_now: bool = sqlx::query_scalar(
+            "SELECT NOT t.intake_paused AND ($2 <= $3 OR EXISTS (
+                 SELECT 1 FROM run_intents ri
+                 WHERE ri.tenant_id = t.id AND ri.window_start <= $2 AND ri.window_end > $2))
+             FROM tenants t WHERE t.id = $1",
+        )
+        .bind(reminder.tenant_id.as_uuid())
+        .bind(reminder.scheduled_at)
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await?;
+        let deliveries_created = if materialise_now {
+            let row = WindowReminder {
+                id: id.as_uuid(),
+                channels: channels.iter().map(|c| (*c).to_owned()).collect(),
+                scheduled_at: reminder.scheduled_at,
+                expires_at: reminder.expires_at,
+            };
+            insert_deliveries(tx, reminder.tenant_id, &[row], now).await?
+        } else {
+            0
+        };
+        return Ok(CreatedReminder {
+            id,
+            created: true,
+            deliveries_created,
+        });
+    }
+
+    let existing: ExistingReminder = sqlx::query_as(
+        "SELECT id, subscriber_ref, channels, scheduled_at, expires_at
+         FROM reminders WHERE tenant_id = $1 AND event_id = $2",
+    )
+    .bind(reminder.tenant_id.as_uuid())
+    .bind(reminder.event_id.as_str())
+    .fetch_one(&mut *tx)
+    .await?;
+    let mut existing_channels = existing.channels.clone();
+    existing_channels.sort();
+    let mut wanted: Vec<String> = channels.iter().map(|c| (*c).to_owned()).collect();
+    wanted.sort();
+    let same = existing.subscriber_ref == reminder.subscriber_ref.as_str()
+        && existing_channels == wanted
+        && existing.scheduled_at == reminder.scheduled_at
+        && existing.expires_at == reminder.expires_at;
+    if same {
+        Ok(CreatedReminder {
+            id: ReminderId::from_uuid(existing.id),
+            created: false,
+            deliveries_created: 0,
+        })
+    } else {
+        Err(LedgerError::EventConflict {
+            tenant_id: reminder.tenant_id.as_uuid(),
+        })
+    }
 }
 
 /// Inserts one delivery per (reminder, channel), skipping those that exist. The idempotency
 /// key comes from the domain, the one place that defines it.
 async fn insert_deliveries(
-    tx: &mut sqlx::PgConnection,
+    tx: &mut PgConnection,
     tenant_id: TenantId,
     reminders: &[WindowReminder],
     now: DateTime<Utc>,

@@ -173,7 +173,7 @@ async fn two_producers_running_the_same_window_at_once_create_each_delivery_once
                     t0() + secs(i),
                 ),
                 &cipher(),
-                t0(),
+                an_hour_before(),
             )
             .await
             .unwrap();
@@ -228,7 +228,7 @@ async fn a_window_takes_only_reminders_in_its_half_open_range_and_skips_cancelle
             .create_reminder(
                 &reminder(tenant.id, event, &[Channel::Sms], t0() + secs(at)),
                 &cipher(),
-                t0(),
+                an_hour_before(),
             )
             .await
             .unwrap();
@@ -330,4 +330,173 @@ async fn a_paused_tenant_flag_is_stored_and_read_back(pool: PgPool) {
             .await
             .unwrap()
     );
+}
+
+fn an_hour_before() -> chrono::DateTime<chrono::Utc> {
+    t0() - secs(3600)
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_reminder_whose_time_has_come_gets_its_deliveries_at_once(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+
+    let late = ledger
+        .create_reminder(
+            &reminder(
+                tenant.id,
+                "late",
+                &[Channel::Sms, Channel::Push],
+                t0() - secs(5),
+            ),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+    let future = ledger
+        .create_reminder(
+            &reminder(tenant.id, "future", &[Channel::Sms], t0() + secs(600)),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+
+    assert_eq!(late.deliveries_created, 2);
+    assert_eq!(future.deliveries_created, 0, "a future window will take it");
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_reminder_arriving_after_its_window_ran_is_not_left_behind(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    ledger
+        .materialise_window(tenant.id, t0(), t0() + secs(600), t0())
+        .await
+        .unwrap();
+
+    let created = ledger
+        .create_reminder(
+            &reminder(
+                tenant.id,
+                "late-arrival",
+                &[Channel::Email],
+                t0() + secs(300),
+            ),
+            &cipher(),
+            t0() + secs(1),
+        )
+        .await
+        .unwrap();
+
+    assert_eq!(created.deliveries_created, 1);
+    let d = &ledger.deliveries_of_reminder(created.id).await.unwrap()[0];
+    assert_eq!(
+        d.next_attempt_at,
+        Some(t0() + secs(300)),
+        "still due at its own time"
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_paused_tenant_gets_no_run_intent_and_its_window_runs_after_resume(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    ledger
+        .create_reminder(
+            &reminder(tenant.id, "e", &[Channel::Sms], t0() + secs(10)),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+    ledger
+        .set_intake_paused(tenant.id, true, t0())
+        .await
+        .unwrap();
+    let late = ledger
+        .create_reminder(
+            &reminder(tenant.id, "late", &[Channel::Sms], t0() - secs(10)),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+
+    let paused = ledger
+        .materialise_window(tenant.id, t0(), t0() + secs(60), t0())
+        .await
+        .unwrap();
+    ledger
+        .set_intake_paused(tenant.id, false, t0())
+        .await
+        .unwrap();
+    let resumed = ledger
+        .materialise_window(tenant.id, t0(), t0() + secs(60), t0())
+        .await
+        .unwrap();
+
+    assert_eq!(
+        late.deliveries_created, 0,
+        "a paused tenant creates no sends"
+    );
+    assert_eq!(paused, WindowOutcome::Paused);
+    assert_eq!(
+        resumed,
+        WindowOutcome::Materialised {
+            deliveries_created: 1
+        }
+    );
+    assert_eq!(
+        ledger.last_window_end(tenant.id).await.unwrap(),
+        Some(t0() + secs(60))
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_import_writes_the_reminder_and_its_destinations_together_or_not_at_all(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    let phone = nudge_ledger::Destination::new("+15550100");
+    let ok = reminder(tenant.id, "ok", &[Channel::Sms], t0());
+    ledger
+        .import_reminder(&ok, &[(Channel::Sms, phone.clone())], &cipher(), t0())
+        .await
+        .unwrap();
+
+    // The same event id with other times conflicts: the new destination must not be kept either.
+    let conflicting = reminder(tenant.id, "ok", &[Channel::Sms], t0() + secs(1));
+    let other = NewReminder::new(
+        tenant.id,
+        EventId::parse("ok").unwrap(),
+        SubscriberRef::parse("patient-0002").unwrap(),
+        &[Channel::Sms],
+        t0(),
+        t0() + secs(60),
+    )
+    .unwrap();
+    assert!(
+        ledger
+            .import_reminder(
+                &conflicting,
+                &[(Channel::Email, phone.clone())],
+                &cipher(),
+                t0()
+            )
+            .await
+            .is_err()
+    );
+    assert!(
+        ledger
+            .import_reminder(&other, &[(Channel::Sms, phone)], &cipher(), t0())
+            .await
+            .is_err()
+    );
+
+    let contacts: i64 = sqlx::query_scalar("SELECT count(*) FROM contacts")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(contacts, 1);
 }
