@@ -11,4 +11,6 @@ scripts/services.sh
 export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 export NUDGE_TEST_AMQP_URL=${NUDGE_TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
 
+# The end-to-end tests (tests/e2e) start the real binaries as separate processes: build them.
+cargo build --workspace --bins --locked
 cargo test --workspace --locked "$@"

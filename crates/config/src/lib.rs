@@ -23,6 +23,8 @@
 //! | `amqp.url` (secret) | `"amqp://guest:guest@127.0.0.1:5672/%2f"` | `amqp://` or `amqps://` URL |
 //! | `amqp.prefetch` | `32` | >= 1 |
 //! | `amqp.connect_timeout_ms` | `10000` | > 0 |
+//! | `amqp.namespace` | `""` | empty, or `[a-z0-9-]{1,40}` then `.`: prefix of exchange and queue names |
+//! | `amqp.delivery_limit` | `5` | >= 1: redeliveries before the broker dead-letters a message |
 //! | `telemetry.log_format` | `"pretty"` | `"json"` or `"pretty"` |
 //! | `telemetry.log_filter` | `"info"` | non-empty tracing filter; `RUST_LOG` overrides it |
 //! | `telemetry.otlp_endpoint` | unset (no export) | `http://` or `https://` URL |
@@ -64,6 +66,6 @@ mod secret;
 mod sections;
 
 pub use error::ConfigError;
-pub use load::{CONFIG_FILE_ENV, ENV_NESTING, ENV_PREFIX, Validate, load};
+pub use load::{CONFIG_FILE_ENV, ENV_NESTING, ENV_PREFIX, KNOWN_SECTIONS, Validate, load};
 pub use secret::Secret;
 pub use sections::{AmqpConfig, CryptoConfig, DatabaseConfig, LogFormat, TelemetryConfig};

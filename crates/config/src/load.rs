@@ -38,6 +38,8 @@ pub trait Validate {
 /// start-up. A misspelt key *inside* a listed section (`NUDGE_DATABASE__URLL`) is still an error.
 /// `NUDGE_CONFIG` is never a key, so `config` cannot be a section name.
 ///
+/// The file may hold sections of other nudge binaries ([`KNOWN_SECTIONS`]): they are ignored.
+///
 /// A file that was asked for but cannot be read is an error naming the path; when neither
 /// `config_file` nor `NUDGE_CONFIG` is given, no file is read.
 pub fn load<T>(config_file: Option<&Path>, sections: &[&str]) -> Result<T, ConfigError>
@@ -61,13 +63,58 @@ where
             path: path.clone(),
             source,
         })?;
-        figment = figment.merge(Toml::file_exact(&path));
+        figment = figment.merge(SectionsOf {
+            file: Toml::file_exact(&path),
+            sections: sections.iter().map(|s| (*s).to_owned()).collect(),
+        });
     }
     figment = figment.merge(env_provider(sections));
 
     let config: T = figment.extract()?;
     config.validate()?;
     Ok(config)
+}
+
+/// Every top-level section any nudge binary reads. One configuration file may serve several
+/// binaries (a compose file or config map usually has one), so a binary ignores the sections of
+/// the others; a top-level name outside this list is still refused, naming it, so a misspelt
+/// section (`[databse]`) cannot silently fall back to defaults.
+pub const KNOWN_SECTIONS: &[&str] = &[
+    "database",
+    "amqp",
+    "telemetry",
+    "crypto",
+    "worker",
+    "retry",
+    "providers",
+    "producer",
+    "janitor",
+    "admission",
+    "intake",
+];
+
+/// The TOML file, less the known sections this binary does not have.
+struct SectionsOf {
+    file: figment::providers::Data<Toml>,
+    sections: Vec<String>,
+}
+
+impl figment::Provider for SectionsOf {
+    fn metadata(&self) -> figment::Metadata {
+        self.file.metadata()
+    }
+
+    fn data(
+        &self,
+    ) -> Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
+        let mut data = self.file.data()?;
+        for dict in data.values_mut() {
+            dict.retain(|key, _| {
+                self.sections.iter().any(|s| s == key) || !KNOWN_SECTIONS.contains(&key.as_str())
+            });
+        }
+        Ok(data)
+    }
 }
 
 fn config_file_from_env() -> Option<PathBuf> {

@@ -97,6 +97,11 @@ pub struct AmqpConfig {
     pub prefetch: u16,
     /// How long to wait for the broker connection, > 0.
     pub connect_timeout_ms: u64,
+    /// Prefix of every exchange and queue name: empty, or `[a-z0-9-]{1,40}` followed by a
+    /// dot (e.g. `"staging."`), so several deployments or test runs can share one broker.
+    pub namespace: String,
+    /// How many times the broker redelivers a message before dead-lettering it, >= 1.
+    pub delivery_limit: u32,
 }
 
 impl Default for AmqpConfig {
@@ -105,6 +110,8 @@ impl Default for AmqpConfig {
             url: Secret::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
             prefetch: 32,
             connect_timeout_ms: 10_000,
+            namespace: String::new(),
+            delivery_limit: 5,
         }
     }
 }
@@ -130,8 +137,33 @@ impl AmqpConfig {
                 "must be greater than 0",
             ));
         }
+        if !valid_namespace(&self.namespace) {
+            return Err(ConfigError::invalid(
+                key(prefix, "namespace"),
+                "must be empty or 1 to 40 of [a-z0-9-] followed by a dot, e.g. \"staging.\"",
+            ));
+        }
+        if self.delivery_limit == 0 {
+            return Err(ConfigError::invalid(
+                key(prefix, "delivery_limit"),
+                "must be at least 1",
+            ));
+        }
         Ok(())
     }
+}
+
+fn valid_namespace(ns: &str) -> bool {
+    if ns.is_empty() {
+        return true;
+    }
+    let Some(body) = ns.strip_suffix('.') else {
+        return false;
+    };
+    (1..=40).contains(&body.len())
+        && body
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
 impl Validate for AmqpConfig {

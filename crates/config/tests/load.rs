@@ -362,3 +362,37 @@ fn a_missing_required_field_names_the_full_key() {
         "{message}"
     );
 }
+
+#[test]
+fn a_file_shared_with_other_binaries_loads_ignoring_their_sections() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file(
+            "shared.toml",
+            r#"
+                [database]
+                max_connections = 7
+
+                [amqp]
+                prefetch = 4
+
+                [[providers]]
+                account = "sms-main"
+            "#,
+        )?;
+        let config = load_test(Some(Path::new("shared.toml"))).map_err(|e| chain(&e))?;
+        assert_eq!(config.database.max_connections, 7);
+        Ok(())
+    });
+}
+
+#[test]
+fn a_misspelt_section_in_the_file_is_refused_by_name() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("typo.toml", "[databse]\nurl = \"postgres://x@y/z\"\n")?;
+        let err = load_test(Some(Path::new("typo.toml"))).unwrap_err();
+        assert!(chain(&err).contains("databse"), "{}", chain(&err));
+        Ok(())
+    });
+}

@@ -4,8 +4,11 @@
 //! - `database.url`, `database.max_connections`, `database.acquire_timeout_ms`
 //! - `telemetry.log_format`, `telemetry.log_filter` (default here: `warn`, so operator output
 //!   is not mixed with logs), `telemetry.otlp_endpoint`, `telemetry.metrics_addr`
+//! - `crypto.destination_key` (secret): the key the workers decrypt destinations and content
+//!   with. Only `reminders load` needs it, and fails naming the key when it is unset; when it
+//!   is set but malformed, every command fails at start-up like any other bad value.
 
-use nudge_config::{ConfigError, DatabaseConfig, TelemetryConfig, Validate};
+use nudge_config::{ConfigError, CryptoConfig, DatabaseConfig, TelemetryConfig, Validate};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -13,10 +16,11 @@ use serde::{Deserialize, Serialize};
 pub struct CtlConfig {
     pub database: DatabaseConfig,
     pub telemetry: TelemetryConfig,
+    pub crypto: CryptoConfig,
 }
 
 impl CtlConfig {
-    pub const SECTIONS: &'static [&'static str] = &["database", "telemetry"];
+    pub const SECTIONS: &'static [&'static str] = &["database", "telemetry", "crypto"];
 }
 
 impl Default for CtlConfig {
@@ -27,6 +31,7 @@ impl Default for CtlConfig {
                 log_filter: "warn".to_owned(),
                 ..TelemetryConfig::default()
             },
+            crypto: CryptoConfig::default(),
         }
     }
 }
@@ -34,6 +39,7 @@ impl Default for CtlConfig {
 impl Validate for CtlConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         self.database.validate()?;
-        self.telemetry.validate()
+        self.telemetry.validate()?;
+        self.crypto.validate()
     }
 }

@@ -1,4 +1,5 @@
-//! `nudgectl`, the operator's command line: migrations, tenants, status.
+//! `nudgectl`, the operator's command line: migrations, tenants (pause, routes, schedules),
+//! bulk reminder loads, status.
 //!
 //! Every command that changes operator state leaves an audit row with the actor and the
 //! reason. Output meant for scripts is available as JSON (`--json`); human output goes to
@@ -6,6 +7,8 @@
 //! subscriber reference or message content.
 
 mod config;
+mod load;
+mod schedule;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -14,16 +17,20 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use chrono::Utc;
 use clap::{Parser, Subcommand};
-use nudge_ledger::{AuditEntry, ChannelStatus, Ledger};
+use nudge_domain::{Channel, ProviderAccount};
+use nudge_ledger::{AuditEntry, ChannelStatus, DestinationCipher, Ledger, Tenant};
 
 pub use config::CtlConfig;
+pub use schedule::{CronExpr, CronExprError};
 
 #[derive(Debug, Parser)]
 #[command(
     name = "nudgectl",
     version,
-    about = "Operate nudge: apply migrations, manage tenants, inspect delivery status.",
-    long_about = "Operate nudge: apply migrations, manage tenants, inspect delivery status.\n\n\
+    about = "Operate nudge: apply migrations, manage tenants, their schedules and provider routes, \
+             bulk-load reminders, inspect delivery status.",
+    long_about = "Operate nudge: apply migrations, manage tenants, their schedules and provider \
+        routes, bulk-load reminders, inspect delivery status.\n\n\
         Configuration comes from defaults, then the TOML file given by --config or NUDGE_CONFIG, \
         then NUDGE_* environment variables (e.g. NUDGE_DATABASE__URL)."
 )]
@@ -51,6 +58,12 @@ pub enum Command {
     /// Create and manage tenants.
     #[command(subcommand)]
     Tenant(TenantCommand),
+    /// Bulk-load reminders (a clinic moving from another system).
+    #[command(subcommand)]
+    Reminders(RemindersCommand),
+    /// Set when the producer materialises a tenant's reminders.
+    #[command(subcommand)]
+    Schedule(ScheduleCommand),
     /// Per-channel counts of owed, in-flight, dead-lettered and ambiguous deliveries.
     Status {
         /// Print JSON instead of a table.
@@ -80,6 +93,98 @@ pub enum TenantCommand {
         #[arg(long)]
         reason: String,
     },
+    /// Route a tenant's channel to a provider account, or back to the channel's default.
+    #[command(
+        long_about = "Route a tenant's channel to a provider account, or back to the channel's \
+            default account with --default. The route is stored in the ledger per tenant and \
+            channel; the account it replaces is kept in the audit row."
+    )]
+    Route {
+        /// Tenant name.
+        name: String,
+        /// The channel to route: push, email or sms.
+        channel: Channel,
+        /// Provider account: 1 to 64 of [a-z0-9_-], starting with a letter or digit.
+        #[arg(required_unless_present = "default", conflicts_with = "default")]
+        account: Option<ProviderAccount>,
+        /// Use the channel's default account instead of a tenant-specific one.
+        #[arg(long)]
+        default: bool,
+        /// Why: recorded in the audit log.
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RemindersCommand {
+    /// Import reminders from a JSON Lines file, one reminder per line; `-` reads stdin.
+    #[command(long_about = LOAD_HELP)]
+    Load {
+        /// JSON Lines file, or `-` for standard input.
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+        /// Check every line (including that its tenant exists) and write nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print the summary as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Why, recorded in the audit log (optional: loading adds, it never removes).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
+const LOAD_HELP: &str = "\
+Import reminders from a JSON Lines file, one reminder per line; `-` reads stdin.
+
+Each line is one JSON object:
+  {\"tenant\": \"clinic-a\", \"event_id\": \"appt-123\", \"subscriber_ref\": \"patient-42\",
+   \"channels\": [\"sms\", \"email\"],
+   \"scheduled_at\": \"2026-11-30T09:00:00Z\", \"expires_at\": \"2026-11-30T10:00:00Z\",
+   \"destinations\": {\"sms\": \"+15550100\", \"email\": \"a@example.org\"},
+   \"content\": {\"template\": \"appointment\"}}
+Every listed channel needs a non-empty destination, and only listed channels may have one.
+Timestamps are RFC 3339 with an offset; expires_at must be after scheduled_at. `content` is
+optional (any JSON object). Unknown fields are an error. Blank lines are skipped.
+
+Each line is imported in its own transaction (the reminder and its encrypted destinations),
+so a bad line writes nothing and the good lines still load. Re-posting an event id with the
+same reminder counts as already present, so loading a file again is safe; re-using it for a
+different reminder rejects the line. Reminders already due are created with their deliveries
+and sent right away. A paused tenant's reminders are stored and materialise when it resumes.
+
+Rejected lines go to stderr as `line N: reason`, naming the field, never a destination,
+subscriber reference or content; a progress line follows every 1000 lines. At the end stdout
+has `loaded N new, M already present, K rejected (of T lines)` (or JSON with --json). Exit
+status is 0 only when no line was rejected. The load is recorded in the audit log.
+
+Needs crypto.destination_key (NUDGE_CRYPTO__DESTINATION_KEY), the key the workers use, also
+for --dry-run, so that a clean dry run means the load can run.";
+
+#[derive(Debug, Subcommand)]
+pub enum ScheduleCommand {
+    /// Set (replace) a tenant's schedule: a cron expression and a look-ahead window.
+    #[command(
+        long_about = "Set (replace) a tenant's schedule. At each tick of the cron expression \
+            the producer materialises the tenant's reminders scheduled in the next window. The \
+            expression is in the producer's dialect: 6 or 7 fields, seconds first, evaluated in \
+            UTC, e.g. \"0 * * * * *\" (every minute) or \"0 0 7 * * Mon-Fri\"."
+    )]
+    Set {
+        /// Tenant name.
+        name: String,
+        /// Cron expression, seconds first, e.g. "0 * * * * *".
+        #[arg(long, value_name = "EXPR")]
+        cron: CronExpr,
+        /// How far ahead each tick looks, 1 to 604800 (7 days).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=604_800))]
+        window_seconds: u32,
+        /// Why: recorded in the audit log.
+        #[arg(long)]
+        reason: String,
+    },
 }
 
 /// Runs one command to completion.
@@ -96,16 +201,35 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     )
     .await
     .context("failed to connect to the database (database.url)")?;
+    let cipher = config
+        .crypto
+        .destination_key_bytes()?
+        .map(|key| DestinationCipher::new(&key));
     let mut out = std::io::stdout().lock();
-    execute(&ledger, &cli.actor, cli.command, &mut out).await
+    // Unlocked: log lines may share stderr, and a load can take a while.
+    let mut err = std::io::stderr();
+    execute(
+        &ledger,
+        &cli.actor,
+        cipher.as_ref(),
+        cli.command,
+        &mut out,
+        &mut err,
+    )
+    .await
 }
 
-/// Executes a command against a ledger, writing operator output to `out`.
+/// Executes a command against a ledger, writing operator output to `out` and per-item
+/// problems and progress (the rejected lines of a load) to `err`.
+///
+/// `cipher` is built from `crypto.destination_key`; only `reminders load` needs it.
 pub async fn execute(
     ledger: &Ledger,
     actor: &str,
+    cipher: Option<&DestinationCipher>,
     command: Command,
     out: &mut impl Write,
+    err: &mut impl Write,
 ) -> anyhow::Result<()> {
     let now = Utc::now();
     match command {
@@ -139,6 +263,50 @@ pub async fn execute(
         Command::Tenant(TenantCommand::Resume { name, reason }) => {
             set_paused(ledger, actor, &name, false, &reason, out).await?;
         }
+        Command::Tenant(TenantCommand::Route {
+            name,
+            channel,
+            account,
+            default,
+            reason,
+        }) => {
+            let account = match (account, default) {
+                (Some(account), false) => Some(account),
+                (None, true) => None,
+                _ => bail!("give exactly one of ACCOUNT or --default"),
+            };
+            route(ledger, actor, &name, channel, account, &reason, out).await?;
+        }
+        Command::Reminders(RemindersCommand::Load {
+            file,
+            dry_run,
+            json,
+            reason,
+        }) => {
+            if reason.as_deref().is_some_and(|r| r.trim().is_empty()) {
+                bail!("--reason, when given, must say why (it is recorded in the audit log)");
+            }
+            let Some(cipher) = cipher else {
+                bail!(
+                    "reminders load needs crypto.destination_key (NUDGE_CRYPTO__DESTINATION_KEY): \
+                     destinations and content are stored encrypted with the key the workers use"
+                );
+            };
+            let options = load::LoadOptions {
+                dry_run,
+                json,
+                reason,
+            };
+            load::load(ledger, actor, cipher, &file, options, out, err).await?;
+        }
+        Command::Schedule(ScheduleCommand::Set {
+            name,
+            cron,
+            window_seconds,
+            reason,
+        }) => {
+            schedule::set(ledger, actor, &name, &cron, window_seconds, &reason, out).await?;
+        }
         Command::Status { json } => {
             let status = ledger.status(now).await.context("failed to read status")?;
             if json {
@@ -160,13 +328,9 @@ async fn set_paused(
     reason: &str,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
-    if reason.trim().is_empty() {
-        bail!("--reason must say why (it is recorded in the audit log)");
-    }
+    require_reason(reason)?;
     let now = Utc::now();
-    let Some(tenant) = ledger.tenant_by_name(name).await? else {
-        bail!("no tenant named {name:?}");
-    };
+    let tenant = find_tenant(ledger, name).await?;
     ledger.set_intake_paused(tenant.id, paused, now).await?;
     ledger
         .record_audit(&AuditEntry {
@@ -189,6 +353,66 @@ async fn set_paused(
         if paused { "paused" } else { "resumed" }
     )?;
     Ok(())
+}
+
+async fn route(
+    ledger: &Ledger,
+    actor: &str,
+    name: &str,
+    channel: Channel,
+    account: Option<ProviderAccount>,
+    reason: &str,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    require_reason(reason)?;
+    let now = Utc::now();
+    let tenant = find_tenant(ledger, name).await?;
+    let previous = ledger
+        .tenant_channel_account(tenant.id, channel)
+        .await
+        .context("failed to read the current route")?;
+    ledger
+        .set_tenant_channel_account(tenant.id, channel, account.as_ref(), now)
+        .await
+        .context("failed to set the route")?;
+    ledger
+        .record_audit(&AuditEntry {
+            at: now,
+            actor: actor.to_owned(),
+            action: "tenant_route".into(),
+            target: Some(format!("tenant:{}", tenant.id)),
+            reason: Some(reason.to_owned()),
+            details: serde_json::json!({
+                "channel": channel,
+                "account": account.as_ref().map(ProviderAccount::as_str),
+                "previous": previous.as_ref().map(ProviderAccount::as_str),
+            }),
+        })
+        .await?;
+    match account {
+        Some(account) => writeln!(out, "tenant {name}: {channel} routed to account {account}")?,
+        None => writeln!(
+            out,
+            "tenant {name}: {channel} routed to the channel's default account"
+        )?,
+    }
+    Ok(())
+}
+
+/// Every change names why; the reason goes to the audit log.
+pub(crate) fn require_reason(reason: &str) -> anyhow::Result<()> {
+    if reason.trim().is_empty() {
+        bail!("--reason must say why (it is recorded in the audit log)");
+    }
+    Ok(())
+}
+
+pub(crate) async fn find_tenant(ledger: &Ledger, name: &str) -> anyhow::Result<Tenant> {
+    ledger
+        .tenant_by_name(name)
+        .await
+        .context("failed to look up the tenant")?
+        .with_context(|| format!("no tenant named {name:?}"))
 }
 
 fn write_status_table(status: &[ChannelStatus], out: &mut impl Write) -> std::io::Result<()> {

@@ -1,13 +1,31 @@
 use std::process::Command as Process;
 
+use clap::Parser;
+use nudge_domain::{Channel, ProviderAccount};
 use nudge_ledger::Ledger;
-use nudgectl::{Command, TenantCommand, execute};
+use nudgectl::{Cli, Command, TenantCommand, execute};
 use sqlx::PgPool;
 
 async fn run(ledger: &Ledger, command: Command) -> anyhow::Result<String> {
     let mut out = Vec::new();
-    execute(ledger, "ops@clinic", command, &mut out).await?;
+    let mut err = Vec::new();
+    execute(ledger, "ops@clinic", None, command, &mut out, &mut err).await?;
     Ok(String::from_utf8(out)?)
+}
+
+/// Parses a command line as the binary does, so the tests cover the argument checks too.
+fn parse(args: &[&str]) -> Result<Command, clap::Error> {
+    Cli::try_parse_from(std::iter::once("nudgectl").chain(args.iter().copied())).map(|c| c.command)
+}
+
+#[allow(clippy::unwrap_used)] // A failed unwrap is a failed test, with its location.
+async fn create_tenant(ledger: &Ledger, name: &str) {
+    run(
+        ledger,
+        Command::Tenant(TenantCommand::Create { name: name.into() }),
+    )
+    .await
+    .unwrap();
 }
 
 #[sqlx::test(migrations = false)]
@@ -130,7 +148,15 @@ fn help_explains_each_command() {
 
     assert!(out.status.success());
     let help = String::from_utf8(out.stdout).unwrap();
-    for word in ["migrate", "tenant", "status", "NUDGE_CONFIG", "--actor"] {
+    for word in [
+        "migrate",
+        "tenant",
+        "reminders",
+        "schedule",
+        "status",
+        "NUDGE_CONFIG",
+        "--actor",
+    ] {
         assert!(
             help.contains(word),
             "--help does not mention {word}:\n{help}"
@@ -151,4 +177,240 @@ fn a_bad_configuration_value_fails_naming_the_key_without_echoing_secrets() {
     let err = String::from_utf8(out.stderr).unwrap();
     assert!(err.contains("database.url"), "{err}");
     assert!(!err.contains("hunter2"), "{err}");
+}
+
+#[test]
+fn each_new_command_explains_itself_in_its_help() {
+    for (args, words) in [
+        (
+            &["reminders", "load", "--help"][..],
+            &[
+                "JSON Lines",
+                "--dry-run",
+                "`-` reads stdin",
+                "line N: reason",
+                "already present",
+                "crypto.destination_key",
+            ][..],
+        ),
+        (
+            &["schedule", "set", "--help"],
+            &["--cron", "seconds first", "--window-seconds", "--reason"],
+        ),
+        (
+            &["tenant", "route", "--help"],
+            &["ACCOUNT", "--default", "push, email or sms", "--reason"],
+        ),
+    ] {
+        let out = Process::new(env!("CARGO_BIN_EXE_nudgectl"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        let help = String::from_utf8(out.stdout).unwrap();
+        for word in words {
+            assert!(
+                help.contains(word),
+                "{args:?} does not mention {word}:\n{help}"
+            );
+        }
+    }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn schedule_set_refuses_text_that_is_not_cron_and_shows_an_example(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    create_tenant(&ledger, "clinic-a").await;
+
+    let refused = parse(&[
+        "schedule",
+        "set",
+        "clinic-a",
+        "--cron",
+        "not a cron",
+        "--window-seconds",
+        "300",
+        "--reason",
+        "onboarding",
+    ])
+    .unwrap_err()
+    .to_string();
+
+    assert!(refused.contains("not a cron expression"), "{refused}");
+    assert!(refused.contains("\"0 * * * * *\""), "{refused}");
+    assert!(ledger.schedules().await.unwrap().is_empty());
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn schedule_set_stores_a_seconds_first_expression_and_audits_it(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    create_tenant(&ledger, "clinic-a").await;
+    let command = parse(&[
+        "schedule",
+        "set",
+        "clinic-a",
+        "--cron",
+        "*/5 * * * * *",
+        "--window-seconds",
+        "300",
+        "--reason",
+        "onboarding",
+    ])
+    .unwrap();
+
+    let printed = run(&ledger, command).await.unwrap();
+
+    assert!(
+        printed.starts_with("tenant clinic-a: schedule \"*/5 * * * * *\" with a 300 s window"),
+        "{printed}"
+    );
+    let tenant = ledger.tenant_by_name("clinic-a").await.unwrap().unwrap();
+    let schedules = ledger.schedules().await.unwrap();
+    assert_eq!(schedules.len(), 1);
+    assert_eq!(schedules[0].tenant_id, tenant.id);
+    assert_eq!(schedules[0].cron, "*/5 * * * * *");
+    assert_eq!(schedules[0].window_seconds, 300);
+    let audit = ledger.recent_audit(1).await.unwrap();
+    assert_eq!(audit[0].action, "schedule_set");
+    assert_eq!(audit[0].actor, "ops@clinic");
+    assert_eq!(audit[0].reason.as_deref(), Some("onboarding"));
+    assert_eq!(audit[0].details["cron"], "*/5 * * * * *");
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn schedule_set_refuses_a_window_out_of_range_and_an_unknown_tenant(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let base = ["schedule", "set", "clinic-a", "--cron", "0 * * * * *"];
+    let long = [&base[..], &["--window-seconds", "604801", "--reason", "x"]].concat();
+
+    assert!(parse(&long).is_err());
+    let unknown = [&base[..], &["--window-seconds", "60", "--reason", "x"]].concat();
+    let err = run(&ledger, parse(&unknown).unwrap()).await.unwrap_err();
+    assert!(
+        err.to_string().contains("no tenant named \"clinic-a\""),
+        "{err}"
+    );
+    assert!(ledger.recent_audit(1).await.unwrap().is_empty());
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_channel_is_routed_to_an_account_then_back_to_the_default(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    create_tenant(&ledger, "clinic-a").await;
+    let tenant = ledger.tenant_by_name("clinic-a").await.unwrap().unwrap();
+
+    let routed = run(
+        &ledger,
+        parse(&[
+            "tenant",
+            "route",
+            "clinic-a",
+            "sms",
+            "twilio-backup",
+            "--reason",
+            "primary sms account suspended",
+        ])
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+
+    assert_eq!(
+        routed,
+        "tenant clinic-a: sms routed to account twilio-backup\n"
+    );
+    assert_eq!(
+        ledger
+            .tenant_channel_account(tenant.id, Channel::Sms)
+            .await
+            .unwrap(),
+        Some(ProviderAccount::parse("twilio-backup").unwrap())
+    );
+
+    let back = run(
+        &ledger,
+        parse(&[
+            "tenant",
+            "route",
+            "clinic-a",
+            "sms",
+            "--default",
+            "--reason",
+            "primary account restored",
+        ])
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+
+    assert_eq!(
+        back,
+        "tenant clinic-a: sms routed to the channel's default account\n"
+    );
+    assert_eq!(
+        ledger
+            .tenant_channel_account(tenant.id, Channel::Sms)
+            .await
+            .unwrap(),
+        None
+    );
+    let audit = ledger.recent_audit(2).await.unwrap();
+    assert_eq!(audit[0].action, "tenant_route");
+    assert_eq!(audit[0].reason.as_deref(), Some("primary account restored"));
+    assert_eq!(
+        audit[0].details,
+        serde_json::json!({"channel": "sms", "account": null, "previous": "twilio-backup"})
+    );
+    assert_eq!(audit[1].action, "tenant_route");
+    assert_eq!(
+        audit[1].details,
+        serde_json::json!({"channel": "sms", "account": "twilio-backup", "previous": null})
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_route_needs_exactly_one_of_an_account_or_default_and_a_reason(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    create_tenant(&ledger, "clinic-a").await;
+
+    let neither = parse(&["tenant", "route", "clinic-a", "sms", "--reason", "x"]);
+    let both = parse(&[
+        "tenant",
+        "route",
+        "clinic-a",
+        "sms",
+        "acct",
+        "--default",
+        "--reason",
+        "x",
+    ]);
+    let bad_account = parse(&[
+        "tenant", "route", "clinic-a", "sms", "Acct", "--reason", "x",
+    ]);
+    let blank_reason = run(
+        &ledger,
+        Command::Tenant(TenantCommand::Route {
+            name: "clinic-a".into(),
+            channel: Channel::Sms,
+            account: None,
+            default: true,
+            reason: " ".into(),
+        }),
+    )
+    .await;
+
+    assert!(neither.is_err());
+    assert!(both.is_err());
+    assert!(
+        bad_account
+            .unwrap_err()
+            .to_string()
+            .contains("provider account")
+    );
+    assert!(blank_reason.unwrap_err().to_string().contains("--reason"));
+    assert_eq!(
+        ledger.recent_audit(5).await.unwrap().len(),
+        1,
+        "only the create"
+    );
 }

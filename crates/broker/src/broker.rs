@@ -1,0 +1,322 @@
+//! The supervised connection: one AMQP connection per process, replaced (and the topology
+//! redeclared) by the first caller that needs a channel after it dropped.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::options::{BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::types::{FieldTable, ShortString};
+use lapin::uri::AMQPUri;
+use lapin::{Connection, ConnectionProperties};
+use tokio::sync::{Mutex, MutexGuard};
+use tokio_util::sync::CancellationToken;
+
+use crate::consume::{Consumer, QueueKind};
+use crate::publish::Publisher;
+use crate::{BrokerError, Topology, declare};
+
+const INITIAL_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// How long [`Broker::close`] waits for the broker to acknowledge the close.
+pub const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// `connection.close` reply code for a normal shutdown.
+const REPLY_SUCCESS: u16 = 200;
+
+/// A handle on RabbitMQ, cheap to clone and share between tasks.
+///
+/// It holds at most one connection. When that connection is found closed or errored, the next
+/// call that needs a channel ([`Broker::publisher`], [`Broker::consume`], or a [`Publisher`]
+/// replacing its channel) reconnects with capped exponential backoff (100 ms doubling to 5 s,
+/// each attempt bounded by the connect timeout) and redeclares the topology before handing out a
+/// channel. Concurrent callers wait for that one reconnect instead of starting their own.
+///
+/// Reconnecting retries until it succeeds or [`Broker::close`] is called, logging each failed
+/// attempt; the futures are cancel-safe, so a caller that must stop (shutdown) drops the call
+/// from a `select!`. Declaring the topology is not retried when the broker *refuses* it (a queue
+/// exists with other arguments): that error is returned, since waiting will not fix it.
+#[derive(Clone)]
+pub struct Broker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// Holds the password: never logged, never in `Debug`.
+    uri: AMQPUri,
+    connection_name: String,
+    connect_timeout: Duration,
+    topology: Topology,
+    connection: Mutex<Option<Connection>>,
+    closed: CancellationToken,
+}
+
+impl fmt::Debug for Broker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Broker")
+            .field("connection_name", &self.inner.connection_name)
+            .field("topology", &self.inner.topology)
+            .field("closed", &self.inner.closed.is_cancelled())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Broker {
+    /// Connects once (failing after `connect_timeout` if the broker does not answer) and
+    /// declares `topology`. There is no retry here: a process that cannot reach its broker at
+    /// start-up should say so and exit. The connection is named `nudge` in the management UI;
+    /// see [`Broker::connect_named`].
+    pub async fn connect(
+        url: &str,
+        connect_timeout: Duration,
+        topology: Topology,
+    ) -> Result<Broker, BrokerError> {
+        Broker::connect_named(url, connect_timeout, topology, "nudge").await
+    }
+
+    /// [`Broker::connect`] with the connection name shown by `rabbitmqctl list_connections` and
+    /// the management UI (e.g. the service name).
+    pub async fn connect_named(
+        url: &str,
+        connect_timeout: Duration,
+        topology: Topology,
+        connection_name: &str,
+    ) -> Result<Broker, BrokerError> {
+        // Parsed here rather than by lapin, whose parse error quotes the whole URL.
+        let uri: AMQPUri = url.parse().map_err(|_| BrokerError::InvalidUrl)?;
+        let inner = Inner {
+            uri,
+            connection_name: connection_name.to_owned(),
+            connect_timeout,
+            topology,
+            connection: Mutex::new(None),
+            closed: CancellationToken::new(),
+        };
+        let connection = inner.connect_and_declare().await?;
+        *inner.connection.lock().await = Some(connection);
+        Ok(Broker {
+            inner: Arc::new(inner),
+        })
+    }
+
+    pub fn topology(&self) -> &Topology {
+        &self.inner.topology
+    }
+
+    /// Whether the current connection is open. `false` after a drop until a caller reconnects.
+    pub async fn is_connected(&self) -> bool {
+        self.inner
+            .connection
+            .lock()
+            .await
+            .as_ref()
+            .is_some_and(|c| c.status().connected())
+    }
+
+    /// Closes the connection (the broker requeues unacked deliveries) and stops reconnecting:
+    /// every later call on any clone of this handle fails with [`BrokerError::Closed`].
+    pub async fn close(&self) {
+        self.inner.closed.cancel();
+        let connection = self.inner.connection.lock().await.take();
+        if let Some(connection) = connection
+            && connection.status().connected()
+        {
+            // Bounded: lapin's close can wait forever on a channel that is itself closing, and
+            // a shutdown must finish. The broker cleans up a dropped connection either way.
+            match tokio::time::timeout(
+                CLOSE_TIMEOUT,
+                connection.close(REPLY_SUCCESS, "shutdown".into()),
+            )
+            .await
+            {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::debug!(error = %error, "closing the RabbitMQ connection failed");
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        timeout_ms = CLOSE_TIMEOUT.as_millis() as u64,
+                        "closing the RabbitMQ connection timed out; dropping it"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A publisher on its own confirm-mode channel. See [`Publisher::publish_batch`].
+    pub async fn publisher(&self) -> Result<Publisher, BrokerError> {
+        let channel = self.confirm_channel().await?;
+        Ok(Publisher::new(self.clone(), channel))
+    }
+
+    /// Starts consuming `queue` on a new channel with manual acknowledgement, at most
+    /// `prefetch` (>= 1) unsettled deliveries at a time. When the consumer ends ([`Consumer::next`]
+    /// gives `None` or an error) call this again: it reconnects if needed.
+    pub async fn consume(
+        &self,
+        queue: QueueKind,
+        prefetch: u16,
+        consumer_tag: &str,
+    ) -> Result<Consumer, BrokerError> {
+        if prefetch == 0 {
+            return Err(BrokerError::InvalidPrefetch);
+        }
+        let tag =
+            ShortString::try_new(consumer_tag).map_err(|_| BrokerError::InvalidConsumerTag)?;
+        let name = queue.queue_name(self.topology());
+        let consume_error = |source| BrokerError::Consume {
+            queue: name.clone(),
+            source,
+        };
+        let channel = self.open_channel().await?;
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .map_err(consume_error)?;
+        let consumer = channel
+            .basic_consume(
+                ShortString::from(name.clone()),
+                tag,
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(consume_error)?;
+        Ok(Consumer::new(consumer, channel, name))
+    }
+
+    pub(crate) async fn confirm_channel(&self) -> Result<lapin::Channel, BrokerError> {
+        let channel = self.open_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(BrokerError::Channel)?;
+        Ok(channel)
+    }
+
+    /// A new channel on a live connection, reconnecting first if the connection is gone.
+    pub(crate) async fn open_channel(&self) -> Result<lapin::Channel, BrokerError> {
+        // The connection can die between the liveness check and `channel.open`; one more round
+        // then reconnects instead of failing the caller.
+        let mut last_error = None;
+        for _ in 0..2 {
+            let mut guard = self.live_connection().await?;
+            let Some(connection) = guard.as_ref() else {
+                return Err(BrokerError::Closed);
+            };
+            match connection.create_channel().await {
+                Ok(channel) => return Ok(channel),
+                Err(error) => {
+                    if !connection.status().connected() {
+                        *guard = None;
+                    }
+                    last_error = Some(error);
+                }
+            }
+        }
+        Err(match last_error {
+            Some(error) => BrokerError::Channel(error),
+            None => BrokerError::Closed,
+        })
+    }
+
+    /// The connection slot, holding a connected connection on success.
+    async fn live_connection(&self) -> Result<MutexGuard<'_, Option<Connection>>, BrokerError> {
+        let inner = &self.inner;
+        let mut guard = inner.connection.lock().await;
+        if inner.closed.is_cancelled() {
+            return Err(BrokerError::Closed);
+        }
+        if guard.as_ref().is_some_and(|c| c.status().connected()) {
+            return Ok(guard);
+        }
+        // Dropping the dead connection's handle; channels still holding it fail on their own.
+        *guard = None;
+        let mut delay = INITIAL_BACKOFF;
+        let mut attempt: u32 = 1;
+        loop {
+            let result = tokio::select! {
+                () = inner.closed.cancelled() => return Err(BrokerError::Closed),
+                result = inner.connect_and_declare() => result,
+            };
+            match result {
+                Ok(connection) => {
+                    tracing::info!(
+                        attempt,
+                        "reconnected to RabbitMQ and redeclared the topology"
+                    );
+                    *guard = Some(connection);
+                    return Ok(guard);
+                }
+                Err(error) if is_refusal(&error) => return Err(error),
+                Err(error) => {
+                    tracing::warn!(
+                        attempt,
+                        delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                        error.cause_chain = ?CauseChain(&error),
+                        "reconnecting to RabbitMQ failed, retrying"
+                    );
+                    tokio::select! {
+                        () = inner.closed.cancelled() => return Err(BrokerError::Closed),
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                    delay = (delay * 2).min(MAX_BACKOFF);
+                    attempt = attempt.saturating_add(1);
+                }
+            }
+        }
+    }
+}
+
+/// The broker answered and refused the topology with a channel-level error (e.g.
+/// `PRECONDITION_FAILED`: a queue exists with other arguments): retrying with the same
+/// arguments cannot help. A connection-level error (e.g. `CONNECTION_FORCED`) is retried.
+fn is_refusal(error: &BrokerError) -> bool {
+    matches!(error, BrokerError::Declare { source, .. } if source.is_amqp_soft_error())
+}
+
+impl Inner {
+    async fn connect_and_declare(&self) -> Result<Connection, BrokerError> {
+        let properties = ConnectionProperties::default()
+            .with_connection_name(self.connection_name.as_str().into());
+        let connection = tokio::time::timeout(
+            self.connect_timeout,
+            Connection::connect_uri(self.uri.clone(), properties),
+        )
+        .await
+        .map_err(|_| BrokerError::ConnectTimeout {
+            timeout: self.connect_timeout,
+        })?
+        .map_err(BrokerError::Connect)?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(BrokerError::Channel)?;
+        let declared = declare(&channel, &self.topology).await;
+        if declared.is_ok() {
+            // Best effort: a failure here leaves the channel to be closed with the connection.
+            let _ = channel.close(REPLY_SUCCESS, "declared".into()).await;
+        } else if connection.status().connected() {
+            let _ = connection
+                .close(REPLY_SUCCESS, "topology refused".into())
+                .await;
+        }
+        declared.map(|()| connection)
+    }
+}
+
+/// Formats an error with its sources, for the one log line where a reconnect failure is handled.
+struct CauseChain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl fmt::Debug for CauseChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut list = f.debug_list();
+        let mut current: Option<&(dyn std::error::Error + 'static)> = Some(self.0);
+        while let Some(error) = current {
+            list.entry(&format_args!("{error}"));
+            current = error.source();
+        }
+        list.finish()
+    }
+}

@@ -1,0 +1,362 @@
+//! `nudge-janitor`: the ledger's recovery paths.
+//!
+//! - Expiry sweep: owed deliveries (`scheduled`, `queued`, `retry_wait`) whose `expires_at`
+//!   has passed are settled `expired`, so they are never sent.
+//! - Lease reaper: a delivery whose lease expired without an outcome (its worker crashed or
+//!   lost its connection mid-send) is decided as a timeout after send: retried when the
+//!   account honours idempotency keys, held `ambiguous` when it does not.
+//! - Dead-letter recorder: every message that reaches `dead.<channel>` (poison: undecodable,
+//!   wrong schema, or redelivered past the delivery limit) is recorded in the ledger; if it
+//!   pointed at owed work with its current generation, that delivery is dead-lettered so an
+//!   operator sees it and can redrive it.
+//!
+//! It must never delete anything (retention is a separate, counted operation), touch a
+//! delivery that a live lease holds, or acknowledge a dead letter before it is recorded.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use chrono::Utc;
+use nudge_broker::{Broker, QueueKind, Topology};
+use nudge_config::{AmqpConfig, ConfigError, DatabaseConfig, TelemetryConfig, Validate};
+use nudge_domain::{Channel, RandJitter, RetryPolicy};
+use nudge_ledger::{DeadLetter, Ledger};
+use nudge_proto::Envelope;
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+/// Configuration of `nudge-janitor`.
+///
+/// Keys, beyond the shared `database.*`, `amqp.*` and `telemetry.*`:
+/// - `janitor.interval_ms` (default 1000): how often the sweep and the reaper run.
+/// - `janitor.batch_size` (default 1000): deliveries settled per pass of each.
+/// - `retry.*`: the retry policy, which must match the workers' (the reaper decides an
+///   expired lease with it): `base_delay_ms`, `max_delay_ms`, `max_attempts`,
+///   `max_retry_after_s`, with the workers' defaults.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JanitorConfig {
+    pub database: DatabaseConfig,
+    pub amqp: AmqpConfig,
+    pub telemetry: TelemetryConfig,
+    pub janitor: JanitorSection,
+    pub retry: RetrySection,
+}
+
+impl JanitorConfig {
+    pub const SECTIONS: &'static [&'static str] =
+        &["database", "amqp", "telemetry", "janitor", "retry"];
+
+    pub fn retry_policy(&self) -> Result<RetryPolicy, ConfigError> {
+        RetryPolicy::new(
+            Duration::from_millis(self.retry.base_delay_ms),
+            Duration::from_millis(self.retry.max_delay_ms),
+            self.retry.max_attempts,
+            Duration::from_secs(self.retry.max_retry_after_s),
+        )
+        .map_err(|e| ConfigError::invalid("retry", e.to_string()))
+    }
+}
+
+impl Validate for JanitorConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.database.validate()?;
+        self.amqp.validate()?;
+        self.telemetry.validate()?;
+        if !(50..=600_000).contains(&self.janitor.interval_ms) {
+            return Err(ConfigError::invalid(
+                "janitor.interval_ms",
+                "must be between 50 and 600000",
+            ));
+        }
+        if !(1..=100_000).contains(&self.janitor.batch_size) {
+            return Err(ConfigError::invalid(
+                "janitor.batch_size",
+                "must be between 1 and 100000",
+            ));
+        }
+        self.retry_policy().map(|_| ())
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JanitorSection {
+    pub interval_ms: u64,
+    pub batch_size: u32,
+}
+
+impl Default for JanitorSection {
+    fn default() -> Self {
+        Self {
+            interval_ms: 1_000,
+            batch_size: 1_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetrySection {
+    pub base_delay_ms: u64,
+    pub max_delay_ms: u64,
+    pub max_attempts: u32,
+    pub max_retry_after_s: u64,
+}
+
+impl Default for RetrySection {
+    fn default() -> Self {
+        Self {
+            base_delay_ms: 1_000,
+            max_delay_ms: 300_000,
+            max_attempts: 8,
+            max_retry_after_s: 3_600,
+        }
+    }
+}
+
+#[derive(Debug, clap::Parser)]
+#[command(
+    version,
+    about = "Expire overdue work, reap expired leases, record dead-lettered messages.",
+    long_about = "Expire overdue work, reap expired leases, record dead-lettered messages.\n\n\
+                  Configuration: defaults, then the TOML file given by --config or NUDGE_CONFIG, \
+                  then NUDGE_* environment variables. Safe to run as several replicas. SIGTERM \
+                  or Ctrl-C finishes the current pass and exits 0."
+)]
+pub struct Cli {
+    /// TOML configuration file (overrides NUDGE_CONFIG).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+}
+
+pub async fn main() -> ExitCode {
+    use clap::Parser;
+    let cli = Cli::parse();
+    match run_binary(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!(error.cause_chain = ?e, "janitor stopped");
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("error: {e:#}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_binary(cli: Cli) -> anyhow::Result<()> {
+    let config: JanitorConfig = nudge_config::load(cli.config.as_deref(), JanitorConfig::SECTIONS)
+        .context("failed to load configuration")?;
+    let _telemetry = nudge_telemetry::init("nudge-janitor", &config.telemetry)
+        .context("failed to initialise logging")?;
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone());
+    let ledger = Ledger::connect(
+        config.database.url.expose(),
+        config.database.max_connections,
+        Duration::from_millis(config.database.acquire_timeout_ms),
+    )
+    .await
+    .context("failed to connect to PostgreSQL (database.url)")?;
+    let topology = Topology::new(&config.amqp.namespace, config.amqp.delivery_limit)
+        .context("invalid amqp.namespace or amqp.delivery_limit")?;
+    let broker = Broker::connect(
+        config.amqp.url.expose(),
+        Duration::from_millis(config.amqp.connect_timeout_ms),
+        topology,
+    )
+    .await
+    .context("failed to connect to RabbitMQ (amqp.url)")?;
+    info!("janitor started");
+    let policy = config.retry_policy()?;
+    let mut tasks = Vec::new();
+    for channel in Channel::ALL {
+        tasks.push(tokio::spawn(record_dead_letters(
+            ledger.clone(),
+            broker.clone(),
+            channel,
+            shutdown.clone(),
+        )));
+    }
+    sweep_loop(
+        &ledger,
+        &policy,
+        Duration::from_millis(config.janitor.interval_ms),
+        config.janitor.batch_size,
+        shutdown.clone(),
+    )
+    .await;
+    for task in tasks {
+        if let Err(e) = task.await {
+            warn!(error.cause_chain = ?e, "dead-letter recorder task failed");
+        }
+    }
+    broker.close().await;
+    info!("janitor stopped cleanly");
+    Ok(())
+}
+
+fn spawn_signal_handler(shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            match signal(SignalKind::terminate()) {
+                Ok(mut term) => {
+                    tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = term.recv() => {}
+                    }
+                }
+                Err(e) => {
+                    warn!(error.cause_chain = ?e, "cannot listen for SIGTERM");
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+        info!("shutdown signal received");
+        shutdown.cancel();
+    });
+}
+
+/// What one sweep pass settled.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SweepReport {
+    pub expired: u64,
+    pub reaped: usize,
+}
+
+/// One pass of the expiry sweep and the lease reaper.
+pub async fn sweep_once(
+    ledger: &Ledger,
+    policy: &RetryPolicy,
+    batch_size: u32,
+) -> anyhow::Result<SweepReport> {
+    let now = Utc::now();
+    let expired = ledger
+        .expire_overdue(now, batch_size)
+        .await
+        .context("expiry sweep failed")?;
+    let mut jitter = RandJitter::from_entropy();
+    let reaped = ledger
+        .reap_expired_leases(now, batch_size, policy, &mut jitter)
+        .await
+        .context("lease reaper failed")?;
+    for (delivery_id, state) in &reaped {
+        warn!(%delivery_id, next_state = %state, "lease expired without an outcome: reaped");
+    }
+    Ok(SweepReport {
+        expired,
+        reaped: reaped.len(),
+    })
+}
+
+async fn sweep_loop(
+    ledger: &Ledger,
+    policy: &RetryPolicy,
+    every: Duration,
+    batch_size: u32,
+    shutdown: CancellationToken,
+) {
+    loop {
+        match sweep_once(ledger, policy, batch_size).await {
+            Ok(report) if report.expired > 0 || report.reaped > 0 => {
+                info!(expired = report.expired, reaped = report.reaped, "sweep");
+            }
+            Ok(_) => {}
+            Err(e) => error!(error.cause_chain = ?e, "sweep failed; retrying"),
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+/// Consumes `dead.<channel>` until shutdown, recording every message before acking it.
+async fn record_dead_letters(
+    ledger: Ledger,
+    broker: Broker,
+    channel: Channel,
+    shutdown: CancellationToken,
+) {
+    let queue = broker.topology().dead_queue(channel);
+    let tag = format!("janitor-dead-{channel}-{}", std::process::id());
+    let mut delay = Duration::from_millis(100);
+    'consume: while !shutdown.is_cancelled() {
+        let consumer = tokio::select! {
+            () = shutdown.cancelled() => break 'consume,
+            c = broker.consume(QueueKind::Dead(channel), 16, &tag) => c,
+        };
+        let mut consumer = match consumer {
+            Ok(c) => {
+                delay = Duration::from_millis(100);
+                c
+            }
+            Err(e) => {
+                warn!(%channel, error.cause_chain = ?e, "cannot consume the dead-letter queue; retrying");
+                tokio::select! {
+                    () = shutdown.cancelled() => break 'consume,
+                    () = tokio::time::sleep(delay) => {}
+                }
+                delay = (delay * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        loop {
+            let next = tokio::select! {
+                () = shutdown.cancelled() => break 'consume,
+                n = consumer.next() => n,
+            };
+            let Some(Ok(incoming)) = next else {
+                warn!(%channel, "dead-letter consumer ended; reconnecting");
+                break;
+            };
+            let payload = incoming.payload().to_vec();
+            let (decode_error, delivery) = match Envelope::decode(&payload) {
+                Ok(envelope) => (None, Some((envelope.delivery_id, envelope.generation))),
+                Err(e) => (Some(e.reason_code().to_owned()), None),
+            };
+            let letter = DeadLetter {
+                queue: queue.clone(),
+                channel: Some(channel),
+                death_reason: incoming
+                    .death_reason()
+                    .unwrap_or_else(|| "unknown".to_owned()),
+                decode_error,
+                delivery,
+                delivery_count: incoming.delivery_count(),
+                payload,
+            };
+            match ledger.record_dead_letter(&letter, Utc::now()).await {
+                Ok(action) => {
+                    warn!(%channel, death_reason = %letter.death_reason,
+                          decode_error = letter.decode_error.as_deref(),
+                          delivery_id = letter.delivery.map(|(id, _)| id.to_string()),
+                          ?action, "dead letter recorded");
+                    if let Err(e) = incoming.ack().await {
+                        warn!(error.cause_chain = ?e, "failed to ack a recorded dead letter; it will be recorded again");
+                    }
+                }
+                Err(e) => {
+                    error!(error.cause_chain = ?e, "failed to record a dead letter; leaving it queued");
+                    if let Err(e) = incoming.requeue().await {
+                        warn!(error.cause_chain = ?e, "failed to requeue a dead letter");
+                    }
+                    tokio::select! {
+                        () = shutdown.cancelled() => break 'consume,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,80 @@
+//! Configuration of `nudge-producer`.
+//!
+//! Keys, beyond the shared `database.*`, `amqp.*` and `telemetry.*` (see `nudge-config`):
+//! - `producer.relay_interval_ms` (default 200): how often the relay looks for due work when
+//!   the last look found none (a full batch is followed at once by the next).
+//! - `producer.batch_size` (default 500, 1..=10000): deliveries claimed and published per batch.
+//! - `producer.republish_after_s` (default 60): a `queued` delivery not leased within this
+//!   long is assumed lost (broker restart, relay crash) and published again.
+//! - `producer.schedule_interval_ms` (default 1000): how often schedules are re-read and
+//!   their windows advanced.
+
+use nudge_config::{AmqpConfig, ConfigError, DatabaseConfig, TelemetryConfig, Validate};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProducerConfig {
+    pub database: DatabaseConfig,
+    pub amqp: AmqpConfig,
+    pub telemetry: TelemetryConfig,
+    pub producer: ProducerSection,
+}
+
+impl ProducerConfig {
+    pub const SECTIONS: &'static [&'static str] = &["database", "amqp", "telemetry", "producer"];
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProducerSection {
+    pub relay_interval_ms: u64,
+    pub batch_size: u32,
+    pub republish_after_s: u64,
+    pub schedule_interval_ms: u64,
+}
+
+impl Default for ProducerSection {
+    fn default() -> Self {
+        Self {
+            relay_interval_ms: 200,
+            batch_size: 500,
+            republish_after_s: 60,
+            schedule_interval_ms: 1_000,
+        }
+    }
+}
+
+impl Validate for ProducerConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.database.validate()?;
+        self.amqp.validate()?;
+        self.telemetry.validate()?;
+        let p = &self.producer;
+        if !(10..=60_000).contains(&p.relay_interval_ms) {
+            return Err(ConfigError::invalid(
+                "producer.relay_interval_ms",
+                "must be between 10 and 60000",
+            ));
+        }
+        if !(1..=10_000).contains(&p.batch_size) {
+            return Err(ConfigError::invalid(
+                "producer.batch_size",
+                "must be between 1 and 10000",
+            ));
+        }
+        if p.republish_after_s < 5 {
+            return Err(ConfigError::invalid(
+                "producer.republish_after_s",
+                "must be at least 5 (shorter only republishes messages that are merely slow)",
+            ));
+        }
+        if !(100..=60_000).contains(&p.schedule_interval_ms) {
+            return Err(ConfigError::invalid(
+                "producer.schedule_interval_ms",
+                "must be between 100 and 60000",
+            ));
+        }
+        Ok(())
+    }
+}

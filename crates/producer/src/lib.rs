@@ -1,0 +1,414 @@
+//! `nudge-producer`: the clock and the relay.
+//!
+//! The clock: for each tenant schedule (a cron expression with a seconds field, and a
+//! look-ahead window), it materialises the deliveries of reminders whose time falls in the
+//! next window. Windows are contiguous: each starts where the tenant's last one ended (the
+//! first at [`FIRST_WINDOW_START`]) and ends one look-ahead after the schedule's next tick,
+//! so missed ticks are caught up and no reminder falls between two windows. The run intent
+//! `(tenant, window_start)` is unique: a replayed or concurrent tick creates nothing.
+//!
+//! The relay: claims due deliveries (first attempts and retries whose `next_attempt_at` has
+//! come) in the ledger, publishes their envelopes with publisher confirms, and hands failed
+//! publishes back; it also republishes `queued` work whose message was lost.
+//!
+//! It must never: create deliveries outside a run intent's transaction (the ledger's
+//! `materialise_window` does both), publish a message before its claim is committed, or
+//! treat a publish as done without the broker's confirm.
+
+mod config;
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::Context;
+use chrono::{DateTime, TimeZone, Utc};
+use nudge_broker::{Broker, OutgoingMessage, Publisher, Topology};
+use nudge_ledger::{DueDelivery, Ledger, Schedule, WindowOutcome};
+use nudge_proto::Envelope;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+pub use config::{ProducerConfig, ProducerSection};
+
+/// Where a tenant's first window starts: early enough that a reminder created before the
+/// producer ever ran is still covered.
+pub const FIRST_WINDOW_START: (i32, u32, u32) = (2000, 1, 1);
+
+fn first_window_start() -> DateTime<Utc> {
+    let (y, m, d) = FIRST_WINDOW_START;
+    Utc.with_ymd_and_hms(y, m, d, 0, 0, 0)
+        .single()
+        .unwrap_or(DateTime::<Utc>::MIN_UTC)
+}
+
+#[derive(Debug, clap::Parser)]
+#[command(
+    version,
+    about = "The clock and the relay: materialise deliveries per tenant schedule window, \
+             publish due work to RabbitMQ with confirms.",
+    long_about = "The clock and the relay: materialise deliveries per tenant schedule window, \
+                  publish due work to RabbitMQ with confirms.\n\nConfiguration: defaults, then \
+                  the TOML file given by --config or NUDGE_CONFIG, then NUDGE_* environment \
+                  variables. Several producers may run at once: run intents and claims are \
+                  exclusive in the ledger. SIGTERM or Ctrl-C finishes the current batch and \
+                  exits 0."
+)]
+pub struct Cli {
+    /// TOML configuration file (overrides NUDGE_CONFIG).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+}
+
+pub async fn main() -> ExitCode {
+    use clap::Parser;
+    let cli = Cli::parse();
+    match run_binary(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!(error.cause_chain = ?e, "producer stopped");
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("error: {e:#}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_binary(cli: Cli) -> anyhow::Result<()> {
+    let config: ProducerConfig =
+        nudge_config::load(cli.config.as_deref(), ProducerConfig::SECTIONS)
+            .context("failed to load configuration")?;
+    let _telemetry = nudge_telemetry::init("nudge-producer", &config.telemetry)
+        .context("failed to initialise logging")?;
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone());
+    let ledger = Ledger::connect(
+        config.database.url.expose(),
+        config.database.max_connections,
+        Duration::from_millis(config.database.acquire_timeout_ms),
+    )
+    .await
+    .context("failed to connect to PostgreSQL (database.url)")?;
+    let topology = Topology::new(&config.amqp.namespace, config.amqp.delivery_limit)
+        .context("invalid amqp.namespace or amqp.delivery_limit")?;
+    let broker = Broker::connect(
+        config.amqp.url.expose(),
+        Duration::from_millis(config.amqp.connect_timeout_ms),
+        topology,
+    )
+    .await
+    .context("failed to connect to RabbitMQ (amqp.url)")?;
+    info!("producer started");
+    let clock = Clock::new(ledger.clone());
+    let relay = Relay::new(ledger, broker.clone(), config.producer.clone());
+    tokio::join!(
+        clock.run(
+            Duration::from_millis(config.producer.schedule_interval_ms),
+            shutdown.clone()
+        ),
+        relay.run(shutdown.clone()),
+    );
+    broker.close().await;
+    info!("producer stopped cleanly");
+    Ok(())
+}
+
+fn spawn_signal_handler(shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            match signal(SignalKind::terminate()) {
+                Ok(mut term) => {
+                    tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = term.recv() => {}
+                    }
+                }
+                Err(e) => {
+                    warn!(error.cause_chain = ?e, "cannot listen for SIGTERM");
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+        info!("shutdown signal received");
+        shutdown.cancel();
+    });
+}
+
+/// A schedule's cron expression could not be used.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid cron expression for tenant {tenant_id}: {reason}")]
+pub struct BadSchedule {
+    pub tenant_id: uuid::Uuid,
+    pub reason: String,
+}
+
+/// The clock: advances every tenant's windows.
+#[derive(Debug)]
+pub struct Clock {
+    ledger: Ledger,
+    parsed: HashMap<String, cron::Schedule>,
+}
+
+impl Clock {
+    pub fn new(ledger: Ledger) -> Self {
+        Self {
+            ledger,
+            parsed: HashMap::new(),
+        }
+    }
+
+    /// One pass over every schedule at `now`. Returns what each tenant's window did.
+    pub async fn tick(
+        &mut self,
+        now: DateTime<Utc>,
+    ) -> anyhow::Result<Vec<(Schedule, Result<WindowOutcome, BadSchedule>)>> {
+        let schedules = self
+            .ledger
+            .schedules()
+            .await
+            .context("failed to read schedules")?;
+        let mut outcomes = Vec::with_capacity(schedules.len());
+        for schedule in schedules {
+            let outcome = match self.window_end(&schedule, now) {
+                Err(bad) => Err(bad),
+                Ok(end) => {
+                    let start = self
+                        .ledger
+                        .last_window_end(schedule.tenant_id)
+                        .await?
+                        .unwrap_or_else(first_window_start);
+                    if start >= end {
+                        Ok(WindowOutcome::AlreadyRun)
+                    } else {
+                        Ok(self
+                            .ledger
+                            .materialise_window(schedule.tenant_id, start, end, now)
+                            .await?)
+                    }
+                }
+            };
+            outcomes.push((schedule, outcome));
+        }
+        Ok(outcomes)
+    }
+
+    /// Where the window materialised at `now` ends: one look-ahead after the next tick.
+    fn window_end(
+        &mut self,
+        schedule: &Schedule,
+        now: DateTime<Utc>,
+    ) -> Result<DateTime<Utc>, BadSchedule> {
+        let bad = |reason: String| BadSchedule {
+            tenant_id: schedule.tenant_id.as_uuid(),
+            reason,
+        };
+        if !self.parsed.contains_key(&schedule.cron) {
+            let parsed =
+                cron::Schedule::from_str(&schedule.cron).map_err(|e| bad(e.to_string()))?;
+            self.parsed.insert(schedule.cron.clone(), parsed);
+        }
+        let cron = self
+            .parsed
+            .get(&schedule.cron)
+            .ok_or_else(|| bad("unparsed".into()))?;
+        let next_tick = cron
+            .after(&now)
+            .next()
+            .ok_or_else(|| bad("the expression never fires again".into()))?;
+        Ok(next_tick + chrono::Duration::seconds(i64::from(schedule.window_seconds)))
+    }
+
+    async fn run(mut self, every: Duration, shutdown: CancellationToken) {
+        loop {
+            match self.tick(Utc::now()).await {
+                Ok(outcomes) => {
+                    for (schedule, outcome) in outcomes {
+                        match outcome {
+                            Ok(WindowOutcome::Materialised { deliveries_created }) => info!(
+                                tenant_id = %schedule.tenant_id, deliveries_created,
+                                "window materialised"),
+                            Ok(WindowOutcome::Paused) => {
+                                debug!(tenant_id = %schedule.tenant_id, "tenant paused: window held")
+                            }
+                            Ok(WindowOutcome::AlreadyRun) => {}
+                            Err(bad) => warn!(error.cause_chain = ?bad, "schedule skipped"),
+                        }
+                    }
+                }
+                Err(e) => error!(error.cause_chain = ?e, "clock tick failed; retrying"),
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+        }
+    }
+}
+
+/// The relay: publishes claimed work with confirms.
+#[derive(Debug)]
+pub struct Relay {
+    ledger: Ledger,
+    broker: Broker,
+    settings: ProducerSection,
+    publisher: Option<Publisher>,
+}
+
+/// What one relay pass did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RelayReport {
+    pub published: usize,
+    pub failed: usize,
+    pub republished: usize,
+}
+
+impl Relay {
+    pub fn new(ledger: Ledger, broker: Broker, settings: ProducerSection) -> Self {
+        Self {
+            ledger,
+            broker,
+            settings,
+            publisher: None,
+        }
+    }
+
+    /// Publishes one batch of due work and one of lost work at `now`.
+    pub async fn relay_once(&mut self, now: DateTime<Utc>) -> anyhow::Result<RelayReport> {
+        let mut report = RelayReport::default();
+        let due = self
+            .ledger
+            .claim_due(now, self.settings.batch_size)
+            .await
+            .context("failed to claim due deliveries")?;
+        let (ok, failed) = self.publish(&due, now).await?;
+        report.published += ok;
+        report.failed += failed;
+
+        let lost = self
+            .ledger
+            .claim_unconsumed(
+                now,
+                Duration::from_secs(self.settings.republish_after_s),
+                self.settings.batch_size,
+            )
+            .await
+            .context("failed to claim unconsumed deliveries")?;
+        if !lost.is_empty() {
+            warn!(
+                count = lost.len(),
+                "republishing queued deliveries whose message was not consumed"
+            );
+        }
+        let (ok, failed) = self.publish(&lost, now).await?;
+        report.republished += ok;
+        report.failed += failed;
+        Ok(report)
+    }
+
+    async fn publish(
+        &mut self,
+        items: &[DueDelivery],
+        now: DateTime<Utc>,
+    ) -> anyhow::Result<(usize, usize)> {
+        if items.is_empty() {
+            return Ok((0, 0));
+        }
+        let messages: Vec<OutgoingMessage> = items.iter().map(|d| message(d, now)).collect();
+        let results = match self.publisher().await {
+            Ok(publisher) => publisher.publish_batch(&messages).await,
+            Err(e) => {
+                warn!(error.cause_chain = ?e, "no publisher; handing the batch back");
+                self.ledger.mark_unpublished(items).await?;
+                return Ok((0, items.len()));
+            }
+        };
+        let mut failed = Vec::new();
+        for (item, result) in items.iter().zip(results) {
+            if let Err(e) = result {
+                debug!(delivery_id = %item.id, error.cause_chain = ?e, "publish failed");
+                failed.push(item.clone());
+            }
+        }
+        if !failed.is_empty() {
+            warn!(
+                failed = failed.len(),
+                of = items.len(),
+                "publishes not confirmed; they are republished at the next pass"
+            );
+            // A broken channel is replaced at the next pass.
+            self.publisher = None;
+            self.ledger.mark_unpublished(&failed).await?;
+        }
+        Ok((items.len() - failed.len(), failed.len()))
+    }
+
+    async fn publisher(&mut self) -> anyhow::Result<&Publisher> {
+        if self.publisher.is_none() {
+            self.publisher = Some(self.broker.publisher().await?);
+        }
+        self.publisher.as_ref().context("publisher vanished")
+    }
+
+    async fn run(mut self, shutdown: CancellationToken) {
+        let idle = Duration::from_millis(self.settings.relay_interval_ms);
+        let mut failures = 0u32;
+        while !shutdown.is_cancelled() {
+            let pause = match self.relay_once(Utc::now()).await {
+                Ok(report) => {
+                    failures = 0;
+                    if report.published + report.republished > 0 {
+                        debug!(?report, "relay pass");
+                    }
+                    let full = report.published + report.failed
+                        >= usize::try_from(self.settings.batch_size).unwrap_or(usize::MAX);
+                    if full && report.failed == 0 {
+                        Duration::ZERO
+                    } else {
+                        idle
+                    }
+                }
+                Err(e) => {
+                    failures = failures.saturating_add(1);
+                    error!(error.cause_chain = ?e, failures, "relay pass failed; backing off");
+                    idle * 2u32.saturating_pow(failures.min(5))
+                }
+            };
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+}
+
+fn message(d: &DueDelivery, now: DateTime<Utc>) -> OutgoingMessage {
+    let correlation = uuid::Uuid::new_v4();
+    let envelope = Envelope {
+        delivery_id: d.id,
+        reminder_id: d.reminder_id,
+        tenant_id: d.tenant_id,
+        channel: d.channel,
+        generation: d.generation,
+        lane: d.lane,
+        correlation_id: correlation.simple().to_string(),
+        enqueued_at: now,
+    };
+    let span_id = &uuid::Uuid::new_v4().simple().to_string()[..16];
+    OutgoingMessage {
+        channel: d.channel,
+        payload: envelope.encode(),
+        message_id: format!("{}:{}", d.id, d.generation),
+        correlation_id: envelope.correlation_id.clone(),
+        // W3C trace context: the correlation id is the trace id of this delivery attempt.
+        traceparent: Some(format!("00-{}-{span_id}-01", correlation.simple())),
+    }
+}

@@ -1,0 +1,49 @@
+//! provider-stub: a real HTTP server standing in for push, email and SMS providers in tests and
+//! the demo, emulating many provider accounts at once.
+//!
+//! Owns: the provider API (`POST /accounts/{account}/v1/messages`), per-account scripts (a token
+//! bucket answering 429 with every `Retry-After` form, a per-idempotency-key sequence of
+//! statuses, delays and hangs), dedup by `Idempotency-Key` like a real provider, and the
+//! counters that tests and benchmarks read (`GET /stats`, `GET /stats/keys`).
+//!
+//! Must never: keep a destination or message content (the request body is checked and
+//! dropped; only counts, statuses, times and keys are kept), log one, or listen beyond loopback
+//! unless told to.
+//!
+//! # HTTP
+//!
+//! | route | what |
+//! |---|---|
+//! | `POST /accounts/{account}/v1/messages` | the provider API; body `{"channel", "to", "content"}` |
+//! | `PUT /admin/accounts/{account}` | set the account's [`Script`] (JSON); `GET` reads it back |
+//! | `POST /admin/reset` | forget every script, key and counter |
+//! | `GET /stats` | [`Stats`] |
+//! | `GET /stats/keys` | [`KeysReport`] |
+//! | `GET /healthz` | `ok` |
+//!
+//! # Rules, in order
+//!
+//! 1. The account's token bucket: past it, 429 with `Retry-After` in the configured form.
+//! 2. A bad `Idempotency-Key` header or body, or a missing key when the script requires one: 400.
+//! 3. A key that already got a 2xx: the same status and `{"id"}` again, counted as a duplicate.
+//! 4. The key's next step of `sequence`, then `default` (202 `{"id": "msg_<n>"}` when unset).
+//!    A request without a key always gets `sequence[0]` and is never deduplicated.
+//!
+//! 429, 5xx and 4xx answers are not cached. Rules 1 to 3 do not advance a key's sequence.
+
+mod cli;
+mod script;
+mod server;
+mod state;
+mod stats;
+
+pub use cli::{Args, bind, load_scripts, shutdown_signal};
+pub use script::{
+    RateLimit, RetryAfterForm, RetryAfterSpec, Script, ScriptError, Step, StepStatus,
+};
+pub use server::{MAX_HANG, serve};
+pub use state::StubState;
+pub use stats::{
+    AccountStats, AnswerKind, KeyReport, KeyRequest, KeysReport, SlidingWindowMax, Stats,
+    rfc3339_ms,
+};

@@ -1,0 +1,102 @@
+//! Provider adapters: one send to an external provider (push, email, SMS), reported as a
+//! [`SendOutcome`].
+//!
+//! Owns: the [`Provider`] trait workers send through (and [`DynProvider`] for dynamic dispatch),
+//! the [`HttpProvider`] that POSTs to `{base_url}/v1/messages` with our `Idempotency-Key` on every
+//! request, its [`HttpProviderConfig`], and the mapping of transport failures onto "the request
+//! never left" ([`SendOutcome::FailedBeforeSend`]) versus "it may have been sent"
+//! ([`SendOutcome::UnknownAfterSend`]), with short stable reason codes.
+//!
+//! Must never: decide what an outcome means for a delivery (that is `nudge_domain::classify` and
+//! `decide`), retry or sleep (one call is one attempt; backoff belongs to the ledger), follow a
+//! redirect (it could send twice), or put a destination, message content or auth token into a log
+//! line, an error or a reason.
+
+mod config;
+mod http;
+
+use std::future::Future;
+use std::pin::Pin;
+
+use nudge_domain::{Channel, IdempotencyKey, IdempotencySupport, ProviderAccount, SendOutcome};
+
+pub use config::HttpProviderConfig;
+pub use http::{HttpProvider, NON_UTF8_RETRY_AFTER, reason};
+
+/// One message to send, borrowed from the worker for the duration of the attempt.
+///
+/// `destination` and `content` are PHI: adapters send them and drop them, never log them.
+#[derive(Clone, Copy)]
+pub struct SendRequest<'a> {
+    pub idempotency_key: &'a IdempotencyKey,
+    pub channel: Channel,
+    pub destination: &'a str,
+    pub content: Option<&'a serde_json::Value>,
+    /// Opaque id tying the attempt to our traces; sent as `X-Correlation-Id`.
+    pub correlation_id: &'a str,
+}
+
+impl std::fmt::Debug for SendRequest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendRequest")
+            .field("idempotency_key", &self.idempotency_key.as_str())
+            .field("channel", &self.channel)
+            .field("destination", &"<redacted>")
+            .field("content", &self.content.map(|_| "<redacted>"))
+            .field("correlation_id", &self.correlation_id)
+            .finish()
+    }
+}
+
+/// A provider account a worker can send through. One `send` is exactly one attempt.
+pub trait Provider: Send + Sync {
+    /// The account, for rate buckets, metrics and the attempt record.
+    fn account(&self) -> &ProviderAccount;
+
+    /// Whether the provider dedups by `Idempotency-Key`, i.e. whether resending after an unknown
+    /// outcome is safe.
+    fn idempotency(&self) -> IdempotencySupport;
+
+    /// Sends once and reports what happened. Never fails: every failure is an outcome.
+    fn send<'a>(&'a self, req: SendRequest<'a>) -> impl Future<Output = SendOutcome> + Send + 'a;
+}
+
+/// The future [`DynProvider::send_boxed`] returns.
+pub type BoxSendFuture<'a> = Pin<Box<dyn Future<Output = SendOutcome> + Send + 'a>>;
+
+/// Object-safe form of [`Provider`], for holding several kinds of provider (or a test double)
+/// as `Arc<dyn DynProvider>`. Every [`Provider`] is one; the cost is one allocation per send.
+pub trait DynProvider: Send + Sync {
+    fn account(&self) -> &ProviderAccount;
+    fn idempotency(&self) -> IdempotencySupport;
+    fn send_boxed<'a>(&'a self, req: SendRequest<'a>) -> BoxSendFuture<'a>;
+}
+
+impl<P: Provider> DynProvider for P {
+    fn account(&self) -> &ProviderAccount {
+        Provider::account(self)
+    }
+
+    fn idempotency(&self) -> IdempotencySupport {
+        Provider::idempotency(self)
+    }
+
+    fn send_boxed<'a>(&'a self, req: SendRequest<'a>) -> BoxSendFuture<'a> {
+        Box::pin(Provider::send(self, req))
+    }
+}
+
+/// Why an [`HttpProvider`] could not be built. Never carries a configured value.
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    /// A key breaks its rule; the message names the key (relative to the provider section).
+    #[error(transparent)]
+    Config(#[from] nudge_config::ConfigError),
+    /// The HTTP client could not be built (e.g. no TLS roots could be loaded).
+    #[error("failed to build the HTTP client for provider account {account}")]
+    Client {
+        account: ProviderAccount,
+        #[source]
+        source: reqwest::Error,
+    },
+}

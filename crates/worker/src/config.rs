@@ -1,0 +1,146 @@
+//! Configuration of a channel worker (`nudge-push`, `nudge-email`, `nudge-sms`).
+//!
+//! Keys, beyond the shared sections documented in `nudge-config` (`database.*`, `amqp.*`,
+//! `telemetry.*`, `crypto.destination_key`, required here):
+//! - `worker.lease_seconds` (default 60): how long a leased delivery is held before the
+//!   janitor's reaper may settle it; must exceed the longest provider timeout.
+//! - `worker.shutdown_grace_ms` (default 20000): how long in-flight sends may finish after
+//!   SIGTERM before the worker exits (their leases then expire and are reaped).
+//! - `retry.base_delay_ms` (1000), `retry.max_delay_ms` (300000), `retry.max_attempts` (8),
+//!   `retry.max_retry_after_s` (3600): the retry policy (see `nudge_domain::RetryPolicy`).
+//! - `providers`: a list (`[[providers]]` in TOML) of provider accounts, each
+//!   `account`, `channel`, `base_url`, `auth_token`, `timeout_ms`, `connect_timeout_ms`,
+//!   `honours_idempotency`, `default_for_channel`. A worker uses the accounts of its channel;
+//!   exactly one of them must be the default (used for tenants without their own routing).
+
+use std::time::Duration;
+
+use nudge_config::{
+    AmqpConfig, ConfigError, CryptoConfig, DatabaseConfig, TelemetryConfig, Validate,
+};
+use nudge_domain::{Channel, RetryPolicy};
+use nudge_provider::HttpProviderConfig;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    pub database: DatabaseConfig,
+    pub amqp: AmqpConfig,
+    pub telemetry: TelemetryConfig,
+    pub crypto: CryptoConfig,
+    pub worker: WorkerSection,
+    pub retry: RetrySection,
+    pub providers: Vec<HttpProviderConfig>,
+}
+
+impl WorkerConfig {
+    pub const SECTIONS: &'static [&'static str] = &[
+        "database",
+        "amqp",
+        "telemetry",
+        "crypto",
+        "worker",
+        "retry",
+        "providers",
+    ];
+
+    /// Checks everything a worker for `channel` needs, naming the bad key.
+    pub fn validate_for(&self, channel: Channel) -> Result<(), ConfigError> {
+        self.validate()?;
+        if self.crypto.destination_key.is_none() {
+            return Err(ConfigError::invalid(
+                "crypto.destination_key",
+                "required: the worker decrypts destinations",
+            ));
+        }
+        let defaults = self
+            .providers
+            .iter()
+            .filter(|p| p.channel == channel && p.default_for_channel)
+            .count();
+        if defaults != 1 {
+            return Err(ConfigError::invalid(
+                "providers",
+                format!(
+                    "exactly one provider account for channel {channel} must have \
+                     default_for_channel = true (found {defaults})"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn retry_policy(&self) -> Result<RetryPolicy, ConfigError> {
+        RetryPolicy::new(
+            Duration::from_millis(self.retry.base_delay_ms),
+            Duration::from_millis(self.retry.max_delay_ms),
+            self.retry.max_attempts,
+            Duration::from_secs(self.retry.max_retry_after_s),
+        )
+        .map_err(|e| ConfigError::invalid("retry", e.to_string()))
+    }
+}
+
+impl Validate for WorkerConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.database.validate()?;
+        self.amqp.validate()?;
+        self.telemetry.validate()?;
+        self.crypto.validate()?;
+        self.worker.validate_at("worker")?;
+        self.retry_policy()?;
+        for (i, provider) in self.providers.iter().enumerate() {
+            provider.validate(&format!("providers[{i}]"))?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerSection {
+    pub lease_seconds: u64,
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for WorkerSection {
+    fn default() -> Self {
+        Self {
+            lease_seconds: 60,
+            shutdown_grace_ms: 20_000,
+        }
+    }
+}
+
+impl WorkerSection {
+    fn validate_at(&self, prefix: &str) -> Result<(), ConfigError> {
+        if !(5..=3600).contains(&self.lease_seconds) {
+            return Err(ConfigError::invalid(
+                format!("{prefix}.lease_seconds"),
+                "must be between 5 and 3600",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetrySection {
+    pub base_delay_ms: u64,
+    pub max_delay_ms: u64,
+    pub max_attempts: u32,
+    pub max_retry_after_s: u64,
+}
+
+impl Default for RetrySection {
+    fn default() -> Self {
+        Self {
+            base_delay_ms: 1_000,
+            max_delay_ms: 300_000,
+            max_attempts: 8,
+            max_retry_after_s: 3_600,
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! The channel worker behind `nudge-push`, `nudge-email` and `nudge-sms`.
+//!
+//! Per message: decode the envelope (poison goes to the dead-letter queue), lease the
+//! delivery in the ledger with one conditional UPDATE (stale and duplicate messages are
+//! dropped), load and decrypt the destination just before the send, send through the
+//! tenant's provider account with the delivery's idempotency key, record the attempt and the
+//! domain's decision in one transaction, then acknowledge.
+//!
+//! It must never: send without a lease; send after `expires_at`; sleep through a backoff
+//! (a retry is a `next_attempt_at` in the ledger, the message is acknowledged); log a
+//! destination, subscriber reference or content; treat the queue as the authority (on any
+//! doubt it acknowledges and leaves the delivery to the ledger, which republishes or reaps).
+
+mod config;
+mod process;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use nudge_broker::{Broker, QueueKind, Topology};
+use nudge_domain::{Channel, ProviderAccount};
+use nudge_ledger::{DestinationCipher, Ledger};
+use nudge_provider::HttpProvider;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{error, info, warn};
+
+pub use config::{RetrySection, WorkerConfig, WorkerSection};
+pub use process::{Clock, Processed, Providers, Worker};
+
+/// Command line of a channel worker binary.
+#[derive(Debug, clap::Parser)]
+#[command(
+    version,
+    about = "Deliver reminders of one channel: consume work.<channel>, send through the \
+             provider, record the outcome in the ledger.",
+    long_about = "Deliver reminders of one channel: consume work.<channel>, send through the \
+                  provider, record the outcome in the ledger.\n\nConfiguration: defaults, then \
+                  the TOML file given by --config or NUDGE_CONFIG, then NUDGE_* environment \
+                  variables. See config/nudge.example.toml. SIGTERM or Ctrl-C stops consuming, \
+                  lets in-flight sends finish (worker.shutdown_grace_ms) and exits 0."
+)]
+pub struct Cli {
+    /// TOML configuration file (overrides NUDGE_CONFIG).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+}
+
+/// The whole of a channel worker's `main`: parse, configure, run until a signal.
+pub async fn main_for(channel: Channel) -> ExitCode {
+    use clap::Parser;
+    let cli = Cli::parse();
+    match run_binary(channel, cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!(error.cause_chain = ?e, "worker stopped");
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("error: {e:#}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
+    let config: WorkerConfig = nudge_config::load(cli.config.as_deref(), WorkerConfig::SECTIONS)
+        .context("failed to load configuration")?;
+    config
+        .validate_for(channel)
+        .context("invalid configuration")?;
+    let service = match channel {
+        Channel::Push => "nudge-push",
+        Channel::Email => "nudge-email",
+        Channel::Sms => "nudge-sms",
+    };
+    let _telemetry = nudge_telemetry::init(service, &config.telemetry)
+        .context("failed to initialise logging")?;
+
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone());
+    let worker = Arc::new(build(&config, channel).await?);
+    let topology = Topology::new(&config.amqp.namespace, config.amqp.delivery_limit)
+        .context("invalid amqp.namespace or amqp.delivery_limit")?;
+    let broker = Broker::connect(
+        config.amqp.url.expose(),
+        Duration::from_millis(config.amqp.connect_timeout_ms),
+        topology,
+    )
+    .await
+    .context("failed to connect to RabbitMQ (amqp.url)")?;
+    info!(%channel, worker_id = %worker.worker_id, prefetch = config.amqp.prefetch, "worker started");
+    run(
+        worker,
+        broker.clone(),
+        config.amqp.prefetch,
+        shutdown,
+        Duration::from_millis(config.worker.shutdown_grace_ms),
+    )
+    .await;
+    broker.close().await;
+    info!("worker stopped cleanly");
+    Ok(())
+}
+
+/// Builds a worker for `channel` from its configuration.
+pub async fn build(config: &WorkerConfig, channel: Channel) -> anyhow::Result<Worker> {
+    let key = config
+        .crypto
+        .destination_key_bytes()?
+        .context("crypto.destination_key is required")?;
+    let ledger = Ledger::connect(
+        config.database.url.expose(),
+        config.database.max_connections,
+        Duration::from_millis(config.database.acquire_timeout_ms),
+    )
+    .await
+    .context("failed to connect to PostgreSQL (database.url)")?;
+    let mut providers = Vec::new();
+    let mut default = None;
+    for (i, cfg) in config
+        .providers
+        .iter()
+        .filter(|p| p.channel == channel)
+        .enumerate()
+    {
+        let provider = HttpProvider::new(cfg)
+            .with_context(|| format!("failed to build provider account providers[{i}]"))?;
+        if cfg.default_for_channel {
+            default = Some(ProviderAccount::parse(&cfg.account)?);
+        }
+        providers.push(provider);
+    }
+    let default = default.context("no default provider account for this channel")?;
+    Ok(Worker {
+        channel,
+        ledger,
+        cipher: DestinationCipher::new(&key),
+        providers: Providers::new(providers, default),
+        policy: config.retry_policy()?,
+        lease_for: Duration::from_secs(config.worker.lease_seconds),
+        worker_id: format!(
+            "{}-{}-{}",
+            channel,
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        ),
+        clock: Arc::new(chrono::Utc::now),
+    })
+}
+
+fn spawn_signal_handler(shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(e) => {
+                    warn!(error.cause_chain = ?e, "cannot listen for SIGTERM");
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        #[cfg(not(unix))]
+        let term = std::future::pending::<()>();
+        tokio::select! {
+            _ = ctrl_c => info!("interrupt received: shutting down"),
+            () = term => info!("SIGTERM received: shutting down"),
+        }
+        shutdown.cancel();
+    });
+}
+
+/// Consumes `work.<channel>` until `shutdown`, processing up to `prefetch` messages at once.
+/// On shutdown it stops taking messages, lets in-flight ones finish within `grace`, and
+/// returns; messages it had not started are redelivered by the broker to another worker.
+pub async fn run(
+    worker: Arc<Worker>,
+    broker: Broker,
+    prefetch: u16,
+    shutdown: CancellationToken,
+    grace: Duration,
+) {
+    let permits = Arc::new(Semaphore::new(usize::from(prefetch)));
+    let tracker = TaskTracker::new();
+    let mut reconnect_delay = Duration::from_millis(100);
+    'consume: while !shutdown.is_cancelled() {
+        let consumer = tokio::select! {
+            () = shutdown.cancelled() => break 'consume,
+            c = broker.consume(QueueKind::Work(worker.channel), prefetch, &worker.worker_id) => c,
+        };
+        let mut consumer = match consumer {
+            Ok(consumer) => {
+                reconnect_delay = Duration::from_millis(100);
+                consumer
+            }
+            Err(e) => {
+                warn!(error.cause_chain = ?e, delay_ms = reconnect_delay.as_millis() as u64,
+                      "cannot consume; retrying");
+                tokio::select! {
+                    () = shutdown.cancelled() => break 'consume,
+                    () = tokio::time::sleep(reconnect_delay) => {}
+                }
+                reconnect_delay = (reconnect_delay * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        loop {
+            let next = tokio::select! {
+                () = shutdown.cancelled() => break 'consume,
+                next = consumer.next() => next,
+            };
+            let incoming = match next {
+                Some(Ok(incoming)) => incoming,
+                Some(Err(e)) => {
+                    warn!(error.cause_chain = ?e, "consumer failed; reconnecting");
+                    break;
+                }
+                None => {
+                    warn!("consumer ended; reconnecting");
+                    break;
+                }
+            };
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                break 'consume;
+            };
+            let worker = worker.clone();
+            tracker.spawn(async move {
+                let processed = worker.process_one(incoming.payload()).await;
+                let settled = if processed.dead_letter() {
+                    incoming.dead_letter().await
+                } else {
+                    incoming.ack().await
+                };
+                if let Err(e) = settled {
+                    // The ledger holds the truth; a message we could not settle is redelivered
+                    // and dropped as stale, or republished by the relay if it was lost.
+                    warn!(error.cause_chain = ?e, ?processed, "failed to settle a message");
+                }
+                drop(permit);
+            });
+        }
+    }
+    tracker.close();
+    if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+        warn!(
+            grace_ms = grace.as_millis() as u64,
+            "in-flight sends did not finish in time; their leases will be reaped"
+        );
+    }
+}

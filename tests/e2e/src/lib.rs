@@ -1,0 +1,611 @@
+//! The end-to-end harness: each test gets a fresh PostgreSQL database, its own RabbitMQ
+//! namespace (exchanges and queues prefixed `e2e-<id>.`), its own provider stub, and starts
+//! the real nudge binaries as separate processes with a generated configuration file.
+//!
+//! Everything a test starts is stopped when its [`TestEnv`] is dropped, even when the test
+//! panics: processes are killed, the database is dropped and the namespace's queues and
+//! exchanges are deleted. Binaries are taken from the cargo target directory the test runs
+//! from (`scripts/test.sh` builds them first); a missing binary fails the test by name.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use base64::Engine;
+use nudge_domain::Channel;
+use nudge_ledger::{DestinationCipher, Ledger};
+use serde_json::Value;
+
+pub use provider_stub::{KeysReport, Stats};
+
+pub const ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+fn amqp_url() -> String {
+    std::env::var("NUDGE_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+/// The environment for a child process: this one's, less every `NUDGE_*` variable, so a
+/// developer's shell (or CI's) cannot override the generated configuration.
+fn clean_command(program: PathBuf) -> Command {
+    let mut command = Command::new(program);
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("NUDGE_") {
+            command.env_remove(name);
+        }
+    }
+    command
+}
+
+fn admin_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| ADMIN_URL.to_owned())
+}
+
+/// The directory holding the workspace's binaries: next to this test executable's `deps/`.
+pub fn bin_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("NUDGE_BIN_DIR") {
+        return PathBuf::from(dir);
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target directory")
+        .to_path_buf()
+}
+
+pub fn bin(name: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    assert!(
+        path.exists(),
+        "binary {} not found: build the workspace's binaries first (scripts/test.sh does: \
+         cargo build --workspace --bins)",
+        path.display()
+    );
+    path
+}
+
+/// A child process that is killed when dropped.
+#[derive(Debug)]
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// SIGKILL: no chance to clean up, like a crashed container.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, then waits (bounded) for the exit; returns the exit code.
+    pub fn terminate(&mut self, within: Duration) -> Option<i32> {
+        let mut child = self.child.take()?;
+        // The workspace forbids unsafe code, so signal through kill(1) rather than libc.
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return status.code();
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One test's world.
+pub struct TestEnv {
+    pub id: String,
+    pub dir: PathBuf,
+    pub db_name: String,
+    pub db_url: String,
+    pub namespace: String,
+    pub ledger: Ledger,
+    pub cipher: DestinationCipher,
+    key_b64: String,
+    pub stub_url: String,
+    stub: Option<Proc>,
+    procs: Vec<Proc>,
+    pub http: reqwest::Client,
+}
+
+impl std::fmt::Debug for TestEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestEnv")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Extra configuration for a worker process: provider accounts and policy overrides.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// (account, honours_idempotency, default_for_channel)
+    pub accounts: Vec<(String, bool, bool)>,
+    pub lease_seconds: u64,
+    pub prefetch: u16,
+    pub retry_base_ms: u64,
+    pub retry_max_ms: u64,
+    pub max_attempts: u32,
+    pub provider_timeout_ms: u64,
+}
+
+impl WorkerOptions {
+    pub fn for_channel(channel: Channel) -> Self {
+        Self {
+            accounts: vec![(format!("{channel}-main"), true, true)],
+            lease_seconds: 30,
+            prefetch: 32,
+            retry_base_ms: 200,
+            retry_max_ms: 1_000,
+            max_attempts: 8,
+            provider_timeout_ms: 5_000,
+        }
+    }
+}
+
+impl TestEnv {
+    /// A fresh database (migrated), namespace and provider stub.
+    pub async fn start(test: &str) -> anyhow::Result<Self> {
+        let id = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
+        let dir = std::env::temp_dir().join(format!("nudge-e2e-{test}-{id}"));
+        std::fs::create_dir_all(&dir)?;
+        let db_name = format!("nudge_e2e_{id}");
+        let admin = sqlx::PgPool::connect(&admin_url())
+            .await
+            .context("PostgreSQL must answer for the end-to-end tests (DATABASE_URL)")?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db_name}")))
+            .execute(&admin)
+            .await?;
+        admin.close().await;
+        let base = admin_url();
+        let db_url = match base.rfind('/') {
+            Some(i) => format!("{}/{db_name}", &base[..i]),
+            None => bail!("DATABASE_URL has no database path"),
+        };
+        let ledger = Ledger::connect(&db_url, 8, Duration::from_secs(10)).await?;
+        ledger.migrate().await?;
+        let key: [u8; 32] = rand_key();
+        let key_b64 = base64::engine::general_purpose::STANDARD.encode(key);
+
+        let mut env = Self {
+            namespace: format!("e2e-{id}."),
+            id,
+            dir,
+            db_name,
+            db_url,
+            ledger,
+            cipher: DestinationCipher::new(&key),
+            key_b64,
+            stub_url: String::new(),
+            stub: None,
+            procs: Vec::new(),
+            http: reqwest::Client::new(),
+        };
+        env.start_stub()?;
+        Ok(env)
+    }
+
+    fn start_stub(&mut self) -> anyhow::Result<()> {
+        let log = self.dir.join("provider-stub.log");
+        let mut child = clean_command(bin("provider-stub"))
+            .args(["--listen", "127.0.0.1:0"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .context("failed to start provider-stub")?;
+        let stdout = child.stdout.take().context("stub stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let url = line
+            .trim()
+            .strip_prefix("listening on ")
+            .with_context(|| format!("unexpected first line from provider-stub: {line:?}"))?
+            .to_owned();
+        self.stub_url = url;
+        self.stub = Some(Proc {
+            name: "provider-stub".into(),
+            child: Some(child),
+            log,
+        });
+        Ok(())
+    }
+
+    /// The base URL of a provider account on the stub.
+    pub fn account_url(&self, account: &str) -> String {
+        format!("{}/accounts/{account}", self.stub_url)
+    }
+
+    /// Scripts one account on the stub.
+    pub async fn script(&self, account: &str, script: Value) -> anyhow::Result<()> {
+        let resp = self
+            .http
+            .put(format!("{}/admin/accounts/{account}", self.stub_url))
+            .json(&script)
+            .send()
+            .await?;
+        if !resp.status().is_success() {
+            bail!("scripting {account} failed: {}", resp.text().await?);
+        }
+        Ok(())
+    }
+
+    pub async fn stub_stats(&self) -> anyhow::Result<Value> {
+        Ok(self
+            .http
+            .get(format!("{}/stats", self.stub_url))
+            .send()
+            .await?
+            .json()
+            .await?)
+    }
+
+    pub async fn stub_keys(&self) -> anyhow::Result<Value> {
+        Ok(self
+            .http
+            .get(format!("{}/stats/keys", self.stub_url))
+            .send()
+            .await?
+            .json()
+            .await?)
+    }
+
+    fn common_config(&self) -> String {
+        format!(
+            r#"[database]
+url = "{db}"
+max_connections = 8
+
+[amqp]
+url = "{amqp}"
+namespace = "{ns}"
+delivery_limit = 3
+
+[telemetry]
+log_format = "json"
+log_filter = "info"
+"#,
+            db = self.db_url,
+            amqp = amqp_url(),
+            ns = self.namespace,
+        )
+    }
+
+    fn write_config(&self, name: &str, body: &str) -> anyhow::Result<PathBuf> {
+        let path = self.dir.join(format!("{name}.toml"));
+        std::fs::write(&path, body)?;
+        Ok(path)
+    }
+
+    fn spawn(&mut self, binary: &str, name: &str, config: &Path) -> anyhow::Result<usize> {
+        let log = self.dir.join(format!("{name}.log"));
+        let child = clean_command(bin(binary))
+            .arg("--config")
+            .arg(config)
+            .env_remove("RUST_LOG")
+            .stdout(std::fs::File::create(self.dir.join(format!("{name}.out")))?)
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .with_context(|| format!("failed to start {binary}"))?;
+        self.procs.push(Proc {
+            name: name.to_owned(),
+            child: Some(child),
+            log,
+        });
+        Ok(self.procs.len() - 1)
+    }
+
+    pub fn proc(&mut self, index: usize) -> &mut Proc {
+        &mut self.procs[index]
+    }
+
+    /// Starts `nudge-producer`; returns its index.
+    pub fn start_producer(&mut self, name: &str) -> anyhow::Result<usize> {
+        let body = format!(
+            "{}\n[producer]\nrelay_interval_ms = 50\nbatch_size = 200\nrepublish_after_s = 5\nschedule_interval_ms = 200\n",
+            self.common_config()
+        );
+        let config = self.write_config(name, &body)?;
+        self.spawn("nudge-producer", name, &config)
+    }
+
+    /// Starts `nudge-janitor`; returns its index.
+    pub fn start_janitor(
+        &mut self,
+        retry_base_ms: u64,
+        retry_max_ms: u64,
+    ) -> anyhow::Result<usize> {
+        let body = format!(
+            "{}\n[janitor]\ninterval_ms = 200\n\n[retry]\nbase_delay_ms = {retry_base_ms}\nmax_delay_ms = {retry_max_ms}\n",
+            self.common_config()
+        );
+        let config = self.write_config("janitor", &body)?;
+        self.spawn("nudge-janitor", "janitor", &config)
+    }
+
+    /// Starts the worker binary of `channel`; returns its index.
+    pub fn start_worker(
+        &mut self,
+        channel: Channel,
+        name: &str,
+        options: &WorkerOptions,
+    ) -> anyhow::Result<usize> {
+        let mut body = self.common_config();
+        body = body.replace(
+            "delivery_limit = 3",
+            &format!("delivery_limit = 3\nprefetch = {}", options.prefetch),
+        );
+        body.push_str(&format!(
+            "\n[crypto]\ndestination_key = \"{key}\"\n\n[worker]\nlease_seconds = {lease}\nshutdown_grace_ms = 5000\n\n[retry]\nbase_delay_ms = {base}\nmax_delay_ms = {max}\nmax_attempts = {attempts}\nmax_retry_after_s = 60\n",
+            key = self.key_b64,
+            lease = options.lease_seconds,
+            base = options.retry_base_ms,
+            max = options.retry_max_ms,
+            attempts = options.max_attempts,
+        ));
+        for (account, idem, default) in &options.accounts {
+            body.push_str(&format!(
+                "\n[[providers]]\naccount = \"{account}\"\nchannel = \"{channel}\"\nbase_url = \"{url}\"\ntimeout_ms = {timeout}\nconnect_timeout_ms = 1000\nhonours_idempotency = {idem}\ndefault_for_channel = {default}\n",
+                url = self.account_url(account),
+                timeout = options.provider_timeout_ms,
+            ));
+        }
+        let config = self.write_config(name, &body)?;
+        let binary = format!("nudge-{channel}");
+        self.spawn(&binary, name, &config)
+    }
+
+    /// Runs `nudgectl` against this environment's database; returns (exit code, stdout, stderr).
+    pub fn nudgectl(&self, args: &[&str]) -> anyhow::Result<(i32, String, String)> {
+        let out = clean_command(bin("nudgectl"))
+            .args(args)
+            .env("NUDGE_DATABASE__URL", &self.db_url)
+            .env("NUDGE_CRYPTO__DESTINATION_KEY", &self.key_b64)
+            .output()?;
+        Ok((
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    }
+
+    /// Waits until `check` returns Some, polling; fails with `what` and the process logs.
+    pub async fn wait_for<T, F, Fut>(&mut self, what: &str, within: Duration, mut check: F) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<Option<T>>>,
+    {
+        let deadline = Instant::now() + within;
+        let mut last_err = None;
+        loop {
+            match check().await {
+                Ok(Some(value)) => return value,
+                Ok(None) => {}
+                Err(e) => last_err = Some(e),
+            }
+            if Instant::now() >= deadline {
+                let dead: Vec<String> = self
+                    .procs
+                    .iter_mut()
+                    .filter_map(|p| (!p.is_running() && p.child.is_some()).then(|| p.name.clone()))
+                    .collect();
+                for p in &self.procs {
+                    eprintln!(
+                        "---- {} ({}) ----\n{}",
+                        p.name,
+                        p.log.display(),
+                        p.log_tail(30)
+                    );
+                }
+                panic!(
+                    "timed out after {within:?} waiting for {what}; last error: {last_err:?}; \
+                     exited processes: {dead:?}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Delivery counts by state.
+    pub async fn states(&self) -> anyhow::Result<HashMap<String, i64>> {
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT state, count(*) FROM deliveries GROUP BY state")
+                .fetch_all(self.ledger.pool())
+                .await?;
+        Ok(rows.into_iter().collect())
+    }
+
+    /// Number of deliveries not yet in a terminal or held state.
+    pub async fn live(&self) -> anyhow::Result<i64> {
+        Ok(sqlx::query_scalar(
+            "SELECT count(*) FROM deliveries WHERE state IN ('scheduled','queued','sending','retry_wait')",
+        )
+        .fetch_one(self.ledger.pool())
+        .await?)
+    }
+
+    /// A tenant whose producer windows run every second and look `window_seconds` ahead.
+    pub async fn tenant(
+        &self,
+        name: &str,
+        window_seconds: u32,
+    ) -> anyhow::Result<nudge_domain::TenantId> {
+        let tenant = self.ledger.create_tenant(name, chrono::Utc::now()).await?;
+        self.ledger
+            .set_schedule(tenant.id, "* * * * * *", window_seconds, chrono::Utc::now())
+            .await?;
+        Ok(tenant.id)
+    }
+
+    /// Imports one reminder for `channels` with a destination for each.
+    pub async fn reminder(
+        &self,
+        tenant: nudge_domain::TenantId,
+        event: &str,
+        channels: &[Channel],
+        scheduled_at: chrono::DateTime<chrono::Utc>,
+        expires_at: chrono::DateTime<chrono::Utc>,
+    ) -> anyhow::Result<nudge_ledger::CreatedReminder> {
+        let reminder = nudge_ledger::NewReminder::new(
+            tenant,
+            nudge_domain::EventId::parse(event)?,
+            nudge_domain::SubscriberRef::parse(&format!("sub-{event}"))?,
+            channels,
+            scheduled_at,
+            expires_at,
+        )?
+        .with_content(br#"{"template":"appointment"}"#.to_vec());
+        let contacts: Vec<(Channel, nudge_ledger::Destination)> = channels
+            .iter()
+            .map(|c| {
+                (
+                    *c,
+                    nudge_ledger::Destination::new(format!("dest-{c}-{event}")),
+                )
+            })
+            .collect();
+        Ok(self
+            .ledger
+            .import_reminder(&reminder, &contacts, &self.cipher, chrono::Utc::now())
+            .await?)
+    }
+
+    /// Stops every process this test started and has not killed (SIGTERM, then SIGKILL after
+    /// `within`) and returns their exit codes by name (None: it had to be killed).
+    pub fn stop_all(&mut self, within: Duration) -> Vec<(String, Option<i32>)> {
+        self.procs
+            .iter_mut()
+            .filter(|p| p.child.is_some())
+            .map(|p| (p.name.clone(), p.terminate(within)))
+            .collect()
+    }
+}
+
+fn rand_key() -> [u8; 32] {
+    let a = uuid::Uuid::new_v4().into_bytes();
+    let b = uuid::Uuid::new_v4().into_bytes();
+    let mut key = [0u8; 32];
+    key[..16].copy_from_slice(&a);
+    key[16..].copy_from_slice(&b);
+    key
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        for p in &mut self.procs {
+            p.kill();
+        }
+        if let Some(stub) = &mut self.stub {
+            stub.kill();
+        }
+        let db_name = self.db_name.clone();
+        let namespace = self.namespace.clone();
+        let pool = self.ledger.pool().clone();
+        // Async cleanup from a destructor that may run while a test panics: its own runtime,
+        // on its own thread.
+        let cleanup = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("cleanup runtime");
+            rt.block_on(async move {
+                pool.close().await;
+                if let Ok(admin) = sqlx::PgPool::connect(&admin_url()).await {
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {db_name} WITH (FORCE)"
+                    )))
+                    .execute(&admin)
+                    .await;
+                    admin.close().await;
+                }
+                delete_namespace(&namespace).await;
+            });
+        });
+        let _ = cleanup.join();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        } else {
+            eprintln!("test files kept in {}", self.dir.display());
+        }
+    }
+}
+
+async fn delete_namespace(namespace: &str) {
+    use nudge_broker::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+    let Ok(conn) = nudge_broker::lapin::Connection::connect(
+        &amqp_url(),
+        nudge_broker::lapin::ConnectionProperties::default(),
+    )
+    .await
+    else {
+        return;
+    };
+    if let Ok(channel) = conn.create_channel().await {
+        for channel_name in ["push", "email", "sms"] {
+            for kind in ["work", "dead"] {
+                let _ = channel
+                    .queue_delete(
+                        format!("{namespace}{kind}.{channel_name}").into(),
+                        QueueDeleteOptions::default(),
+                    )
+                    .await;
+            }
+        }
+        for exchange in ["nudge.work", "nudge.dead"] {
+            let _ = channel
+                .exchange_delete(
+                    format!("{namespace}{exchange}").into(),
+                    ExchangeDeleteOptions::default(),
+                )
+                .await;
+        }
+    }
+    let _ = conn.close(0, "e2e cleanup".into()).await;
+}
+
+/// Parses the stub's `GET /stats/keys` answer.
+pub fn keys_report(value: Value) -> anyhow::Result<KeysReport> {
+    Ok(serde_json::from_value(value)?)
+}
+
+/// Parses the stub's `GET /stats` answer.
+pub fn stats(value: Value) -> anyhow::Result<Stats> {
+    Ok(serde_json::from_value(value)?)
+}
