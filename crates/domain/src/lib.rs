@@ -10,6 +10,7 @@
 //! database, no async runtime and no logging. Randomness only arrives through the [`Jitter`] trait
 //! so that tests can pin every number exactly.
 
+pub mod admission;
 pub mod classify;
 pub mod decide;
 pub mod ids;
@@ -18,6 +19,10 @@ pub mod policy;
 pub mod retry_after;
 pub mod state;
 
+pub use admission::{
+    Admission, AdmissionSettings, BucketConfig, BucketState, DeferReason, InvalidBucket, admit,
+    on_success, on_throttled, reconfigured,
+};
 pub use classify::{IdempotencySupport, OutcomeClass, SendOutcome, classify};
 pub use decide::{AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide};
 pub use ids::{

@@ -417,6 +417,18 @@ const CLAIM_DUE: &str = "WITH due AS (
     FROM due WHERE d.id = due.id
     RETURNING d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane, d.next_attempt_at";
 
+const CLAIM_DUE_FOR: &str = "WITH due AS (
+        SELECT id FROM deliveries
+        WHERE channel = $3 AND state IN ('scheduled', 'retry_wait') AND next_attempt_at <= $1
+        ORDER BY next_attempt_at
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED)
+    UPDATE deliveries d
+    SET state = 'queued', generation = d.generation + 1, queued_at = $1, updated_at = $1,
+        lane = CASE WHEN d.state = 'retry_wait' AND d.lane = 'new' THEN 'retry' ELSE d.lane END
+    FROM due WHERE d.id = due.id
+    RETURNING d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane, d.next_attempt_at";
+
 const CLAIM_UNCONSUMED: &str = "WITH lost AS (
         SELECT id FROM deliveries
         WHERE state = 'queued' AND queued_at <= $3
@@ -450,6 +462,39 @@ impl Ledger {
         limit: u32,
     ) -> Result<Vec<DueDelivery>, LedgerError> {
         self.claim(CLAIM_DUE, now, limit, None).await
+    }
+
+    /// [`claim_due`](Self::claim_due) for one channel: the relay claims per channel so a
+    /// backlog on one channel never crowds another out of a batch.
+    pub async fn claim_due_for(
+        &self,
+        channel: Channel,
+        now: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<Vec<DueDelivery>, LedgerError> {
+        let rows = sqlx::query_as::<_, DueRow>(CLAIM_DUE_FOR)
+            .bind(now)
+            .bind(i64::from(limit))
+            .bind(channel.as_str())
+            .fetch_all(&self.pool)
+            .await?;
+        let mut items = rows
+            .into_iter()
+            .map(DueDelivery::try_from)
+            .collect::<Result<Vec<_>, _>>()?;
+        items.sort_by_key(|d| d.next_attempt_at);
+        Ok(items)
+    }
+
+    /// Deliveries of `channel` published or being sent: what the relay has in flight.
+    pub async fn in_flight(&self, channel: Channel) -> Result<u64, LedgerError> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM deliveries WHERE channel = $1 AND state IN ('queued', 'sending')",
+        )
+        .bind(channel.as_str())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     /// Claims deliveries that were published (`queued`) more than `older_than` ago and never

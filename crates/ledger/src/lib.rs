@@ -13,23 +13,27 @@
 //! instead of sleeping.
 
 mod audit;
+mod buckets;
 mod contacts;
 mod crypto;
 mod dead_letters;
 mod deliveries;
 mod error;
+mod estimate;
 mod reminders;
 mod schedules;
 mod status;
 mod tenants;
 
 pub use audit::AuditEntry;
+pub use buckets::{BucketAdmission, BucketCheck, Feedback, RateBucket};
 pub use crypto::{Destination, DestinationCipher};
 pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{
     Attempt, AttemptRecord, DeliveryRecord, DueDelivery, LeaseOutcome, LeasedDelivery,
 };
 pub use error::LedgerError;
+pub use estimate::{Backlog, OwedDelivery};
 pub use reminders::{CreatedReminder, NewReminder, WindowOutcome};
 pub use schedules::Schedule;
 pub use status::ChannelStatus;

@@ -227,9 +227,13 @@ impl Ledger {
             ));
         }
         let mut tx = self.pool.begin().await?;
-        // Lock the tenant row so a concurrent pause either lands before this intent or waits.
+        // Exclusive on the tenant row: reminder creations hold it FOR SHARE until they commit,
+        // so this window waits for every creation in flight (and then reads their reminders),
+        // and a creation that starts later waits for this window (and then sees its intent and
+        // materialises itself). Without it, a reminder committing around the window's read is
+        // taken by neither. A concurrent pause also either lands before this intent or waits.
         let paused: Option<bool> =
-            sqlx::query_scalar("SELECT intake_paused FROM tenants WHERE id = $1 FOR SHARE")
+            sqlx::query_scalar("SELECT intake_paused FROM tenants WHERE id = $1 FOR UPDATE")
                 .bind(tenant_id.as_uuid())
                 .fetch_optional(&mut *tx)
                 .await?;
@@ -318,6 +322,15 @@ async fn create_reminder_in(
     cipher: &DestinationCipher,
     now: DateTime<Utc>,
 ) -> Result<CreatedReminder, LedgerError> {
+    // Shared with other creations, exclusive with a producer window: see materialise_window.
+    let known: Option<bool> =
+        sqlx::query_scalar("SELECT true FROM tenants WHERE id = $1 FOR SHARE")
+            .bind(reminder.tenant_id.as_uuid())
+            .fetch_optional(&mut *tx)
+            .await?;
+    if known.is_none() {
+        return Err(LedgerError::UnknownTenant(reminder.tenant_id.as_uuid()));
+    }
     let id = ReminderId::new();
     let content = reminder
         .content
@@ -403,6 +416,30 @@ async fn create_reminder_in(
             tenant_id: reminder.tenant_id.as_uuid(),
         })
     }
+}
+
+/// On resume: the reminders created while the tenant was paused whose window already ran (or
+/// whose time has come) get their deliveries now; later windows take the rest.
+pub(crate) async fn materialise_paused_backlog(
+    tx: &mut PgConnection,
+    tenant_id: TenantId,
+    paused_at: DateTime<Utc>,
+    now: DateTime<Utc>,
+) -> Result<u64, LedgerError> {
+    let reminders: Vec<WindowReminder> = sqlx::query_as(
+        "SELECT r.id, r.channels, r.scheduled_at, r.expires_at FROM reminders r
+         WHERE r.tenant_id = $1 AND r.created_at >= $2 AND r.cancelled_at IS NULL
+           AND (r.scheduled_at <= $3 OR EXISTS (
+                SELECT 1 FROM run_intents ri
+                WHERE ri.tenant_id = r.tenant_id
+                  AND ri.window_start <= r.scheduled_at AND ri.window_end > r.scheduled_at))",
+    )
+    .bind(tenant_id.as_uuid())
+    .bind(paused_at)
+    .bind(now)
+    .fetch_all(&mut *tx)
+    .await?;
+    insert_deliveries(tx, tenant_id, &reminders, now).await
 }
 
 /// Inserts one delivery per (reminder, channel), skipping those that exist. The idempotency

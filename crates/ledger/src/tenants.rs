@@ -74,21 +74,42 @@ impl Ledger {
         Ok(row.map(Tenant::from))
     }
 
-    /// Sets the intake-pause flag; returns false when the tenant does not exist.
+    /// Sets the intake-pause flag; returns false when the tenant does not exist. Resuming
+    /// materialises, in the same transaction, the reminders created during the pause whose
+    /// window already ran, so nothing created while paused is left behind.
     pub async fn set_intake_paused(
         &self,
         id: TenantId,
         paused: bool,
         now: DateTime<Utc>,
     ) -> Result<bool, LedgerError> {
-        let done =
-            sqlx::query("UPDATE tenants SET intake_paused = $2, updated_at = $3 WHERE id = $1")
-                .bind(id.as_uuid())
-                .bind(paused)
-                .bind(now)
-                .execute(&self.pool)
-                .await?;
-        Ok(done.rows_affected() == 1)
+        let mut tx = self.pool.begin().await?;
+        let current: Option<(bool, Option<DateTime<Utc>>)> = sqlx::query_as(
+            "SELECT intake_paused, intake_paused_at FROM tenants WHERE id = $1 FOR UPDATE",
+        )
+        .bind(id.as_uuid())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((was_paused, paused_at)) = current else {
+            return Ok(false);
+        };
+        sqlx::query(
+            "UPDATE tenants SET intake_paused = $2, updated_at = $3,
+                 intake_paused_at = CASE WHEN $2 THEN COALESCE(intake_paused_at, $3) ELSE NULL END
+             WHERE id = $1",
+        )
+        .bind(id.as_uuid())
+        .bind(paused)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        if was_paused && !paused {
+            // A tenant paused before this column existed resumes everything not yet materialised.
+            let since = paused_at.unwrap_or(DateTime::<Utc>::MIN_UTC);
+            crate::reminders::materialise_paused_backlog(&mut tx, id, since, now).await?;
+        }
+        tx.commit().await?;
+        Ok(true)
     }
 
     /// Routes a tenant's channel to a provider account (None = the channel's default account).

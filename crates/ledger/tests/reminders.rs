@@ -500,3 +500,122 @@ async fn an_import_writes_the_reminder_and_its_destinations_together_or_not_at_a
         .unwrap();
     assert_eq!(contacts, 1);
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn reminders_created_while_their_window_runs_never_end_up_without_deliveries(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    // Bounded: 12 windows, 40 concurrent creations each, the window run in their midst.
+    for round in 0..12i64 {
+        let start = t0() + secs(round * 60);
+        let mut creations = Vec::new();
+        for i in 0..40i64 {
+            let creator = ledger.clone();
+            creations.push(tokio::spawn(async move {
+                let r = reminder(
+                    tenant.id,
+                    &format!("r{round}-{i}"),
+                    &[Channel::Sms],
+                    start + secs(i % 60),
+                );
+                creator
+                    .create_reminder(&r, &cipher(), an_hour_before())
+                    .await
+                    .unwrap()
+            }));
+            if i == 20 {
+                let producer = ledger.clone();
+                creations.push(tokio::spawn(async move {
+                    producer
+                        .materialise_window(tenant.id, start, start + secs(60), an_hour_before())
+                        .await
+                        .unwrap();
+                    nudge_ledger::CreatedReminder {
+                        id: nudge_domain::ReminderId::new(),
+                        created: false,
+                        deliveries_created: 0,
+                    }
+                }));
+            }
+        }
+        for creation in creations {
+            creation.await.unwrap();
+        }
+    }
+
+    let orphans: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM reminders r WHERE NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.reminder_id = r.id)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let total: i64 = sqlx::query_scalar("SELECT count(*) FROM reminders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(total, 480);
+    assert_eq!(orphans, 0, "reminders left without deliveries");
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_reminder_created_during_a_pause_for_a_window_that_already_ran_is_materialised_on_resume(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    ledger
+        .materialise_window(tenant.id, t0(), t0() + secs(3600), t0())
+        .await
+        .unwrap();
+    ledger
+        .set_intake_paused(tenant.id, true, t0() + secs(1))
+        .await
+        .unwrap();
+    let during = ledger
+        .create_reminder(
+            &reminder(
+                tenant.id,
+                "during-pause",
+                &[Channel::Sms],
+                t0() + secs(1800),
+            ),
+            &cipher(),
+            t0() + secs(2),
+        )
+        .await
+        .unwrap();
+    let later = ledger
+        .create_reminder(
+            &reminder(tenant.id, "next-window", &[Channel::Sms], t0() + secs(7200)),
+            &cipher(),
+            t0() + secs(3),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        during.deliveries_created, 0,
+        "a paused tenant creates no sends"
+    );
+
+    ledger
+        .set_intake_paused(tenant.id, false, t0() + secs(10))
+        .await
+        .unwrap();
+
+    assert_eq!(
+        ledger
+            .deliveries_of_reminder(during.id)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    assert!(
+        ledger
+            .deliveries_of_reminder(later.id)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a reminder of a window not yet run waits for that window"
+    );
+}

@@ -8,6 +8,11 @@
 //!   long is assumed lost (broker restart, relay crash) and published again.
 //! - `producer.schedule_interval_ms` (default 1000): how often schedules are re-read and
 //!   their windows advanced.
+//! - `producer.in_flight_seconds` (default 1.0): per channel, the relay keeps about this many
+//!   seconds of the channel's admitted rate (the sum of its rate buckets) published or being
+//!   sent, so every message finds a send slot within the workers' admission wait.
+//! - `producer.min_in_flight_per_channel` (default 20) and `producer.max_in_flight_per_channel`
+//!   (default 2000): bounds of that window; a channel without rate buckets gets the maximum.
 
 use nudge_config::{AmqpConfig, ConfigError, DatabaseConfig, TelemetryConfig, Validate};
 use serde::{Deserialize, Serialize};
@@ -32,6 +37,9 @@ pub struct ProducerSection {
     pub batch_size: u32,
     pub republish_after_s: u64,
     pub schedule_interval_ms: u64,
+    pub in_flight_seconds: f64,
+    pub min_in_flight_per_channel: u32,
+    pub max_in_flight_per_channel: u32,
 }
 
 impl Default for ProducerSection {
@@ -41,6 +49,9 @@ impl Default for ProducerSection {
             batch_size: 500,
             republish_after_s: 60,
             schedule_interval_ms: 1_000,
+            in_flight_seconds: 1.0,
+            min_in_flight_per_channel: 20,
+            max_in_flight_per_channel: 2_000,
         }
     }
 }
@@ -67,6 +78,20 @@ impl Validate for ProducerConfig {
             return Err(ConfigError::invalid(
                 "producer.republish_after_s",
                 "must be at least 5 (shorter only republishes messages that are merely slow)",
+            ));
+        }
+        if !(p.in_flight_seconds.is_finite() && (0.1..=60.0).contains(&p.in_flight_seconds)) {
+            return Err(ConfigError::invalid(
+                "producer.in_flight_seconds",
+                "must be between 0.1 and 60",
+            ));
+        }
+        if p.min_in_flight_per_channel == 0
+            || p.min_in_flight_per_channel > p.max_in_flight_per_channel
+        {
+            return Err(ConfigError::invalid(
+                "producer.min_in_flight_per_channel",
+                "must be at least 1 and at most producer.max_in_flight_per_channel",
             ));
         }
         if !(100..=60_000).contains(&p.schedule_interval_ms) {

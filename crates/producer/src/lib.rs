@@ -25,6 +25,7 @@ use std::time::Duration;
 use anyhow::Context;
 use chrono::{DateTime, TimeZone, Utc};
 use nudge_broker::{Broker, OutgoingMessage, Publisher, Topology};
+use nudge_domain::Channel;
 use nudge_ledger::{DueDelivery, Ledger, Schedule, WindowOutcome};
 use nudge_proto::Envelope;
 use tokio_util::sync::CancellationToken;
@@ -281,17 +282,24 @@ impl Relay {
         }
     }
 
-    /// Publishes one batch of due work and one of lost work at `now`.
+    /// Publishes one batch of due work per channel, within the channel's in-flight window,
+    /// and one batch of lost work, at `now`.
     pub async fn relay_once(&mut self, now: DateTime<Utc>) -> anyhow::Result<RelayReport> {
         let mut report = RelayReport::default();
-        let due = self
-            .ledger
-            .claim_due(now, self.settings.batch_size)
-            .await
-            .context("failed to claim due deliveries")?;
-        let (ok, failed) = self.publish(&due, now).await?;
-        report.published += ok;
-        report.failed += failed;
+        for channel in Channel::ALL {
+            let room = self.room(channel, now).await?;
+            if room == 0 {
+                continue;
+            }
+            let due = self
+                .ledger
+                .claim_due_for(channel, now, room.min(self.settings.batch_size))
+                .await
+                .context("failed to claim due deliveries")?;
+            let (ok, failed) = self.publish(&due, now).await?;
+            report.published += ok;
+            report.failed += failed;
+        }
 
         let lost = self
             .ledger
@@ -312,6 +320,22 @@ impl Relay {
         report.republished += ok;
         report.failed += failed;
         Ok(report)
+    }
+
+    /// How many more deliveries of `channel` may be published now: about
+    /// `in_flight_seconds` of what the channel's buckets admit, less what is in flight.
+    async fn room(&self, channel: Channel, now: DateTime<Utc>) -> anyhow::Result<u32> {
+        let s = &self.settings;
+        let window = match self.ledger.channel_rate(channel, now).await? {
+            None => s.max_in_flight_per_channel,
+            Some(rate) => {
+                // Saturating float-to-int; clamped to the configured bounds right after.
+                let by_rate = (rate * s.in_flight_seconds).ceil() as u32;
+                by_rate.clamp(s.min_in_flight_per_channel, s.max_in_flight_per_channel)
+            }
+        };
+        let in_flight = self.ledger.in_flight(channel).await?;
+        Ok(u32::try_from(u64::from(window).saturating_sub(in_flight)).unwrap_or(0))
     }
 
     async fn publish(

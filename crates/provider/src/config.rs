@@ -14,6 +14,8 @@
 //! | `connect_timeout_ms` | `2000` | > 0 and below `timeout_ms` |
 //! | `honours_idempotency` | `false` | whether the provider dedups by `Idempotency-Key` |
 //! | `default_for_channel` | `false` | the account a worker uses for its channel when none is chosen |
+//! | `rate_per_second` | unset (not limited) | the account's starting admission rate, >= 0; creates its shared rate bucket if none exists (a bucket changed at run time with `nudgectl rate set` keeps its rate) |
+//! | `burst` | `max(1, ceil(rate_per_second))` | how many sends may go back to back, >= 1 |
 
 use nudge_config::{ConfigError, Secret};
 use nudge_domain::{Channel, IdempotencySupport, ProviderAccount};
@@ -38,6 +40,10 @@ pub struct HttpProviderConfig {
     pub honours_idempotency: bool,
     #[serde(default)]
     pub default_for_channel: bool,
+    #[serde(default)]
+    pub rate_per_second: Option<f64>,
+    #[serde(default)]
+    pub burst: Option<u32>,
 }
 
 const fn default_timeout_ms() -> u64 {
@@ -68,6 +74,8 @@ impl HttpProviderConfig {
             connect_timeout_ms: default_connect_timeout_ms(),
             honours_idempotency: false,
             default_for_channel: false,
+            rate_per_second: None,
+            burst: None,
         }
     }
 
@@ -107,7 +115,29 @@ impl HttpProviderConfig {
                 ),
             ));
         }
+        if let Some(rate) = self.rate_per_second
+            && (!rate.is_finite() || rate < 0.0)
+        {
+            return Err(ConfigError::invalid(
+                key(key_prefix, "rate_per_second"),
+                "must be a finite number >= 0",
+            ));
+        }
+        if self.burst == Some(0) {
+            return Err(ConfigError::invalid(
+                key(key_prefix, "burst"),
+                "must be at least 1",
+            ));
+        }
         Ok(())
+    }
+
+    /// The starting burst: as configured, else one second's worth of the rate (at least 1).
+    pub fn starting_burst(&self) -> u32 {
+        self.burst.unwrap_or_else(|| {
+            // Saturating float-to-int: provider rates are far below u32::MAX.
+            (self.rate_per_second.unwrap_or(1.0).ceil() as u32).max(1)
+        })
     }
 
     /// Whether a resend after an unknown outcome is safe with this account.

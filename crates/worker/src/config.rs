@@ -8,9 +8,14 @@
 //!   SIGTERM before the worker exits (their leases then expire and are reaped).
 //! - `retry.base_delay_ms` (1000), `retry.max_delay_ms` (300000), `retry.max_attempts` (8),
 //!   `retry.max_retry_after_s` (3600): the retry policy (see `nudge_domain::RetryPolicy`).
+//! - `admission.max_wait_ms` (default 1500): how long a worker may wait for its reserved send
+//!   slot; a delivery whose slot is further away goes back to the ledger, due at that time.
+//! - `admission.closed_recheck_ms` (default 10000): when a bucket is closed (rate 0), how long
+//!   its deliveries wait before they are looked at again.
 //! - `providers`: a list (`[[providers]]` in TOML) of provider accounts, each
 //!   `account`, `channel`, `base_url`, `auth_token`, `timeout_ms`, `connect_timeout_ms`,
-//!   `honours_idempotency`, `default_for_channel`. A worker uses the accounts of its channel;
+//!   `honours_idempotency`, `default_for_channel`, `rate_per_second`, `burst` (see
+//!   `nudge_provider::HttpProviderConfig`). A worker uses the accounts of its channel;
 //!   exactly one of them must be the default (used for tenants without their own routing).
 
 use std::time::Duration;
@@ -31,6 +36,7 @@ pub struct WorkerConfig {
     pub crypto: CryptoConfig,
     pub worker: WorkerSection,
     pub retry: RetrySection,
+    pub admission: AdmissionSection,
     pub providers: Vec<HttpProviderConfig>,
 }
 
@@ -42,6 +48,7 @@ impl WorkerConfig {
         "crypto",
         "worker",
         "retry",
+        "admission",
         "providers",
     ];
 
@@ -90,6 +97,7 @@ impl Validate for WorkerConfig {
         self.crypto.validate()?;
         self.worker.validate_at("worker")?;
         self.retry_policy()?;
+        self.admission.validate_at("admission")?;
         for (i, provider) in self.providers.iter().enumerate() {
             provider.validate(&format!("providers[{i}]"))?;
         }
@@ -141,6 +149,48 @@ impl Default for RetrySection {
             max_delay_ms: 300_000,
             max_attempts: 8,
             max_retry_after_s: 3_600,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdmissionSection {
+    pub max_wait_ms: u64,
+    pub closed_recheck_ms: u64,
+}
+
+impl Default for AdmissionSection {
+    fn default() -> Self {
+        Self {
+            max_wait_ms: 1_500,
+            closed_recheck_ms: 10_000,
+        }
+    }
+}
+
+impl AdmissionSection {
+    fn validate_at(&self, prefix: &str) -> Result<(), ConfigError> {
+        if self.max_wait_ms > 10_000 {
+            return Err(ConfigError::invalid(
+                format!("{prefix}.max_wait_ms"),
+                "must be at most 10000: a worker must not sit on capacity",
+            ));
+        }
+        if !(100..=600_000).contains(&self.closed_recheck_ms) {
+            return Err(ConfigError::invalid(
+                format!("{prefix}.closed_recheck_ms"),
+                "must be between 100 and 600000",
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn settings(&self) -> nudge_domain::AdmissionSettings {
+        nudge_domain::AdmissionSettings {
+            max_wait: Duration::from_millis(self.max_wait_ms),
+            closed_recheck: Duration::from_millis(self.closed_recheck_ms),
+            ..nudge_domain::AdmissionSettings::default()
         }
     }
 }

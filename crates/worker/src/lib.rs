@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
-pub use config::{RetrySection, WorkerConfig, WorkerSection};
+pub use config::{AdmissionSection, RetrySection, WorkerConfig, WorkerSection};
 pub use process::{Clock, Processed, Providers, Worker};
 
 /// Command line of a channel worker binary.
@@ -129,6 +129,18 @@ pub async fn build(config: &WorkerConfig, channel: Channel) -> anyhow::Result<Wo
     {
         let provider = HttpProvider::new(cfg)
             .with_context(|| format!("failed to build provider account providers[{i}]"))?;
+        if let Some(rate) = cfg.rate_per_second {
+            ledger
+                .ensure_bucket(
+                    &ProviderAccount::parse(&cfg.account)?,
+                    channel,
+                    rate,
+                    cfg.starting_burst(),
+                    chrono::Utc::now(),
+                )
+                .await
+                .with_context(|| format!("failed to create the rate bucket of providers[{i}]"))?;
+        }
         if cfg.default_for_channel {
             default = Some(ProviderAccount::parse(&cfg.account)?);
         }
@@ -149,6 +161,7 @@ pub async fn build(config: &WorkerConfig, channel: Channel) -> anyhow::Result<Wo
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         ),
         clock: Arc::new(chrono::Utc::now),
+        admission: config.admission.settings(),
     })
 }
 

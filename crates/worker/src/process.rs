@@ -7,10 +7,12 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use nudge_domain::{
-    AttemptContext, AttemptFacts, Channel, Decision, DeliveryState, OutcomeClass, ProviderAccount,
-    RandJitter, RetryPolicy, decide,
+    Admission, AdmissionSettings, AttemptContext, AttemptFacts, Channel, Decision, DeferReason,
+    DeliveryState, OutcomeClass, ProviderAccount, RandJitter, RetryAfter, RetryPolicy, decide,
 };
-use nudge_ledger::{AttemptRecord, DestinationCipher, LeaseOutcome, LeasedDelivery, Ledger};
+use nudge_ledger::{
+    AttemptRecord, BucketCheck, DestinationCipher, Feedback, LeaseOutcome, LeasedDelivery, Ledger,
+};
 use nudge_proto::Envelope;
 use nudge_provider::{HttpProvider, Provider, SendRequest};
 use tracing::{Instrument, debug, error, info, warn};
@@ -29,6 +31,9 @@ pub enum Processed {
     Deferred(&'static str),
     /// The message itself is unusable: it goes to the dead-letter queue with this reason.
     Poison(&'static str),
+    /// The bucket had no slot within the admission wait: the lease went back to the ledger,
+    /// due at the bucket's next opening, without spending an attempt.
+    Released(&'static str),
 }
 
 impl Processed {
@@ -75,6 +80,7 @@ pub struct Worker {
     pub lease_for: Duration,
     pub worker_id: String,
     pub clock: Clock,
+    pub admission: AdmissionSettings,
 }
 
 impl std::fmt::Debug for Worker {
@@ -172,7 +178,8 @@ impl Worker {
         account: &ProviderAccount,
         correlation_id: &str,
     ) -> Processed {
-        let started_at = (self.clock)();
+        // The destination and content are loaded first, so that once the slot is reserved
+        // only the wait for it stands between the bucket's decision and the wire.
         let destination = match self.ledger.destination_for(lease, &self.cipher).await {
             Ok(Some(destination)) => destination,
             Ok(None) => {
@@ -181,7 +188,10 @@ impl Worker {
                     .record(
                         lease,
                         without_send("no_destination"),
-                        (started_at, (self.clock)()),
+                        {
+                            let now = (self.clock)();
+                            (now, now)
+                        },
                         account,
                         correlation_id,
                     )
@@ -200,6 +210,15 @@ impl Worker {
                 return Processed::Deferred("ledger_unavailable");
             }
         };
+        let slot = match self.reserve(lease, account).await {
+            Ok(slot) => slot,
+            Err(processed) => return processed,
+        };
+        let slot = match self.wait_for(slot, lease, account).await {
+            Ok(slot) => slot,
+            Err(processed) => return processed,
+        };
+        let started_at = (self.clock)();
 
         let outcome = provider
             .send(SendRequest {
@@ -219,6 +238,8 @@ impl Worker {
         };
         let mut jitter = RandJitter::from_entropy();
         let decision = decide(&ctx, &outcome, finished_at, &self.policy, &mut jitter);
+        self.feedback(account, &decision, slot.below_full_rate, finished_at)
+            .await;
         info!(
             attempt = lease.attempt_number,
             provider_account = %account,
@@ -264,6 +285,163 @@ impl Worker {
             }
         }
     }
+}
+
+impl Worker {
+    /// Reserves a send slot from the bucket of `account` for this delivery's lane. A slot
+    /// within the admission wait is returned (the caller prepares the send, then waits for
+    /// it); a slot further away sends the lease back to the ledger, due at the bucket's next
+    /// opening, so a throttled account never holds this worker's capacity.
+    async fn reserve(
+        &self,
+        lease: &LeasedDelivery,
+        account: &ProviderAccount,
+    ) -> Result<Slot, Processed> {
+        let reserved_at = (self.clock)();
+        let admitted = match self
+            .ledger
+            .admit(
+                account,
+                self.channel,
+                lease.lane,
+                &*self.clock,
+                &self.admission,
+            )
+            .await
+        {
+            Ok(admitted) => admitted,
+            Err(e) => {
+                error!(error.cause_chain = ?e, "failed to take a slot from the rate bucket");
+                return Err(Processed::Deferred("ledger_unavailable"));
+            }
+        };
+        match admitted.admission {
+            Admission::Admitted { send_at } => Ok(Slot {
+                send_at,
+                reserved_at,
+                below_full_rate: admitted.effective_rate < admitted.rate_per_second,
+            }),
+            Admission::Deferred { until, reason } => {
+                let reason = match reason {
+                    DeferReason::Closed => "bucket_closed",
+                    DeferReason::Throttled => "bucket_throttled",
+                    DeferReason::Paused => "bucket_paused",
+                };
+                Err(self.give_back(lease, account, until, reason).await)
+            }
+        }
+    }
+
+    /// Waits for a reserved slot, then checks the bucket: while this send waited, a 429
+    /// elsewhere may have paused it or slowed it (the slot was handed out at the old pace:
+    /// reserve again, at most a few times), or an operator may have closed it (rate 0, the
+    /// rollback switch).
+    async fn wait_for(
+        &self,
+        mut slot: Slot,
+        lease: &LeasedDelivery,
+        account: &ProviderAccount,
+    ) -> Result<Slot, Processed> {
+        for _ in 0..3 {
+            match (slot.send_at - (self.clock)()).to_std() {
+                Ok(wait) if !wait.is_zero() => tokio::time::sleep(wait).await,
+                // Sent at once: nothing could have changed the bucket since it admitted this.
+                _ => return Ok(slot),
+            }
+            let check = self
+                .ledger
+                .bucket_check(
+                    account,
+                    self.channel,
+                    (self.clock)(),
+                    slot.reserved_at,
+                    self.admission.closed_recheck,
+                )
+                .await;
+            match check {
+                Ok(BucketCheck::Open) => return Ok(slot),
+                Ok(BucketCheck::ClosedUntil(until)) => {
+                    return Err(self
+                        .give_back(lease, account, until, "bucket_closed_while_waiting")
+                        .await);
+                }
+                Ok(BucketCheck::Slowed) => slot = self.reserve(lease, account).await?,
+                Err(e) => {
+                    error!(error.cause_chain = ?e, "failed to re-check the rate bucket");
+                    return Err(Processed::Deferred("ledger_unavailable"));
+                }
+            }
+        }
+        Ok(slot)
+    }
+
+    async fn give_back(
+        &self,
+        lease: &LeasedDelivery,
+        account: &ProviderAccount,
+        until: DateTime<Utc>,
+        reason: &'static str,
+    ) -> Processed {
+        match self.ledger.release(lease, until, (self.clock)()).await {
+            Ok(()) => {
+                debug!(provider_account = %account, reason, %until, "no send slot in time: released");
+                Processed::Released(reason)
+            }
+            Err(e) => {
+                error!(error.cause_chain = ?e, "failed to release the lease; the reaper settles it");
+                Processed::Deferred("release_failed")
+            }
+        }
+    }
+
+    /// Tells the bucket what the provider said: a 429 pauses (valid Retry-After) or slows it,
+    /// a success raises a lowered rate back.
+    async fn feedback(
+        &self,
+        account: &ProviderAccount,
+        decision: &Decision,
+        below_full_rate: bool,
+        at: DateTime<Utc>,
+    ) {
+        let feedback = match (decision.facts.http_status, decision.facts.outcome_class) {
+            (Some(429), _) => {
+                let retry_at = decision
+                    .facts
+                    .retry_after_seen
+                    .as_deref()
+                    .filter(|_| decision.facts.retry_after_valid)
+                    .and_then(|seen| RetryAfter::parse(seen).ok())
+                    .map(|r| r.resolve(at));
+                Feedback::Throttled { retry_at }
+            }
+            (_, OutcomeClass::Delivered) if below_full_rate => Feedback::Success,
+            _ => return,
+        };
+        match self
+            .ledger
+            .bucket_feedback(account, self.channel, feedback, at)
+            .await
+        {
+            Ok(Some((effective_rate, paused_until))) => info!(
+                provider_account = %account,
+                channel = %self.channel,
+                effective_rate,
+                paused_until = paused_until.map(|p| p.to_rfc3339()),
+                "rate bucket adjusted"
+            ),
+            Ok(None) => {}
+            Err(e) => {
+                warn!(error.cause_chain = ?e, "failed to apply provider feedback to the bucket")
+            }
+        }
+    }
+}
+
+/// A reserved send slot.
+struct Slot {
+    send_at: DateTime<Utc>,
+    reserved_at: DateTime<Utc>,
+    below_full_rate: bool,
 }
 
 /// A delivery that cannot be attempted at all (no destination): dead-lettered with a reason.

@@ -50,11 +50,14 @@ pub fn bin_dir() -> PathBuf {
     if let Ok(dir) = std::env::var("NUDGE_BIN_DIR") {
         return PathBuf::from(dir);
     }
+    // Tests run from target/<profile>/deps, the benchmark binary from target/<profile>.
     let exe = std::env::current_exe().expect("current exe");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target directory")
-        .to_path_buf()
+    let dir = exe.parent().expect("executable directory");
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.parent().expect("target directory").to_path_buf()
+    } else {
+        dir.to_path_buf()
+    }
 }
 
 pub fn bin(name: &str) -> PathBuf {
@@ -164,6 +167,10 @@ pub struct WorkerOptions {
     pub retry_max_ms: u64,
     pub max_attempts: u32,
     pub provider_timeout_ms: u64,
+    /// Starting rate and burst of every account's bucket; None: not limited.
+    pub rate: Option<(f64, u32)>,
+    pub max_wait_ms: u64,
+    pub closed_recheck_ms: u64,
 }
 
 impl WorkerOptions {
@@ -176,6 +183,9 @@ impl WorkerOptions {
             retry_max_ms: 1_000,
             max_attempts: 8,
             provider_timeout_ms: 5_000,
+            rate: None,
+            max_wait_ms: 1_500,
+            closed_recheck_ms: 1_000,
         }
     }
 }
@@ -373,12 +383,14 @@ log_filter = "info"
             &format!("delivery_limit = 3\nprefetch = {}", options.prefetch),
         );
         body.push_str(&format!(
-            "\n[crypto]\ndestination_key = \"{key}\"\n\n[worker]\nlease_seconds = {lease}\nshutdown_grace_ms = 5000\n\n[retry]\nbase_delay_ms = {base}\nmax_delay_ms = {max}\nmax_attempts = {attempts}\nmax_retry_after_s = 60\n",
+            "\n[crypto]\ndestination_key = \"{key}\"\n\n[worker]\nlease_seconds = {lease}\nshutdown_grace_ms = 5000\n\n[retry]\nbase_delay_ms = {base}\nmax_delay_ms = {max}\nmax_attempts = {attempts}\nmax_retry_after_s = 60\n\n[admission]\nmax_wait_ms = {max_wait}\nclosed_recheck_ms = {recheck}\n",
             key = self.key_b64,
             lease = options.lease_seconds,
             base = options.retry_base_ms,
             max = options.retry_max_ms,
             attempts = options.max_attempts,
+            max_wait = options.max_wait_ms,
+            recheck = options.closed_recheck_ms,
         ));
         for (account, idem, default) in &options.accounts {
             body.push_str(&format!(
@@ -386,6 +398,9 @@ log_filter = "info"
                 url = self.account_url(account),
                 timeout = options.provider_timeout_ms,
             ));
+            if let Some((rate, burst)) = options.rate {
+                body.push_str(&format!("rate_per_second = {rate:?}\nburst = {burst}\n"));
+            }
         }
         let config = self.write_config(name, &body)?;
         let binary = format!("nudge-{channel}");

@@ -1,0 +1,1326 @@
+//! Admission at the narrowest limit: the rate bucket of one provider account + channel.
+//!
+//! Every worker replica shares one bucket row. A worker locks the row, asks [`admit`] for a send
+//! slot on the row's [`BucketState`], and writes the state back in the same transaction, so the
+//! replicas together never send faster than the bucket allows. The limiter is GCRA (the virtual
+//! scheduling form of a token bucket): with effective rate `r` the emission interval is
+//! `T = 1/r` and the tolerance `tau = (burst - 1) * T`, so in any interval of length `L` at
+//! most `r * L + burst` sends are admitted.
+//!
+//! Provider feedback moves the effective rate ([`on_throttled`], [`on_success`]: AIMD, and a
+//! `Retry-After` pauses the whole bucket); an operator's change of rate or burst goes through
+//! [`reconfigured`]. Lanes share the bucket with reserves: while both new and recovery work
+//! (retries, redrives) are waiting, each class keeps its reserved share of the rate; while only
+//! one is waiting it gets the whole rate.
+//!
+//! All arithmetic is exact: instants are whole nanoseconds, the emission interval is the exact
+//! ceiling of `1e9 / r` nanoseconds (so no slot is ever early), and the instants that go back
+//! into the row are rounded *up* to the microsecond, because that is what a PostgreSQL
+//! `timestamptz` keeps: a state read back from the database never admits earlier than the one
+//! written.
+
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+
+use crate::lane::Lane;
+
+const NANOS_PER_SECOND: i128 = 1_000_000_000;
+/// PostgreSQL `timestamptz` resolution.
+const STORED_RESOLUTION_NS: i128 = 1_000;
+/// Beyond the whole calendar chrono can represent (about 524,000 years), so any instant pushed
+/// by it saturates; small enough that `interval * u32::MAX` cannot overflow an `i128`.
+const MAX_INTERVAL_NS: i128 = 1 << 74;
+
+const DECREASE_FACTOR: f64 = 0.75;
+const FLOOR_FRACTION: f64 = 0.02;
+const FLOOR_MIN: f64 = 0.1;
+const INCREASE_FRACTION: f64 = 0.025;
+const INCREASE_MIN: f64 = 0.5;
+/// AIMD moves the rate at most once per this much time, whatever the number of replicas
+/// reporting: a burst of 429s from one overload halves the rate once, not once per send.
+const FEEDBACK_SPACING: TimeDelta = TimeDelta::seconds(1);
+
+/// Why a [`BucketConfig`] was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidBucket {
+    #[error("rate per second must be a finite number >= 0")]
+    Rate,
+    /// A positive rate with a burst of 0 would never admit anything; use rate 0 to close.
+    #[error("burst must be at least 1 unless the rate is 0")]
+    ZeroBurst,
+    #[error("the reserve for new work must be in [0, 1)")]
+    ReserveNew,
+    #[error("the reserve for recovery work must be in [0, 1)")]
+    ReserveRecovery,
+    /// Both classes could not keep their reserve at the same time.
+    #[error("the reserves for new and recovery work must add up to less than 1")]
+    ReservesTooLarge,
+}
+
+/// What an operator sets for a bucket: its rate, burst and the lanes' reserves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketConfig {
+    rate_per_second: f64,
+    burst: u32,
+    reserve_new: f64,
+    reserve_recovery: f64,
+}
+
+impl BucketConfig {
+    /// `rate_per_second` >= 0 (0 = closed: nothing is admitted); `burst` >= 1 unless the rate is
+    /// 0 (how many may go back to back: a token bucket of capacity `burst`); `reserve_new` and
+    /// `reserve_recovery` in `[0, 1)`, their sum < 1.
+    pub fn new(
+        rate_per_second: f64,
+        burst: u32,
+        reserve_new: f64,
+        reserve_recovery: f64,
+    ) -> Result<Self, InvalidBucket> {
+        if !rate_per_second.is_finite() || rate_per_second < 0.0 {
+            return Err(InvalidBucket::Rate);
+        }
+        if burst == 0 && rate_per_second > 0.0 {
+            return Err(InvalidBucket::ZeroBurst);
+        }
+        if !(0.0..1.0).contains(&reserve_new) {
+            return Err(InvalidBucket::ReserveNew);
+        }
+        if !(0.0..1.0).contains(&reserve_recovery) {
+            return Err(InvalidBucket::ReserveRecovery);
+        }
+        if reserve_new + reserve_recovery >= 1.0 {
+            return Err(InvalidBucket::ReservesTooLarge);
+        }
+        Ok(Self {
+            rate_per_second,
+            burst,
+            reserve_new,
+            reserve_recovery,
+        })
+    }
+
+    pub fn rate_per_second(&self) -> f64 {
+        self.rate_per_second
+    }
+
+    pub fn burst(&self) -> u32 {
+        self.burst
+    }
+
+    pub fn reserve_new(&self) -> f64 {
+        self.reserve_new
+    }
+
+    pub fn reserve_recovery(&self) -> f64 {
+        self.reserve_recovery
+    }
+
+    /// The lowest effective rate 429 feedback may bring the bucket to:
+    /// `max(rate * 0.02, 0.1)`, but never above the configured rate (0 when closed).
+    pub fn floor_rate(&self) -> f64 {
+        (self.rate_per_second * FLOOR_FRACTION)
+            .max(FLOOR_MIN)
+            .min(self.rate_per_second)
+    }
+
+    fn increase_step(&self) -> f64 {
+        (self.rate_per_second * INCREASE_FRACTION).max(INCREASE_MIN)
+    }
+}
+
+/// The shared state of one bucket: a database row, read under a lock and written back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketState {
+    /// What 429 feedback currently admits; never above the configured rate.
+    pub effective_rate: f64,
+    /// Set by a valid `Retry-After`: nothing is sent before it.
+    pub paused_until: Option<DateTime<Utc>>,
+    /// GCRA theoretical arrival time over all lanes.
+    pub tat: Option<DateTime<Utc>>,
+    /// GCRA theoretical arrival time of the new lane's sub-limit.
+    pub tat_new: Option<DateTime<Utc>>,
+    /// GCRA theoretical arrival time of the recovery (retry + redrive) lanes' sub-limit.
+    pub tat_recovery: Option<DateTime<Utc>>,
+    /// Last time the new lane asked.
+    pub new_demand_at: Option<DateTime<Utc>>,
+    /// Last time a recovery lane asked.
+    pub recovery_demand_at: Option<DateTime<Utc>>,
+    pub last_decrease_at: Option<DateTime<Utc>>,
+    pub last_increase_at: Option<DateTime<Utc>>,
+}
+
+impl BucketState {
+    /// A bucket that has admitted nothing yet, running at its configured rate.
+    pub fn fresh(config: &BucketConfig) -> Self {
+        Self {
+            effective_rate: config.rate_per_second,
+            paused_until: None,
+            tat: None,
+            tat_new: None,
+            tat_recovery: None,
+            new_demand_at: None,
+            recovery_demand_at: None,
+            last_decrease_at: None,
+            last_increase_at: None,
+        }
+    }
+}
+
+/// The bucket's answer to one request for a send slot.
+#[must_use]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Send at `send_at` (`now <= send_at <= now + max_wait`): the slot is reserved (the state
+    /// was updated, so it must be written back).
+    Admitted { send_at: DateTime<Utc> },
+    /// No slot within `max_wait`: nothing reserved; try again at `until`, the bucket's next
+    /// opening for this lane.
+    Deferred {
+        until: DateTime<Utc>,
+        reason: DeferReason,
+    },
+}
+
+/// Why no slot was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeferReason {
+    /// The rate is 0: an operator stopped this bucket.
+    Closed,
+    /// The provider asked us to wait (`Retry-After`) past the admission wait.
+    Paused,
+    /// The next slot for this lane is further away than the admission wait.
+    Throttled,
+}
+
+impl DeferReason {
+    /// A stable lowercase name, for metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeferReason::Closed => "closed",
+            DeferReason::Paused => "paused",
+            DeferReason::Throttled => "throttled",
+        }
+    }
+}
+
+/// How [`admit`] treats waiting; the same for every bucket of a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmissionSettings {
+    /// The longest a worker may hold a slot ahead of time (and sleep to it).
+    pub max_wait: Duration,
+    /// When the bucket is closed (rate 0), how long until asking again.
+    pub closed_recheck: Duration,
+    /// A lane that asked within this long is waiting, so the other class must leave it its
+    /// reserve.
+    pub demand_window: Duration,
+}
+
+impl Default for AdmissionSettings {
+    fn default() -> Self {
+        Self {
+            max_wait: Duration::from_millis(500),
+            closed_recheck: Duration::from_secs(10),
+            demand_window: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Asks the bucket for a send slot for `lane` at `now`.
+///
+/// The slot is the latest of: `now`, the pause, the global limiter's next slot and, while the
+/// other class of work has asked within `demand_window`, this class's sub-limiter's next slot
+/// (at the rate minus the other class's reserve). Within `max_wait` the slot is reserved;
+/// otherwise nothing is, and the answer says when it opens. Either way the lane's demand time
+/// is recorded, so the state must be written back in both cases.
+pub fn admit(
+    config: &BucketConfig,
+    state: &mut BucketState,
+    lane: Lane,
+    now: DateTime<Utc>,
+    settings: &AdmissionSettings,
+) -> Admission {
+    let now_ns = to_ns(now);
+    let is_new = match lane {
+        Lane::New => true,
+        Lane::Retry | Lane::Redrive => false,
+    };
+    let (own_demand, other_demand, other_reserve) = if is_new {
+        (
+            &mut state.new_demand_at,
+            state.recovery_demand_at,
+            config.reserve_recovery,
+        )
+    } else {
+        (
+            &mut state.recovery_demand_at,
+            state.new_demand_at,
+            config.reserve_new,
+        )
+    };
+    // A time in the future (a replica whose clock runs ahead) counts as recent.
+    let contended =
+        other_demand.is_some_and(|at| now_ns - to_ns(at) <= duration_ns(settings.demand_window));
+    // Monotone, so a replica with a slow clock cannot shorten another's demand window.
+    *own_demand = Some(own_demand.map_or(now, |at| at.max(now)));
+
+    let rate = admitting_rate(config, state);
+    if rate <= 0.0 {
+        return Admission::Deferred {
+            until: from_ns(now_ns + duration_ns(settings.closed_recheck)),
+            reason: DeferReason::Closed,
+        };
+    }
+
+    let global = Gcra::new(rate, config.burst);
+    let global_tat = state.tat.map(to_ns);
+    let pause = state.paused_until.map(to_ns);
+    let mut slot = global.earliest(global_tat, now_ns);
+    if let Some(pause) = pause {
+        slot = slot.max(pause);
+    }
+    let sub = contended.then(|| {
+        let tat = if is_new {
+            state.tat_new
+        } else {
+            state.tat_recovery
+        };
+        (
+            Gcra::new(rate * (1.0 - other_reserve), config.burst),
+            tat.map(to_ns),
+        )
+    });
+    if let Some((limiter, tat)) = sub {
+        slot = slot.max(limiter.earliest(tat, now_ns));
+    }
+
+    if slot > now_ns + duration_ns(settings.max_wait) {
+        let reason = if pause == Some(slot) {
+            DeferReason::Paused
+        } else {
+            DeferReason::Throttled
+        };
+        return Admission::Deferred {
+            until: from_ns(slot),
+            reason,
+        };
+    }
+
+    state.tat = Some(stored(global.after(global_tat, slot)));
+    if let Some((limiter, tat)) = sub {
+        let next = Some(stored(limiter.after(tat, slot)));
+        if is_new {
+            state.tat_new = next;
+        } else {
+            state.tat_recovery = next;
+        }
+    }
+    Admission::Admitted {
+        send_at: from_ns(slot),
+    }
+}
+
+/// A 429: the provider is over its limit, so every 429 is a congestion signal. The effective
+/// rate drops to three quarters, at most once per second (a burst of 429s from one overload
+/// lowers it once), floored at [`BucketConfig::floor_rate`]. With a valid `Retry-After`
+/// (`retry_at` is `Some`) the whole bucket also pauses until then (a later existing pause is
+/// kept). Without the decrease on a `Retry-After`, a bucket configured above the provider's
+/// real limit would pause, resume at the same rate and be throttled again, forever. Returns
+/// true when the state changed.
+pub fn on_throttled(
+    config: &BucketConfig,
+    state: &mut BucketState,
+    retry_at: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+) -> bool {
+    let before = state.clone();
+    if let Some(retry_at) = retry_at {
+        let until = from_ns(round_up_to_stored(to_ns(retry_at)));
+        if until > now && state.paused_until.is_none_or(|p| p < until) {
+            state.paused_until = Some(until);
+        }
+    }
+    if config.rate_per_second > 0.0 && !within_spacing(state.last_decrease_at, now) {
+        let old_rate = admitting_rate(config, state);
+        state.effective_rate = (current_rate(config, state) * DECREASE_FACTOR)
+            .max(config.floor_rate())
+            .min(config.rate_per_second);
+        state.last_decrease_at = Some(now);
+        rescale(config, state, old_rate, admitting_rate(config, state), now);
+    }
+    *state != before
+}
+
+/// A successful send. The effective rate rises by `max(rate * 0.025, 0.5)`, at most once per
+/// second and only a second after the last decrease (the success must be sustained, not the
+/// tail of sends admitted before the 429), never above the configured rate. Returns true when
+/// the state changed; at the configured rate it does not, so the row need not be written.
+pub fn on_success(config: &BucketConfig, state: &mut BucketState, now: DateTime<Utc>) -> bool {
+    if config.rate_per_second <= 0.0
+        || within_spacing(state.last_increase_at, now)
+        || within_spacing(state.last_decrease_at, now)
+    {
+        return false;
+    }
+    let next = (current_rate(config, state) + config.increase_step())
+        .min(config.rate_per_second)
+        .max(config.floor_rate());
+    if next == state.effective_rate {
+        return false;
+    }
+    let old_rate = admitting_rate(config, state);
+    state.effective_rate = next;
+    state.last_increase_at = Some(now);
+    rescale(config, state, old_rate, admitting_rate(config, state), now);
+    true
+}
+
+/// After an operator changed the rate or burst: the effective rate becomes the configured one,
+/// the AIMD history is cleared, and each TAT is clamped to `now + burst * T` at its limiter's
+/// new interval, so reservations made at an older, slower rate do not hold the new rate back.
+/// A provider's pause is kept: the provider asked for it, not the operator.
+pub fn reconfigured(config: &BucketConfig, state: &mut BucketState, now: DateTime<Utc>) {
+    state.effective_rate = config.rate_per_second;
+    state.last_decrease_at = None;
+    state.last_increase_at = None;
+    let rate = config.rate_per_second;
+    if rate <= 0.0 {
+        return;
+    }
+    let now_ns = to_ns(now);
+    for (tat, limiter_rate) in [
+        (&mut state.tat, rate),
+        (&mut state.tat_new, rate * (1.0 - config.reserve_recovery)),
+        (&mut state.tat_recovery, rate * (1.0 - config.reserve_new)),
+    ] {
+        let limit = now_ns + i128::from(config.burst) * interval_ns(limiter_rate);
+        if let Some(t) = *tat
+            && to_ns(t) > limit
+        {
+            *tat = Some(stored(limit));
+        }
+    }
+}
+
+/// The rate the bucket admits at now: the effective rate, bounded by the configured one. A
+/// corrupt (NaN) effective rate is read as the floor: slow, but never stuck and never fast.
+fn admitting_rate(config: &BucketConfig, state: &BucketState) -> f64 {
+    if config.rate_per_second <= 0.0 {
+        return 0.0;
+    }
+    if state.effective_rate.is_nan() {
+        return config.floor_rate();
+    }
+    state.effective_rate.min(config.rate_per_second)
+}
+
+/// The rate AIMD starts from: the admitting rate, but never below the floor.
+fn current_rate(config: &BucketConfig, state: &BucketState) -> f64 {
+    admitting_rate(config, state).max(config.floor_rate())
+}
+
+/// Whether `last` was less than [`FEEDBACK_SPACING`] before `now`. A `last` after `now` (clock
+/// skew between replicas) counts as within, so skew cannot double a step.
+fn within_spacing(last: Option<DateTime<Utc>>, now: DateTime<Utc>) -> bool {
+    last.is_some_and(|last| now.signed_duration_since(last) < FEEDBACK_SPACING)
+}
+
+/// Re-expresses the stored TATs after the effective rate moved from `old_rate` to `new_rate`,
+/// keeping each limiter's credit (or debt) counted in requests, not in time. A TAT is a time,
+/// and the tolerance `(burst - 1) * T` grows when the rate falls: left as it was, a lowered
+/// rate would let more than `burst` requests through at once. Rounded towards later TATs.
+fn rescale(
+    config: &BucketConfig,
+    state: &mut BucketState,
+    old_rate: f64,
+    new_rate: f64,
+    now: DateTime<Utc>,
+) {
+    if old_rate <= 0.0 || new_rate <= 0.0 || old_rate == new_rate {
+        return;
+    }
+    let now_ns = to_ns(now);
+    for (tat, share) in [
+        (&mut state.tat, 1.0),
+        (&mut state.tat_new, 1.0 - config.reserve_recovery),
+        (&mut state.tat_recovery, 1.0 - config.reserve_new),
+    ] {
+        let Some(t) = *tat else { continue };
+        let old = Gcra::new(old_rate * share, config.burst);
+        let new = Gcra::new(new_rate * share, config.burst);
+        // Credit in old-time units: how far the earliest slot is before now (negative: debt).
+        let credit = now_ns + old.tolerance - to_ns(t);
+        let Some(scaled) = credit.checked_mul(new.interval) else {
+            continue;
+        };
+        let rescaled = now_ns + new.tolerance - scaled.div_euclid(old.interval);
+        *tat = Some(stored(rescaled.max(to_ns(t).min(now_ns))));
+    }
+}
+
+/// One GCRA limiter in nanoseconds.
+#[derive(Debug, Clone, Copy)]
+struct Gcra {
+    interval: i128,
+    tolerance: i128,
+}
+
+impl Gcra {
+    fn new(rate: f64, burst: u32) -> Self {
+        let interval = interval_ns(rate);
+        Self {
+            interval,
+            tolerance: i128::from(burst.saturating_sub(1)) * interval,
+        }
+    }
+
+    /// The earliest conforming slot at `now`.
+    fn earliest(self, tat: Option<i128>, now: i128) -> i128 {
+        tat.map_or(now, |tat| now.max(tat - self.tolerance))
+    }
+
+    /// The TAT after admitting at `slot` (no TAT yet means "now", and `slot >= now`).
+    fn after(self, tat: Option<i128>, slot: i128) -> i128 {
+        tat.map_or(slot, |tat| tat.max(slot)) + self.interval
+    }
+}
+
+/// The exact ceiling of `1e9 / rate` nanoseconds, in `[1, MAX_INTERVAL_NS]`.
+///
+/// A finite positive `f64` is exactly `mantissa * 2^exponent`, so the division is done on
+/// integers: a float division could round `k + epsilon` down to `k` and make every slot a
+/// fraction of a nanosecond early, which breaks the bound on long runs.
+fn interval_ns(rate: f64) -> i128 {
+    if rate.is_nan() || rate <= 0.0 {
+        return MAX_INTERVAL_NS;
+    }
+    if rate.is_infinite() {
+        return 1;
+    }
+    let bits = rate.to_bits();
+    let exponent_bits = i32::try_from((bits >> 52) & 0x7ff).unwrap_or(0);
+    let fraction = bits & ((1 << 52) - 1);
+    let (mantissa, exponent) = if exponent_bits == 0 {
+        (fraction, -1074)
+    } else {
+        (fraction | (1 << 52), exponent_bits - 1075)
+    };
+    let mantissa = u128::from(mantissa);
+    const ONE_SECOND: u128 = 1_000_000_000;
+    let ceiling = if exponent >= 0 {
+        // rate >= 2^41 > 1e9 per second: less than one nanosecond apart.
+        if exponent > 40 {
+            1
+        } else {
+            ONE_SECOND.div_ceil(mantissa << exponent)
+        }
+    } else {
+        let shift = exponent.unsigned_abs();
+        // 1e9 < 2^30, so the numerator fits in a u128 up to a shift of 97; beyond it the
+        // quotient is at least 1e9 * 2^45 ns, above the cap.
+        if shift > 97 {
+            return MAX_INTERVAL_NS;
+        }
+        (ONE_SECOND << shift).div_ceil(mantissa)
+    };
+    i128::try_from(ceiling)
+        .unwrap_or(MAX_INTERVAL_NS)
+        .clamp(1, MAX_INTERVAL_NS)
+}
+
+fn to_ns(t: DateTime<Utc>) -> i128 {
+    i128::from(t.timestamp()) * NANOS_PER_SECOND + i128::from(t.timestamp_subsec_nanos())
+}
+
+/// Saturates at the ends of chrono's calendar.
+fn from_ns(ns: i128) -> DateTime<Utc> {
+    let seconds = ns.div_euclid(NANOS_PER_SECOND);
+    let nanos = u32::try_from(ns.rem_euclid(NANOS_PER_SECOND)).unwrap_or(0);
+    i64::try_from(seconds)
+        .ok()
+        .and_then(|s| DateTime::from_timestamp(s, nanos))
+        .unwrap_or(if ns < 0 {
+            DateTime::<Utc>::MIN_UTC
+        } else {
+            DateTime::<Utc>::MAX_UTC
+        })
+}
+
+fn round_up_to_stored(ns: i128) -> i128 {
+    ns.div_euclid(STORED_RESOLUTION_NS) * STORED_RESOLUTION_NS
+        + if ns.rem_euclid(STORED_RESOLUTION_NS) == 0 {
+            0
+        } else {
+            STORED_RESOLUTION_NS
+        }
+}
+
+/// An instant that goes back into the row: rounded up to what the database keeps.
+fn stored(ns: i128) -> DateTime<Utc> {
+    from_ns(round_up_to_stored(ns))
+}
+
+fn duration_ns(d: Duration) -> i128 {
+    // At most about 1.8e28: always fits.
+    i128::try_from(d.as_nanos()).unwrap_or(i128::MAX / 4)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // A failed unwrap is a failed test, with its location.
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+    use proptest::prelude::*;
+
+    fn t0() -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2030, 1, 1, 0, 0, 0).unwrap()
+    }
+
+    fn ms(n: i64) -> TimeDelta {
+        TimeDelta::milliseconds(n)
+    }
+
+    fn config(rate: f64, burst: u32) -> BucketConfig {
+        BucketConfig::new(rate, burst, 0.2, 0.1).unwrap()
+    }
+
+    fn waiting(max_wait_ms: u64) -> AdmissionSettings {
+        AdmissionSettings {
+            max_wait: Duration::from_millis(max_wait_ms),
+            ..AdmissionSettings::default()
+        }
+    }
+
+    fn send_at(a: Admission) -> DateTime<Utc> {
+        match a {
+            Admission::Admitted { send_at } => send_at,
+            Admission::Deferred { .. } => panic!("expected a slot, got {a:?}"),
+        }
+    }
+
+    /// The admitted counts of each lane's client, each asking every `period_ms` (in the order
+    /// given at the same instant) for `seconds`, counting slots before the end.
+    fn simulate(
+        config: &BucketConfig,
+        clients: &[(Lane, i64)],
+        seconds: i64,
+    ) -> (Vec<usize>, BucketState) {
+        let mut state = BucketState::fresh(config);
+        let settings = AdmissionSettings::default();
+        let end = t0() + TimeDelta::seconds(seconds);
+        let mut counts = vec![0; clients.len()];
+        for tick in 0..seconds * 1_000 {
+            for (i, &(lane, period_ms)) in clients.iter().enumerate() {
+                if tick % period_ms == 0
+                    && let Admission::Admitted { send_at } =
+                        admit(config, &mut state, lane, t0() + ms(tick), &settings)
+                    && send_at < end
+                {
+                    counts[i] += 1;
+                }
+            }
+        }
+        (counts, state)
+    }
+
+    #[test]
+    fn a_config_that_could_never_admit_or_over_reserves_is_refused() {
+        for rate in [-1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            assert_eq!(
+                BucketConfig::new(rate, 1, 0.0, 0.0),
+                Err(InvalidBucket::Rate)
+            );
+        }
+        assert_eq!(
+            BucketConfig::new(1.0, 0, 0.0, 0.0),
+            Err(InvalidBucket::ZeroBurst)
+        );
+        for reserve in [-0.1, 1.0, f64::NAN] {
+            assert_eq!(
+                BucketConfig::new(1.0, 1, reserve, 0.0),
+                Err(InvalidBucket::ReserveNew)
+            );
+            assert_eq!(
+                BucketConfig::new(1.0, 1, 0.0, reserve),
+                Err(InvalidBucket::ReserveRecovery)
+            );
+        }
+        assert_eq!(
+            BucketConfig::new(1.0, 1, 0.5, 0.5),
+            Err(InvalidBucket::ReservesTooLarge)
+        );
+    }
+
+    #[test]
+    fn a_closed_bucket_may_have_no_burst_and_a_valid_config_reads_back() {
+        assert!(BucketConfig::new(0.0, 0, 0.0, 0.0).is_ok());
+        let c = BucketConfig::new(40.0, 5, 0.2, 0.1).unwrap();
+        assert_eq!(
+            (
+                c.rate_per_second(),
+                c.burst(),
+                c.reserve_new(),
+                c.reserve_recovery()
+            ),
+            (40.0, 5, 0.2, 0.1)
+        );
+        assert_eq!(c.floor_rate(), 0.8);
+        assert_eq!(config(1.0, 1).floor_rate(), 0.1);
+        assert_eq!(config(0.05, 1).floor_rate(), 0.05);
+        assert_eq!(config(0.0, 1).floor_rate(), 0.0);
+    }
+
+    #[test]
+    fn a_fresh_state_runs_at_the_configured_rate_with_no_history() {
+        let s = BucketState::fresh(&config(40.0, 5));
+        assert_eq!(s.effective_rate, 40.0);
+        assert_eq!(
+            s,
+            BucketState {
+                effective_rate: 40.0,
+                paused_until: None,
+                tat: None,
+                tat_new: None,
+                tat_recovery: None,
+                new_demand_at: None,
+                recovery_demand_at: None,
+                last_decrease_at: None,
+                last_increase_at: None,
+            }
+        );
+    }
+
+    #[test]
+    fn the_default_settings_are_half_a_second_ten_seconds_and_one_second() {
+        let s = AdmissionSettings::default();
+        assert_eq!(s.max_wait, Duration::from_millis(500));
+        assert_eq!(s.closed_recheck, Duration::from_secs(10));
+        assert_eq!(s.demand_window, Duration::from_secs(1));
+        assert_eq!(DeferReason::Throttled.as_str(), "throttled");
+    }
+
+    #[test]
+    fn a_burst_goes_back_to_back_then_slots_are_one_interval_apart() {
+        let c = config(10.0, 3);
+        let mut s = BucketState::fresh(&c);
+        let settings = waiting(1_000);
+        let slots: Vec<_> = (0..8)
+            .map(|_| send_at(admit(&c, &mut s, Lane::New, t0(), &settings)) - t0())
+            .collect();
+        assert_eq!(
+            slots,
+            [0, 0, 0, 100, 200, 300, 400, 500].map(ms).to_vec(),
+            "burst of 3, then one every 100 ms"
+        );
+    }
+
+    #[test]
+    fn after_the_burst_a_request_without_wait_is_deferred_to_the_next_slot_which_then_admits() {
+        let c = config(10.0, 3);
+        let mut s = BucketState::fresh(&c);
+        let settings = waiting(0);
+        for _ in 0..3 {
+            assert_eq!(
+                admit(&c, &mut s, Lane::Retry, t0(), &settings),
+                Admission::Admitted { send_at: t0() }
+            );
+        }
+        let before = s.clone();
+        let deferred = admit(&c, &mut s, Lane::Retry, t0() + ms(30), &settings);
+        assert_eq!(
+            deferred,
+            Admission::Deferred {
+                until: t0() + ms(100),
+                reason: DeferReason::Throttled
+            }
+        );
+        assert_eq!(
+            s,
+            BucketState {
+                recovery_demand_at: Some(t0() + ms(30)),
+                ..before
+            },
+            "a deferral reserves nothing, it only records the demand"
+        );
+        assert_eq!(
+            admit(&c, &mut s, Lane::Retry, t0() + ms(100), &settings),
+            Admission::Admitted {
+                send_at: t0() + ms(100)
+            }
+        );
+    }
+
+    #[test]
+    fn an_interval_that_is_not_whole_nanoseconds_rounds_up_so_no_slot_is_early() {
+        assert_eq!(interval_ns(3.0), 333_333_334);
+        assert_eq!(interval_ns(0.5), 2 * NANOS_PER_SECOND);
+        assert_eq!(interval_ns(0.1), 10 * NANOS_PER_SECOND);
+        assert_eq!(interval_ns(1e9), 1);
+        assert_eq!(interval_ns(1e300), 1);
+        assert_eq!(interval_ns(f64::MIN_POSITIVE), MAX_INTERVAL_NS);
+        assert_eq!(interval_ns(0.0), MAX_INTERVAL_NS);
+        let c = config(3.0, 1);
+        let mut s = BucketState::fresh(&c);
+        let settings = waiting(1_000);
+        let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &settings));
+        let second = send_at(admit(&c, &mut s, Lane::New, t0(), &settings));
+        // 333_333_334 ns, stored rounded up to the microsecond.
+        assert_eq!(second - t0(), TimeDelta::nanoseconds(333_334_000));
+    }
+
+    #[test]
+    fn a_tiny_or_huge_rate_neither_panics_nor_admits_early() {
+        let tiny = config(1e-300, 1);
+        let mut s = BucketState::fresh(&tiny);
+        let settings = waiting(0);
+        assert!(matches!(
+            admit(&tiny, &mut s, Lane::New, t0(), &settings),
+            Admission::Admitted { .. }
+        ));
+        assert_eq!(s.tat, Some(DateTime::<Utc>::MAX_UTC));
+        assert!(matches!(
+            admit(&tiny, &mut s, Lane::New, t0(), &settings),
+            Admission::Deferred {
+                reason: DeferReason::Throttled,
+                ..
+            }
+        ));
+        let huge = config(1e300, 1);
+        let mut s = BucketState::fresh(&huge);
+        assert_eq!(
+            admit(&huge, &mut s, Lane::New, t0(), &settings),
+            Admission::Admitted { send_at: t0() }
+        );
+    }
+
+    #[test]
+    fn a_retry_after_pause_is_honoured_to_the_nanosecond_then_the_burst_resumes() {
+        let c = config(10.0, 2);
+        let mut s = BucketState::fresh(&c);
+        let until = t0() + ms(2_500);
+        assert!(on_throttled(&c, &mut s, Some(until), t0()));
+        assert_eq!(s.paused_until, Some(until));
+        assert_eq!(
+            s.effective_rate, 7.5,
+            "a Retry-After pauses the bucket, and the 429 also slows it"
+        );
+        assert_eq!(
+            admit(&c, &mut s, Lane::New, t0() + ms(1), &waiting(500)),
+            Admission::Deferred {
+                until,
+                reason: DeferReason::Paused
+            }
+        );
+        assert_eq!(s.tat, None);
+        let settings = waiting(3_000);
+        let slots: Vec<_> = (0..3)
+            .map(|_| send_at(admit(&c, &mut s, Lane::New, t0() + ms(1), &settings)))
+            .collect();
+        // Burst 2 at the pause's end (the second within a nanosecond-rounding of it), then
+        // spaced at the slowed rate (7.5/s: 133.33 ms).
+        assert_eq!(slots[0], until);
+        assert!((slots[1] - until).num_microseconds().unwrap() < 1);
+        let gap = (slots[2] - until).num_microseconds().unwrap();
+        assert!((133_333..=133_334).contains(&gap), "{gap} µs");
+    }
+
+    #[test]
+    fn a_shorter_or_past_retry_after_does_not_shorten_a_pause() {
+        let c = config(10.0, 2);
+        let mut s = BucketState::fresh(&c);
+        assert!(on_throttled(&c, &mut s, Some(t0() + ms(5_000)), t0()));
+        // Within the second after the decrease, neither a shorter nor a past Retry-After
+        // changes anything.
+        assert!(!on_throttled(&c, &mut s, Some(t0() + ms(1_000)), t0()));
+        assert!(!on_throttled(&c, &mut s, Some(t0() - ms(1_000)), t0()));
+        assert_eq!(s.paused_until, Some(t0() + ms(5_000)));
+        assert!(on_throttled(&c, &mut s, Some(t0() + ms(6_000)), t0()));
+        assert_eq!(s.paused_until, Some(t0() + ms(6_000)));
+        // A Retry-After already in the past still reports the 429 (the rate steps down) but
+        // sets no pause.
+        let mut fresh = BucketState::fresh(&c);
+        assert!(on_throttled(&c, &mut fresh, Some(t0()), t0()));
+        assert_eq!(fresh.paused_until, None);
+        assert_eq!(fresh.effective_rate, 7.5);
+    }
+
+    #[test]
+    fn a_pause_that_ends_within_the_wait_is_throttled_when_the_limiter_is_later() {
+        let c = config(1.0, 1);
+        let mut s = BucketState::fresh(&c);
+        let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
+        assert!(on_throttled(&c, &mut s, Some(t0() + ms(200)), t0()));
+        // The 429 also slowed the bucket to 0.75/s: the one outstanding reservation now
+        // spaces the next slot 1/0.75 s after it (rounded up to the stored microsecond).
+        assert_eq!(
+            admit(&c, &mut s, Lane::New, t0(), &waiting(100)),
+            Admission::Deferred {
+                until: t0() + TimeDelta::microseconds(1_333_334),
+                reason: DeferReason::Throttled
+            }
+        );
+    }
+
+    #[test]
+    fn a_rate_of_zero_closes_the_bucket_until_the_recheck() {
+        let closed = BucketConfig::new(0.0, 0, 0.2, 0.1).unwrap();
+        let mut s = BucketState::fresh(&closed);
+        let settings = AdmissionSettings::default();
+        assert_eq!(
+            admit(&closed, &mut s, Lane::New, t0(), &settings),
+            Admission::Deferred {
+                until: t0() + TimeDelta::seconds(10),
+                reason: DeferReason::Closed
+            }
+        );
+        assert_eq!(s.tat, None);
+        assert_eq!(s.new_demand_at, Some(t0()));
+
+        let open = config(10.0, 5);
+        let mut s = BucketState::fresh(&open);
+        s.effective_rate = 0.0;
+        assert_eq!(
+            admit(&open, &mut s, Lane::Redrive, t0(), &settings),
+            Admission::Deferred {
+                until: t0() + TimeDelta::seconds(10),
+                reason: DeferReason::Closed
+            }
+        );
+        assert_eq!(s.recovery_demand_at, Some(t0()));
+    }
+
+    #[test]
+    fn an_effective_rate_above_the_configured_one_admits_only_at_the_configured_rate() {
+        let c = config(10.0, 1);
+        let mut s = BucketState::fresh(&c);
+        s.effective_rate = 1_000.0;
+        let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(1_000)));
+        assert_eq!(
+            send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(1_000))),
+            t0() + ms(100)
+        );
+    }
+
+    #[test]
+    fn reconfiguring_to_a_faster_rate_drops_the_slow_backlog_and_keeps_the_pause() {
+        let slow = config(1.0, 2);
+        let mut s = BucketState::fresh(&slow);
+        let settings = waiting(10_000);
+        for _ in 0..10 {
+            let _ = send_at(admit(&slow, &mut s, Lane::New, t0(), &settings));
+        }
+        s.tat_new = Some(t0() + TimeDelta::seconds(60));
+        s.tat_recovery = Some(t0() + ms(10));
+        s.paused_until = Some(t0() + ms(50));
+        s.effective_rate = 0.5;
+        s.last_decrease_at = Some(t0());
+        s.last_increase_at = Some(t0());
+        assert_eq!(s.tat, Some(t0() + TimeDelta::seconds(10)));
+
+        let fast = config(100.0, 2);
+        reconfigured(&fast, &mut s, t0());
+        assert_eq!(s.effective_rate, 100.0);
+        assert_eq!((s.last_decrease_at, s.last_increase_at), (None, None));
+        assert_eq!(s.paused_until, Some(t0() + ms(50)));
+        assert_eq!(s.tat, Some(t0() + ms(20)), "now + burst / rate");
+        // The new lane's sub-limit runs at 100 * (1 - 0.1) = 90/s: 2 * 11_111_112 ns.
+        assert_eq!(s.tat_new, Some(t0() + TimeDelta::nanoseconds(22_223_000)));
+        assert_eq!(
+            s.tat_recovery,
+            Some(t0() + ms(10)),
+            "a TAT within the bound is kept"
+        );
+        assert_eq!(
+            send_at(admit(&fast, &mut s, Lane::New, t0(), &settings)),
+            t0() + ms(50),
+            "only the pause holds it back"
+        );
+    }
+
+    #[test]
+    fn reconfiguring_to_zero_closes_and_back_reopens_at_the_new_rate() {
+        let c = config(10.0, 1);
+        let mut s = BucketState::fresh(&c);
+        let closed = BucketConfig::new(0.0, 1, 0.2, 0.1).unwrap();
+        reconfigured(&closed, &mut s, t0());
+        assert_eq!(s.effective_rate, 0.0);
+        assert!(matches!(
+            admit(&closed, &mut s, Lane::New, t0(), &waiting(0)),
+            Admission::Deferred {
+                reason: DeferReason::Closed,
+                ..
+            }
+        ));
+        reconfigured(&c, &mut s, t0());
+        assert_eq!(
+            admit(&c, &mut s, Lane::New, t0(), &waiting(0)),
+            Admission::Admitted { send_at: t0() }
+        );
+    }
+
+    #[test]
+    fn a_429_lowers_the_rate_to_three_quarters_at_most_once_per_second() {
+        let c = config(100.0, 10);
+        let mut s = BucketState::fresh(&c);
+        assert!(on_throttled(&c, &mut s, None, t0()));
+        assert_eq!(s.effective_rate, 75.0);
+        assert_eq!(s.last_decrease_at, Some(t0()));
+        assert!(!on_throttled(&c, &mut s, None, t0() + ms(999)));
+        assert_eq!(s.effective_rate, 75.0);
+        assert!(on_throttled(&c, &mut s, None, t0() + ms(1_000)));
+        assert_eq!(s.effective_rate, 56.25);
+    }
+
+    #[test]
+    fn the_rate_never_falls_below_the_floor() {
+        let c = config(100.0, 10);
+        let mut s = BucketState::fresh(&c);
+        for i in 0..40 {
+            let _ = on_throttled(&c, &mut s, None, t0() + TimeDelta::seconds(i));
+        }
+        assert_eq!(s.effective_rate, 2.0, "2% of 100");
+        let slow = config(2.0, 1);
+        let mut s = BucketState::fresh(&slow);
+        for i in 0..40 {
+            let _ = on_throttled(&slow, &mut s, None, t0() + TimeDelta::seconds(i));
+        }
+        assert_eq!(s.effective_rate, 0.1, "never below 0.1/s");
+        let tiny = config(0.05, 1);
+        let mut s = BucketState::fresh(&tiny);
+        assert!(on_throttled(&tiny, &mut s, None, t0()));
+        assert_eq!(s.effective_rate, 0.05, "the floor is never above the rate");
+    }
+
+    #[test]
+    fn success_adds_back_two_and_a_half_percent_or_half_a_request_per_second_up_to_the_rate() {
+        let c = config(100.0, 10);
+        let mut s = BucketState::fresh(&c);
+        assert!(!on_success(&c, &mut s, t0()), "already at the rate");
+        assert_eq!(s, BucketState::fresh(&c));
+        let _ = on_throttled(&c, &mut s, None, t0());
+        assert_eq!(s.effective_rate, 75.0);
+        assert!(
+            !on_success(&c, &mut s, t0() + ms(999)),
+            "the success must be sustained a second after the 429"
+        );
+        assert!(on_success(&c, &mut s, t0() + ms(1_000)));
+        assert_eq!(s.effective_rate, 77.5);
+        assert!(!on_success(&c, &mut s, t0() + ms(1_500)));
+        let mut t = t0() + ms(1_000);
+        for _ in 0..20 {
+            t += TimeDelta::seconds(1);
+            let _ = on_success(&c, &mut s, t);
+        }
+        assert_eq!(s.effective_rate, 100.0);
+
+        let slow = config(4.0, 1);
+        let mut s = BucketState::fresh(&slow);
+        let _ = on_throttled(&slow, &mut s, None, t0());
+        assert!(on_success(&slow, &mut s, t0() + ms(1_000)));
+        assert_eq!(s.effective_rate, 3.5, "at least 0.5/s");
+    }
+
+    #[test]
+    fn feedback_on_a_closed_bucket_changes_nothing() {
+        let closed = BucketConfig::new(0.0, 0, 0.2, 0.1).unwrap();
+        let mut s = BucketState::fresh(&closed);
+        assert!(!on_throttled(&closed, &mut s, None, t0()));
+        assert!(!on_success(&closed, &mut s, t0()));
+        assert_eq!(s, BucketState::fresh(&closed));
+    }
+
+    #[test]
+    fn a_corrupt_effective_rate_is_read_as_the_floor() {
+        let c = config(100.0, 1);
+        let mut s = BucketState::fresh(&c);
+        s.effective_rate = f64::NAN;
+        let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
+        assert!(matches!(
+            admit(&c, &mut s, Lane::New, t0(), &waiting(0)),
+            Admission::Deferred { until, .. } if until == t0() + ms(500)
+        ));
+        assert!(on_success(&c, &mut s, t0()));
+        assert_eq!(s.effective_rate, 4.5);
+    }
+
+    #[test]
+    fn new_work_alone_gets_the_full_rate() {
+        let c = BucketConfig::new(50.0, 5, 0.3, 0.3).unwrap();
+        let (counts, _) = simulate(&c, &[(Lane::New, 1)], 60);
+        assert!((3_000..=3_005).contains(&counts[0]), "{counts:?}");
+    }
+
+    #[test]
+    fn recovery_work_alone_gets_the_full_rate() {
+        let c = BucketConfig::new(50.0, 5, 0.3, 0.3).unwrap();
+        let (counts, _) = simulate(&c, &[(Lane::Retry, 1), (Lane::Redrive, 1)], 60);
+        let total = counts[0] + counts[1];
+        assert!((3_000..=3_005).contains(&total), "{counts:?}");
+    }
+
+    #[test]
+    fn greedy_recovery_leaves_new_work_its_reserve() {
+        let c = BucketConfig::new(100.0, 10, 0.3, 0.2).unwrap();
+        let (counts, _) = simulate(
+            &c,
+            &[(Lane::Retry, 1), (Lane::Redrive, 1), (Lane::New, 5)],
+            60,
+        );
+        let (recovery, new) = (counts[0] + counts[1], counts[2]);
+        assert!(new >= 1_770, "new kept 30% of 6000 within 1.5%: {counts:?}");
+        assert!(recovery >= 1_200, "{counts:?}");
+        assert!(recovery + new <= 6_010, "{counts:?}");
+    }
+
+    #[test]
+    fn greedy_new_work_leaves_recovery_its_reserve() {
+        let c = BucketConfig::new(100.0, 10, 0.3, 0.2).unwrap();
+        let (counts, _) = simulate(&c, &[(Lane::New, 1), (Lane::Retry, 5)], 60);
+        let (new, recovery) = (counts[0], counts[1]);
+        assert!(
+            recovery >= 1_180,
+            "recovery kept 20% of 6000 within 1.5%: {counts:?}"
+        );
+        assert!(new >= 1_800, "{counts:?}");
+        assert!(recovery + new <= 6_010, "{counts:?}");
+    }
+
+    #[test]
+    fn a_class_that_stopped_asking_no_longer_holds_its_reserve() {
+        let c = BucketConfig::new(10.0, 1, 0.5, 0.0).unwrap();
+        let mut s = BucketState::fresh(&c);
+        let settings = waiting(10_000);
+        let _ = admit(&c, &mut s, Lane::New, t0(), &settings);
+        let later = t0() + ms(1_001);
+        let slots: Vec<_> = (0..3)
+            .map(|_| send_at(admit(&c, &mut s, Lane::Retry, later, &settings)) - later)
+            .collect();
+        assert_eq!(slots, [0, 100, 200].map(ms).to_vec());
+        assert_eq!(s.tat_recovery, None, "the sub-limit did not apply");
+        let _ = admit(&c, &mut s, Lane::New, later, &settings);
+        let at = send_at(admit(&c, &mut s, Lane::Retry, later, &settings)) - later;
+        assert_eq!(at, ms(400), "contended: only after the new slot at 300 ms");
+    }
+
+    /// The largest number of instants in any window `[t, t + 1 s)`.
+    fn busiest_second(mut times: Vec<DateTime<Utc>>) -> usize {
+        times.sort();
+        let mut best = 0;
+        let mut start = 0;
+        for end in 0..times.len() {
+            while times[end] - times[start] >= TimeDelta::seconds(1) {
+                start += 1;
+            }
+            best = best.max(end - start + 1);
+        }
+        best
+    }
+
+    fn lane(i: u8) -> Lane {
+        Lane::ALL[usize::from(i % 3)]
+    }
+
+    fn bucket() -> impl Strategy<Value = (BucketConfig, AdmissionSettings)> {
+        (
+            0.5f64..500.0,
+            1u32..=50,
+            0.0f64..0.45,
+            0.0f64..0.45,
+            0u64..2_000,
+            0u64..2_000,
+        )
+            .prop_map(|(rate, burst, rn, rr, wait_ms, window_ms)| {
+                (
+                    BucketConfig::new(rate, burst, rn, rr).unwrap(),
+                    AdmissionSettings {
+                        max_wait: Duration::from_millis(wait_ms),
+                        closed_recheck: Duration::from_secs(10),
+                        demand_window: Duration::from_millis(window_ms),
+                    },
+                )
+            })
+    }
+
+    /// Increasing request times (microsecond gaps at one of four scales, so from thousands to
+    /// tens of requests per second) with a lane each.
+    fn requests() -> impl Strategy<Value = Vec<(u64, u8)>> {
+        (0u32..4).prop_flat_map(|scale| {
+            proptest::collection::vec((0u64..20 * 10u64.pow(scale), any::<u8>()), 1..600)
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn feedback_during_a_run_never_lets_more_than_rate_plus_burst_through_in_a_second(
+            (config, settings) in bucket(),
+            requests in requests(),
+            feedback in proptest::collection::vec(0u8..4, 600),
+        ) {
+            let mut state = BucketState::fresh(&config);
+            let mut now = t0();
+            let mut admitted = Vec::new();
+            for (i, &(gap_us, l)) in requests.iter().enumerate() {
+                now += TimeDelta::microseconds(i64::try_from(gap_us).unwrap());
+                // A random mix of 429s (with and without Retry-After) and successes.
+                match feedback[i % feedback.len()] {
+                    0 => { let _ = on_throttled(&config, &mut state, None, now); }
+                    1 => { let _ = on_throttled(&config, &mut state, Some(now + ms(300)), now); }
+                    2 => { let _ = on_success(&config, &mut state, now); }
+                    _ => {}
+                }
+                if let Admission::Admitted { send_at } =
+                    admit(&config, &mut state, lane(l), now, &settings)
+                {
+                    admitted.push(send_at);
+                }
+                prop_assert!(state.effective_rate <= config.rate_per_second());
+            }
+            let busiest = busiest_second(admitted);
+            prop_assert!(
+                busiest as f64 <= config.rate_per_second() + f64::from(config.burst()),
+                "{} in one second", busiest
+            );
+        }
+
+        #[test]
+        fn admitted_slots_are_within_the_wait_after_any_pause_and_within_the_rate(
+            (config, settings) in bucket(),
+            requests in requests(),
+            pause in proptest::option::of((0usize..600, 0i64..3_000)),
+        ) {
+            let mut state = BucketState::fresh(&config);
+            let max_wait = TimeDelta::from_std(settings.max_wait).unwrap();
+            let mut now = t0();
+            let mut admitted = Vec::new();
+            for (i, &(gap_us, l)) in requests.iter().enumerate() {
+                now += TimeDelta::microseconds(i64::try_from(gap_us).unwrap());
+                if let Some((at, for_ms)) = pause && at == i {
+                    let _ = on_throttled(&config, &mut state, Some(now + ms(for_ms)), now);
+                }
+                let paused_until = state.paused_until;
+                if let Admission::Admitted { send_at } =
+                    admit(&config, &mut state, lane(l), now, &settings)
+                {
+                    prop_assert!(now <= send_at && send_at <= now + max_wait);
+                    prop_assert!(paused_until.is_none_or(|p| send_at >= p));
+                    admitted.push(send_at);
+                }
+            }
+            // A pause's 429 may have lowered the effective rate; it never exceeds the configured one.
+            prop_assert!(state.effective_rate <= config.rate_per_second());
+            let busiest = busiest_second(admitted);
+            prop_assert!(
+                busiest as f64 <= config.rate_per_second() + f64::from(config.burst()),
+                "{} in one second", busiest
+            );
+        }
+
+        #[test]
+        fn two_replicas_sharing_the_row_with_skewed_clocks_stay_within_the_rate(
+            (config, settings) in bucket(),
+            a in requests(),
+            b in requests(),
+            skew_us in -200_000i64..200_000,
+        ) {
+            // Each replica's requests, in true time, with the clock it reads.
+            let mut events = Vec::new();
+            for (replica, requests) in [(0i64, &a), (1, &b)] {
+                let mut true_us = 0i64;
+                for &(gap_us, l) in requests {
+                    true_us += i64::try_from(gap_us).unwrap();
+                    events.push((true_us, replica, l));
+                }
+            }
+            events.sort();
+            let max_wait = TimeDelta::from_std(settings.max_wait).unwrap();
+            let mut state = BucketState::fresh(&config);
+            let mut admitted = Vec::new();
+            for (true_us, replica, l) in events {
+                let now = t0() + TimeDelta::microseconds(true_us + replica * skew_us);
+                if let Admission::Admitted { send_at } =
+                    admit(&config, &mut state, lane(l), now, &settings)
+                {
+                    prop_assert!(now <= send_at && send_at <= now + max_wait);
+                    admitted.push(send_at);
+                }
+            }
+            let busiest = busiest_second(admitted);
+            prop_assert!(
+                busiest as f64 <= state.effective_rate + f64::from(config.burst()),
+                "{} in one second", busiest
+            );
+        }
+
+        #[test]
+        fn a_closed_bucket_never_admits(
+            burst in 0u32..50,
+            (open, settings) in bucket(),
+            requests in requests(),
+            effective_zero in any::<bool>(),
+        ) {
+            let config = if effective_zero {
+                open
+            } else {
+                BucketConfig::new(0.0, burst, 0.2, 0.1).unwrap()
+            };
+            let mut state = BucketState::fresh(&config);
+            state.effective_rate = 0.0;
+            let recheck = TimeDelta::from_std(settings.closed_recheck).unwrap();
+            let mut now = t0();
+            for (gap_us, l) in requests {
+                now += TimeDelta::microseconds(i64::try_from(gap_us).unwrap());
+                prop_assert_eq!(
+                    admit(&config, &mut state, lane(l), now, &settings),
+                    Admission::Deferred { until: now + recheck, reason: DeferReason::Closed }
+                );
+            }
+            prop_assert_eq!((state.tat, state.tat_new, state.tat_recovery), (None, None, None));
+        }
+
+        #[test]
+        fn feedback_keeps_the_effective_rate_between_the_floor_and_the_rate(
+            rate in prop_oneof![Just(0.0), 0.0f64..1.0, 0.0f64..2_000.0],
+            start in 0.0f64..=1.0,
+            feedback in proptest::collection::vec((0i64..3_000, 0u8..3, 0i64..10_000), 1..200),
+        ) {
+            let config = BucketConfig::new(rate, 1, 0.2, 0.1).unwrap();
+            let mut state = BucketState::fresh(&config);
+            // Anywhere in the valid range, not only at the top.
+            state.effective_rate = config.floor_rate()
+                + start * (config.rate_per_second() - config.floor_rate());
+            let mut now = t0();
+            let mut last_decrease: Option<DateTime<Utc>> = None;
+            for (gap_ms, kind, retry_ms) in feedback {
+                now += ms(gap_ms);
+                let before_state = state.clone();
+                let before = state.effective_rate;
+                let changed = match kind {
+                    0 => on_throttled(&config, &mut state, None, now),
+                    1 => on_throttled(&config, &mut state, Some(now + ms(retry_ms)), now),
+                    _ => on_success(&config, &mut state, now),
+                };
+                prop_assert_eq!(changed, state != before_state);
+                prop_assert!(config.floor_rate() <= state.effective_rate);
+                prop_assert!(state.effective_rate <= config.rate_per_second());
+                if state.effective_rate < before {
+                    if let Some(last) = last_decrease {
+                        prop_assert!(now - last >= TimeDelta::seconds(1));
+                    }
+                    last_decrease = Some(now);
+                }
+            }
+        }
+
+        #[test]
+        fn the_interval_is_the_least_whole_nanosecond_count_not_shorter_than_one_over_the_rate(
+            rate in prop_oneof![1e-6f64..1.0, 1.0f64..1e6, 1e6f64..1e10],
+        ) {
+            let t = interval_ns(rate) as f64;
+            let exact = 1e9 / rate;
+            prop_assert!(t >= exact * (1.0 - 1e-15));
+            prop_assert!(t - 1.0 < exact * (1.0 + 1e-15));
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! A throttled channel never slows another: an SMS storm of 429s next to push delivery.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
+
+mod admission_common;
+
+use std::time::Duration;
+
+use admission_common::{limited, wait_delivered};
+use chrono::{DateTime, Utc};
+use nudge_domain::Channel;
+use nudge_e2e::{TestEnv, keys_report, stats};
+
+/// Mean time from scheduled_at to the provider's acceptance, over one account's keys.
+async fn mean_latency_ms(
+    env: &TestEnv,
+    account: &str,
+    scheduled: &std::collections::HashMap<String, DateTime<Utc>>,
+) -> f64 {
+    let keys = keys_report(env.stub_keys().await.unwrap()).unwrap();
+    let latencies: Vec<i64> = keys
+        .keys
+        .iter()
+        .filter(|k| k.account == account)
+        .filter_map(|k| Some((k.accepted_at? - scheduled[&k.key]).num_milliseconds()))
+        .collect();
+    assert_eq!(latencies.len(), scheduled.len());
+    latencies.iter().sum::<i64>() as f64 / latencies.len() as f64
+}
+
+/// 200 push reminders behind a 20/s bucket, optionally next to an SMS storm against a
+/// provider that allows 1 request/s and answers 429 past it. Returns the push mean latency.
+async fn push_latency(with_sms_storm: bool) -> f64 {
+    let mut env = TestEnv::start(if with_sms_storm {
+        "isolation-storm"
+    } else {
+        "isolation-calm"
+    })
+    .await
+    .unwrap();
+    let tenant = env.tenant("clinic-i", 2).await.unwrap();
+    if with_sms_storm {
+        env.script("sms-main", serde_json::json!({"rate_limit": {"per_second": 1, "burst": 1, "retry_after": "delta"}}))
+            .await
+            .unwrap();
+    }
+    let due = Utc::now() + chrono::Duration::seconds(3);
+    let mut scheduled = std::collections::HashMap::new();
+    for i in 0..200 {
+        let created = env
+            .reminder(
+                tenant,
+                &format!("push-{i}"),
+                &[Channel::Push],
+                due,
+                due + chrono::Duration::minutes(10),
+            )
+            .await
+            .unwrap();
+        scheduled.insert(
+            nudge_domain::IdempotencyKey::for_delivery(created.id, Channel::Push).to_string(),
+            due,
+        );
+    }
+    if with_sms_storm {
+        for i in 0..400 {
+            env.reminder(
+                tenant,
+                &format!("sms-{i}"),
+                &[Channel::Sms],
+                due,
+                due + chrono::Duration::minutes(10),
+            )
+            .await
+            .unwrap();
+        }
+    }
+    env.start_producer("producer").unwrap();
+    env.start_janitor(200, 1_000).unwrap();
+    env.start_worker(
+        Channel::Push,
+        "worker-push",
+        &limited(Channel::Push, 20.0, 5),
+    )
+    .unwrap();
+    if with_sms_storm {
+        env.start_worker(Channel::Sms, "worker-sms", &limited(Channel::Sms, 20.0, 5))
+            .unwrap();
+    }
+    wait_delivered(&mut env, Channel::Push, 200, Duration::from_secs(90)).await;
+    let latency = mean_latency_ms(&env, "push-main", &scheduled).await;
+    if with_sms_storm {
+        let stub = stats(env.stub_stats().await.unwrap()).unwrap();
+        let sms = &stub.accounts["sms-main"];
+        eprintln!(
+            "e2e isolation: sms storm requests={} rate_limited={} accepted={}",
+            sms.requests, sms.rate_limited, sms.accepted
+        );
+        assert!(
+            sms.rate_limited > 0,
+            "the SMS provider really was throttling"
+        );
+    }
+    latency
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sms_storm_of_429s_does_not_slow_push_delivery() {
+    let calm = push_latency(false).await;
+    let storm = push_latency(true).await;
+
+    let change = (storm - calm) / calm;
+    eprintln!(
+        "e2e isolation: push mean latency calm={calm:.0} ms storm={storm:.0} ms change={:.1}%",
+        change * 100.0
+    );
+    assert!(
+        change.abs() <= 0.10,
+        "push latency moved by {:.1}% (calm {calm:.0} ms, storm {storm:.0} ms)",
+        change * 100.0
+    );
+}
