@@ -33,10 +33,19 @@ const STORED_RESOLUTION_NS: i128 = 1_000;
 const MAX_INTERVAL_NS: i128 = 1 << 74;
 
 const DECREASE_FACTOR: f64 = 0.75;
+/// The first 429 a bucket ever meets halves its rate: no ceiling is known yet, and the
+/// configured rate may be far above the provider's (as TCP leaves slow start at half the window).
+const FIRST_DECREASE_FACTOR: f64 = 0.5;
 const FLOOR_FRACTION: f64 = 0.02;
 const FLOOR_MIN: f64 = 0.1;
 const INCREASE_FRACTION: f64 = 0.025;
 const INCREASE_MIN: f64 = 0.5;
+/// Near the ceiling found by the last 429 the rate probes in small steps.
+const PROBE_FRACTION: f64 = 0.005;
+const PROBE_MIN: f64 = 0.1;
+/// Below this share of that ceiling, and above `PROBE_ABOVE` of it, the rate climbs quickly.
+const PROBE_BELOW: f64 = 0.9;
+const PROBE_ABOVE: f64 = 1.05;
 /// AIMD moves the rate at most once per this much time, whatever the number of replicas
 /// reporting: a burst of 429s from one overload halves the rate once, not once per send.
 const FEEDBACK_SPACING: TimeDelta = TimeDelta::seconds(1);
@@ -146,6 +155,9 @@ pub struct BucketState {
     pub new_demand_at: Option<DateTime<Utc>>,
     /// Last time a recovery lane asked.
     pub recovery_demand_at: Option<DateTime<Utc>>,
+    /// The rate at which the provider last answered 429: the ceiling found by probing. The
+    /// rate climbs quickly to 90% of it, then probes slowly up to 5% above it.
+    pub throttled_rate: Option<f64>,
     pub last_decrease_at: Option<DateTime<Utc>>,
     pub last_increase_at: Option<DateTime<Utc>>,
 }
@@ -163,6 +175,7 @@ impl BucketState {
             recovery_demand_at: None,
             last_decrease_at: None,
             last_increase_at: None,
+            throttled_rate: None,
         }
     }
 }
@@ -321,16 +334,31 @@ pub fn admit(
 }
 
 /// A 429: the provider is over its limit, so every 429 is a congestion signal. The effective
-/// rate drops to three quarters, at most once per second (a burst of 429s from one overload
-/// lowers it once), floored at [`BucketConfig::floor_rate`]. With a valid `Retry-After`
-/// (`retry_at` is `Some`) the whole bucket also pauses until then (a later existing pause is
-/// kept). Without the decrease on a `Retry-After`, a bucket configured above the provider's
-/// real limit would pause, resume at the same rate and be throttled again, forever. Returns
-/// true when the state changed.
+/// rate drops to three quarters, at most once per second, floored at
+/// [`BucketConfig::floor_rate`], and the rate it dropped from is kept as the ceiling found. With
+/// a valid `Retry-After` (`retry_at` is `Some`) the whole bucket also pauses until then (a later
+/// existing pause is kept). Without the decrease on a `Retry-After`, a bucket configured above
+/// the provider's real limit would pause, resume at the same rate and be throttled again,
+/// forever. Returns true when the state changed. See [`on_throttled_after`].
 pub fn on_throttled(
     config: &BucketConfig,
     state: &mut BucketState,
     retry_at: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+) -> bool {
+    on_throttled_after(config, state, retry_at, None, now)
+}
+
+/// [`on_throttled`] for a send whose slot was reserved at `reserved_at`. A 429 for a slot
+/// reserved before the last decrease was paced at the old rate and says nothing new about the
+/// new one: it may pause the bucket, but it does not lower the rate again (one decrease per
+/// round of reservations, as TCP makes one per window), so a burst of late 429s does not drive
+/// the rate far below the provider's limit.
+pub fn on_throttled_after(
+    config: &BucketConfig,
+    state: &mut BucketState,
+    retry_at: Option<DateTime<Utc>>,
+    reserved_at: Option<DateTime<Utc>>,
     now: DateTime<Utc>,
 ) -> bool {
     let before = state.clone();
@@ -340,9 +368,16 @@ pub fn on_throttled(
             state.paused_until = Some(until);
         }
     }
-    if config.rate_per_second > 0.0 && !within_spacing(state.last_decrease_at, now) {
+    let stale = matches!((reserved_at, state.last_decrease_at), (Some(r), Some(d)) if r <= d);
+    if config.rate_per_second > 0.0 && !stale && !within_spacing(state.last_decrease_at, now) {
         let old_rate = admitting_rate(config, state);
-        state.effective_rate = (current_rate(config, state) * DECREASE_FACTOR)
+        let factor = if state.throttled_rate.is_none() {
+            FIRST_DECREASE_FACTOR
+        } else {
+            DECREASE_FACTOR
+        };
+        state.throttled_rate = Some(current_rate(config, state));
+        state.effective_rate = (current_rate(config, state) * factor)
             .max(config.floor_rate())
             .min(config.rate_per_second);
         state.last_decrease_at = Some(now);
@@ -362,7 +397,16 @@ pub fn on_success(config: &BucketConfig, state: &mut BucketState, now: DateTime<
     {
         return false;
     }
-    let next = (current_rate(config, state) + config.increase_step())
+    let rate = current_rate(config, state);
+    let probing = state
+        .throttled_rate
+        .is_some_and(|ceiling| rate >= ceiling * PROBE_BELOW && rate < ceiling * PROBE_ABOVE);
+    let step = if probing {
+        (config.rate_per_second * PROBE_FRACTION).max(PROBE_MIN)
+    } else {
+        config.increase_step()
+    };
+    let next = (rate + step)
         .min(config.rate_per_second)
         .max(config.floor_rate());
     if next == state.effective_rate {
@@ -381,6 +425,7 @@ pub fn on_success(config: &BucketConfig, state: &mut BucketState, now: DateTime<
 /// A provider's pause is kept: the provider asked for it, not the operator.
 pub fn reconfigured(config: &BucketConfig, state: &mut BucketState, now: DateTime<Utc>) {
     state.effective_rate = config.rate_per_second;
+    state.throttled_rate = None;
     state.last_decrease_at = None;
     state.last_increase_at = None;
     let rate = config.rate_per_second;
@@ -686,6 +731,7 @@ mod tests {
                 recovery_demand_at: None,
                 last_decrease_at: None,
                 last_increase_at: None,
+                throttled_rate: None,
             }
         );
     }
@@ -801,8 +847,8 @@ mod tests {
         assert!(on_throttled(&c, &mut s, Some(until), t0()));
         assert_eq!(s.paused_until, Some(until));
         assert_eq!(
-            s.effective_rate, 7.5,
-            "a Retry-After pauses the bucket, and the 429 also slows it"
+            s.effective_rate, 5.0,
+            "a Retry-After pauses the bucket, and the (first) 429 also halves its rate"
         );
         assert_eq!(
             admit(&c, &mut s, Lane::New, t0() + ms(1), &waiting(500)),
@@ -817,11 +863,11 @@ mod tests {
             .map(|_| send_at(admit(&c, &mut s, Lane::New, t0() + ms(1), &settings)))
             .collect();
         // Burst 2 at the pause's end (the second within a nanosecond-rounding of it), then
-        // spaced at the slowed rate (7.5/s: 133.33 ms).
+        // spaced at the slowed rate (5/s: 200 ms).
         assert_eq!(slots[0], until);
         assert!((slots[1] - until).num_microseconds().unwrap() < 1);
         let gap = (slots[2] - until).num_microseconds().unwrap();
-        assert!((133_333..=133_334).contains(&gap), "{gap} µs");
+        assert!((200_000..=200_001).contains(&gap), "{gap} µs");
     }
 
     #[test]
@@ -841,7 +887,7 @@ mod tests {
         let mut fresh = BucketState::fresh(&c);
         assert!(on_throttled(&c, &mut fresh, Some(t0()), t0()));
         assert_eq!(fresh.paused_until, None);
-        assert_eq!(fresh.effective_rate, 7.5);
+        assert_eq!(fresh.effective_rate, 5.0);
     }
 
     #[test]
@@ -850,12 +896,12 @@ mod tests {
         let mut s = BucketState::fresh(&c);
         let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
         assert!(on_throttled(&c, &mut s, Some(t0() + ms(200)), t0()));
-        // The 429 also slowed the bucket to 0.75/s: the one outstanding reservation now
-        // spaces the next slot 1/0.75 s after it (rounded up to the stored microsecond).
+        // The 429 also halved the bucket's rate: the one outstanding reservation now spaces
+        // the next slot 1/0.5 s after it.
         assert_eq!(
             admit(&c, &mut s, Lane::New, t0(), &waiting(100)),
             Admission::Deferred {
-                until: t0() + TimeDelta::microseconds(1_333_334),
+                until: t0() + ms(2_000),
                 reason: DeferReason::Throttled
             }
         );
@@ -959,16 +1005,16 @@ mod tests {
     }
 
     #[test]
-    fn a_429_lowers_the_rate_to_three_quarters_at_most_once_per_second() {
+    fn the_first_429_halves_the_rate_and_later_ones_lower_it_to_three_quarters_once_per_second() {
         let c = config(100.0, 10);
         let mut s = BucketState::fresh(&c);
         assert!(on_throttled(&c, &mut s, None, t0()));
-        assert_eq!(s.effective_rate, 75.0);
+        assert_eq!(s.effective_rate, 50.0, "no ceiling known yet: halve");
         assert_eq!(s.last_decrease_at, Some(t0()));
         assert!(!on_throttled(&c, &mut s, None, t0() + ms(999)));
-        assert_eq!(s.effective_rate, 75.0);
+        assert_eq!(s.effective_rate, 50.0);
         assert!(on_throttled(&c, &mut s, None, t0() + ms(1_000)));
-        assert_eq!(s.effective_rate, 56.25);
+        assert_eq!(s.effective_rate, 37.5);
     }
 
     #[test]
@@ -992,32 +1038,86 @@ mod tests {
     }
 
     #[test]
-    fn success_adds_back_two_and_a_half_percent_or_half_a_request_per_second_up_to_the_rate() {
+    fn success_climbs_fast_to_near_the_last_ceiling_then_probes_slowly_up_to_the_rate() {
         let c = config(100.0, 10);
         let mut s = BucketState::fresh(&c);
         assert!(!on_success(&c, &mut s, t0()), "already at the rate");
         assert_eq!(s, BucketState::fresh(&c));
         let _ = on_throttled(&c, &mut s, None, t0());
-        assert_eq!(s.effective_rate, 75.0);
+        assert_eq!(s.effective_rate, 50.0);
+        assert_eq!(s.throttled_rate, Some(100.0), "the ceiling found");
         assert!(
             !on_success(&c, &mut s, t0() + ms(999)),
             "the success must be sustained a second after the 429"
         );
         assert!(on_success(&c, &mut s, t0() + ms(1_000)));
-        assert_eq!(s.effective_rate, 77.5);
+        assert_eq!(s.effective_rate, 52.5, "2.5% of the rate per second");
         assert!(!on_success(&c, &mut s, t0() + ms(1_500)));
         let mut t = t0() + ms(1_000);
-        for _ in 0..20 {
+        for _ in 0..15 {
             t += TimeDelta::seconds(1);
             let _ = on_success(&c, &mut s, t);
         }
-        assert_eq!(s.effective_rate, 100.0);
+        assert_eq!(s.effective_rate, 90.0, "fast up to 90% of the ceiling");
+        t += TimeDelta::seconds(1);
+        assert!(on_success(&c, &mut s, t));
+        assert_eq!(
+            s.effective_rate, 90.5,
+            "then probing: 0.5% of the rate per second"
+        );
+        for _ in 0..40 {
+            t += TimeDelta::seconds(1);
+            let _ = on_success(&c, &mut s, t);
+        }
+        assert_eq!(s.effective_rate, 100.0, "never above the configured rate");
 
         let slow = config(4.0, 1);
         let mut s = BucketState::fresh(&slow);
         let _ = on_throttled(&slow, &mut s, None, t0());
         assert!(on_success(&slow, &mut s, t0() + ms(1_000)));
-        assert_eq!(s.effective_rate, 3.5, "at least 0.5/s");
+        assert_eq!(s.effective_rate, 2.5, "at least 0.5/s");
+    }
+
+    #[test]
+    fn a_429_for_a_slot_reserved_before_the_last_decrease_does_not_lower_the_rate_again() {
+        let c = config(80.0, 5);
+        let mut s = BucketState::fresh(&c);
+        assert!(on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(t0()),
+            t0() + ms(100)
+        ));
+        assert_eq!(s.effective_rate, 40.0);
+        // Two seconds later, a 429 for a slot reserved before that decrease: paced at 80/s.
+        assert!(!on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(t0() + ms(50)),
+            t0() + ms(2_100)
+        ));
+        assert_eq!(s.effective_rate, 40.0);
+        // ...but its Retry-After still pauses the bucket.
+        let pause = t0() + ms(3_000);
+        assert!(on_throttled_after(
+            &c,
+            &mut s,
+            Some(pause),
+            Some(t0()),
+            t0() + ms(2_200)
+        ));
+        assert_eq!((s.effective_rate, s.paused_until), (40.0, Some(pause)));
+        // A slot reserved after the decrease that still drew a 429: the new rate is too high too.
+        assert!(on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(t0() + ms(500)),
+            t0() + ms(2_300)
+        ));
+        assert_eq!(s.effective_rate, 30.0);
     }
 
     #[test]

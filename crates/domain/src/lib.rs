@@ -21,7 +21,7 @@ pub mod state;
 
 pub use admission::{
     Admission, AdmissionSettings, BucketConfig, BucketState, DeferReason, InvalidBucket, admit,
-    on_success, on_throttled, reconfigured,
+    on_success, on_throttled, on_throttled_after, reconfigured,
 };
 pub use classify::{IdempotencySupport, OutcomeClass, SendOutcome, classify};
 pub use decide::{AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide};

@@ -46,9 +46,12 @@ pub enum BucketCheck {
 /// What a provider's answer says about the bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Feedback {
-    /// A 429; `retry_at` when it carried a valid Retry-After.
+    /// A 429; `retry_at` when it carried a valid Retry-After; `reserved_at` when the send's
+    /// slot was reserved (a 429 for a slot reserved before the last decrease does not lower
+    /// the rate again).
     Throttled {
         retry_at: Option<DateTime<Utc>>,
+        reserved_at: Option<DateTime<Utc>>,
     },
     Success,
 }
@@ -78,6 +81,7 @@ struct BucketRow {
     recovery_demand_at: Option<DateTime<Utc>>,
     last_decrease_at: Option<DateTime<Utc>>,
     last_increase_at: Option<DateTime<Utc>>,
+    throttled_rate: Option<f64>,
     changed_by: String,
     changed_at: DateTime<Utc>,
     change_reason: Option<String>,
@@ -85,7 +89,8 @@ struct BucketRow {
 
 const COLUMNS: &str = "provider_account, channel, rate_per_second, burst, effective_rate, \
      paused_until, reserve_new, reserve_recovery, tat, tat_new, tat_recovery, new_demand_at, \
-     recovery_demand_at, last_decrease_at, last_increase_at, changed_by, changed_at, change_reason";
+     recovery_demand_at, last_decrease_at, last_increase_at, throttled_rate, changed_by, changed_at, \
+     change_reason";
 
 impl BucketRow {
     fn config(&self) -> Result<BucketConfig, LedgerError> {
@@ -109,6 +114,7 @@ impl BucketRow {
             recovery_demand_at: self.recovery_demand_at,
             last_decrease_at: self.last_decrease_at,
             last_increase_at: self.last_increase_at,
+            throttled_rate: self.throttled_rate,
         }
     }
 
@@ -158,7 +164,7 @@ async fn store(
         "UPDATE rate_buckets
          SET effective_rate = $3, paused_until = $4, tat = $5, tat_new = $6, tat_recovery = $7,
              new_demand_at = $8, recovery_demand_at = $9, last_decrease_at = $10,
-             last_increase_at = $11
+             last_increase_at = $11, throttled_rate = $12
          WHERE provider_account = $1 AND channel = $2",
     )
     .bind(account.as_str())
@@ -172,6 +178,7 @@ async fn store(
     .bind(state.recovery_demand_at)
     .bind(state.last_decrease_at)
     .bind(state.last_increase_at)
+    .bind(state.throttled_rate)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -397,9 +404,10 @@ impl Ledger {
         let config = row.config()?;
         let mut state = row.state();
         let changed = match feedback {
-            Feedback::Throttled { retry_at } => {
-                admission::on_throttled(&config, &mut state, retry_at, now)
-            }
+            Feedback::Throttled {
+                retry_at,
+                reserved_at,
+            } => admission::on_throttled_after(&config, &mut state, retry_at, reserved_at, now),
             Feedback::Success => admission::on_success(&config, &mut state, now),
         };
         if !changed {

@@ -84,6 +84,9 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
             .context("failed to load configuration")?;
     let _telemetry = nudge_telemetry::init("nudge-producer", &config.telemetry)
         .context("failed to initialise logging")?;
+    if config.telemetry.metrics_addr.is_some() {
+        warn!("telemetry.metrics_addr is set, but only the channel workers serve /metrics so far");
+    }
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
     let ledger = Ledger::connect(

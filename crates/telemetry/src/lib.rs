@@ -2,17 +2,20 @@
 //!
 //! Owns: installing the process-wide tracing subscriber once, from `main`, via [`init`] (JSON or
 //! human-readable logs on stderr, filtered by `RUST_LOG` or `telemetry.log_filter`), the
-//! [`TelemetryGuard`] that flushes on exit, and [`error_chain`] for reporting an error once with
-//! its causes. OTLP export and the Prometheus listener will live here too.
+//! [`TelemetryGuard`] that flushes on exit, [`error_chain`] for reporting an error once with its
+//! causes, and [`serve_metrics`], the Prometheus `/metrics` listener a binary starts on
+//! `telemetry.metrics_addr` with its own registry. OTLP export will live here too.
 //!
 //! Must never: be called from a library crate (libraries only emit `tracing` events), log a
-//! destination, subscriber reference, message body or secret (it logs only the service name and
-//! the log format), or panic when called twice.
+//! destination, subscriber reference, message body or secret (it logs only the service name, the
+//! log format and the metrics address), or panic when called twice.
 
 mod json;
+mod metrics;
 
 use std::io::{IsTerminal as _, Write as _};
 
+pub use metrics::{OPENMETRICS_CONTENT_TYPE, serve_metrics};
 use nudge_config::{LogFormat, TelemetryConfig};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::filter::ParseError;
@@ -93,15 +96,11 @@ pub fn init(
         .map_err(TelemetryError::AlreadyInitialised)?;
 
     tracing::info!(service = service_name, log_format = ?cfg.log_format, "telemetry initialised");
-    // Not silently ignored: an operator who set these expects export, and it is not built yet.
+    // Not silently ignored: an operator who set this expects export, and it is not built yet.
+    // `metrics_addr` is served by each binary through [`serve_metrics`], with its own registry.
     if cfg.otlp_endpoint.is_some() {
         tracing::warn!(
             "telemetry.otlp_endpoint is set but OTLP export is not available yet; ignoring it"
-        );
-    }
-    if cfg.metrics_addr.is_some() {
-        tracing::warn!(
-            "telemetry.metrics_addr is set but the metrics listener is not available yet; ignoring it"
         );
     }
 

@@ -1,7 +1,8 @@
 //! Configuration of a channel worker (`nudge-push`, `nudge-email`, `nudge-sms`).
 //!
 //! Keys, beyond the shared sections documented in `nudge-config` (`database.*`, `amqp.*`,
-//! `telemetry.*`, `crypto.destination_key`, required here):
+//! `telemetry.*`, `crypto.destination_key`, required here; when `telemetry.metrics_addr` is set
+//! the worker serves Prometheus `GET /metrics` there, see `WorkerMetrics`):
 //! - `worker.lease_seconds` (default 60): how long a leased delivery is held before the
 //!   janitor's reaper may settle it; must exceed the longest provider timeout.
 //! - `worker.shutdown_grace_ms` (default 20000): how long in-flight sends may finish after

@@ -12,6 +12,7 @@
 //! doubt it acknowledges and leaves the delivery to the ledger, which republishes or reaps).
 
 mod config;
+mod metrics;
 mod process;
 
 use std::process::ExitCode;
@@ -29,6 +30,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
 pub use config::{AdmissionSection, RetrySection, WorkerConfig, WorkerSection};
+pub use metrics::WorkerMetrics;
 pub use process::{Clock, Processed, Providers, Worker};
 
 /// Command line of a channel worker binary.
@@ -83,6 +85,17 @@ async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
     let worker = Arc::new(build(&config, channel).await?);
+    if let Some(addr) = config.telemetry.metrics_addr {
+        nudge_telemetry::serve_metrics(
+            addr,
+            worker.metrics.registry(),
+            shutdown.clone().cancelled_owned(),
+        )
+        .await
+        .with_context(|| {
+            format!("failed to listen for metrics on {addr} (telemetry.metrics_addr)")
+        })?;
+    }
     let topology = Topology::new(&config.amqp.namespace, config.amqp.delivery_limit)
         .context("invalid amqp.namespace or amqp.delivery_limit")?;
     let broker = Broker::connect(
@@ -162,6 +175,7 @@ pub async fn build(config: &WorkerConfig, channel: Channel) -> anyhow::Result<Wo
         ),
         clock: Arc::new(chrono::Utc::now),
         admission: config.admission.settings(),
+        metrics: Arc::new(WorkerMetrics::new()),
     })
 }
 

@@ -17,6 +17,8 @@ use nudge_proto::Envelope;
 use nudge_provider::{HttpProvider, Provider, SendRequest};
 use tracing::{Instrument, debug, error, info, warn};
 
+use crate::metrics::WorkerMetrics;
+
 /// How a message ends, and so how it is settled with the broker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Processed {
@@ -81,6 +83,8 @@ pub struct Worker {
     pub worker_id: String,
     pub clock: Clock,
     pub admission: AdmissionSettings,
+    /// Bucket rates, attempts and deferrals, served on `telemetry.metrics_addr`.
+    pub metrics: Arc<WorkerMetrics>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -238,8 +242,7 @@ impl Worker {
         };
         let mut jitter = RandJitter::from_entropy();
         let decision = decide(&ctx, &outcome, finished_at, &self.policy, &mut jitter);
-        self.feedback(account, &decision, slot.below_full_rate, finished_at)
-            .await;
+        self.feedback(account, &decision, &slot, finished_at).await;
         info!(
             attempt = lease.attempt_number,
             provider_account = %account,
@@ -278,7 +281,14 @@ impl Worker {
             correlation_id: Some(correlation_id.to_owned()),
         };
         match self.ledger.record_outcome(lease, &decision, &record).await {
-            Ok(()) => Processed::Attempted(decision.next_state),
+            Ok(()) => {
+                self.metrics.attempt(
+                    self.channel,
+                    decision.facts.outcome_class,
+                    decision.next_state,
+                );
+                Processed::Attempted(decision.next_state)
+            }
             Err(e) => {
                 error!(error.cause_chain = ?e, "failed to record the outcome; the lease reaper settles it");
                 Processed::Deferred("record_failed")
@@ -315,6 +325,12 @@ impl Worker {
                 return Err(Processed::Deferred("ledger_unavailable"));
             }
         };
+        self.metrics.bucket(
+            account,
+            self.channel,
+            admitted.rate_per_second,
+            admitted.effective_rate,
+        );
         match admitted.admission {
             Admission::Admitted { send_at } => Ok(Slot {
                 send_at,
@@ -384,6 +400,7 @@ impl Worker {
     ) -> Processed {
         match self.ledger.release(lease, until, (self.clock)()).await {
             Ok(()) => {
+                self.metrics.deferral(account, self.channel, reason);
                 debug!(provider_account = %account, reason, %until, "no send slot in time: released");
                 Processed::Released(reason)
             }
@@ -400,7 +417,7 @@ impl Worker {
         &self,
         account: &ProviderAccount,
         decision: &Decision,
-        below_full_rate: bool,
+        slot: &Slot,
         at: DateTime<Utc>,
     ) {
         let feedback = match (decision.facts.http_status, decision.facts.outcome_class) {
@@ -412,9 +429,12 @@ impl Worker {
                     .filter(|_| decision.facts.retry_after_valid)
                     .and_then(|seen| RetryAfter::parse(seen).ok())
                     .map(|r| r.resolve(at));
-                Feedback::Throttled { retry_at }
+                Feedback::Throttled {
+                    retry_at,
+                    reserved_at: Some(slot.reserved_at),
+                }
             }
-            (_, OutcomeClass::Delivered) if below_full_rate => Feedback::Success,
+            (_, OutcomeClass::Delivered) if slot.below_full_rate => Feedback::Success,
             _ => return,
         };
         match self
@@ -422,13 +442,17 @@ impl Worker {
             .bucket_feedback(account, self.channel, feedback, at)
             .await
         {
-            Ok(Some((effective_rate, paused_until))) => info!(
-                provider_account = %account,
-                channel = %self.channel,
-                effective_rate,
-                paused_until = paused_until.map(|p| p.to_rfc3339()),
-                "rate bucket adjusted"
-            ),
+            Ok(Some((effective_rate, paused_until))) => {
+                self.metrics
+                    .effective_rate(account, self.channel, effective_rate);
+                info!(
+                    provider_account = %account,
+                    channel = %self.channel,
+                    effective_rate,
+                    paused_until = paused_until.map(|p| p.to_rfc3339()),
+                    "rate bucket adjusted"
+                );
+            }
             Ok(None) => {}
             Err(e) => {
                 warn!(error.cause_chain = ?e, "failed to apply provider feedback to the bucket")

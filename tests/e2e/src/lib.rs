@@ -171,6 +171,8 @@ pub struct WorkerOptions {
     pub rate: Option<(f64, u32)>,
     pub max_wait_ms: u64,
     pub closed_recheck_ms: u64,
+    /// Where the worker serves `GET /metrics`, if anywhere.
+    pub metrics_port: Option<u16>,
 }
 
 impl WorkerOptions {
@@ -186,6 +188,7 @@ impl WorkerOptions {
             rate: None,
             max_wait_ms: 1_500,
             closed_recheck_ms: 1_000,
+            metrics_port: None,
         }
     }
 }
@@ -382,6 +385,12 @@ log_filter = "info"
             "delivery_limit = 3",
             &format!("delivery_limit = 3\nprefetch = {}", options.prefetch),
         );
+        if let Some(port) = options.metrics_port {
+            body = body.replace(
+                "log_filter = \"info\"",
+                &format!("log_filter = \"info\"\nmetrics_addr = \"127.0.0.1:{port}\""),
+            );
+        }
         body.push_str(&format!(
             "\n[crypto]\ndestination_key = \"{key}\"\n\n[worker]\nlease_seconds = {lease}\nshutdown_grace_ms = 5000\n\n[retry]\nbase_delay_ms = {base}\nmax_delay_ms = {max}\nmax_attempts = {attempts}\nmax_retry_after_s = 60\n\n[admission]\nmax_wait_ms = {max_wait}\nclosed_recheck_ms = {recheck}\n",
             key = self.key_b64,
@@ -623,4 +632,12 @@ pub fn keys_report(value: Value) -> anyhow::Result<KeysReport> {
 /// Parses the stub's `GET /stats` answer.
 pub fn stats(value: Value) -> anyhow::Result<Stats> {
     Ok(serde_json::from_value(value)?)
+}
+
+/// A loopback port that was free a moment ago (for a process that binds it itself).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
 }

@@ -30,11 +30,12 @@ async fn two_workers_on_one_bucket_never_exceed_its_rate_plus_burst() {
     }
     env.start_producer("producer").unwrap();
     env.start_janitor(200, 1_000).unwrap();
-    let options = limited(Channel::Sms, 20.0, 5);
-    env.start_worker(Channel::Sms, "worker-a", &options)
-        .unwrap();
-    env.start_worker(Channel::Sms, "worker-b", &options)
-        .unwrap();
+    let ports = [nudge_e2e::free_port(), nudge_e2e::free_port()];
+    for (name, port) in ["worker-a", "worker-b"].into_iter().zip(ports) {
+        let mut options = limited(Channel::Sms, 20.0, 5);
+        options.metrics_port = Some(port);
+        env.start_worker(Channel::Sms, name, &options).unwrap();
+    }
 
     wait_delivered(&mut env, Channel::Sms, 240, Duration::from_secs(90)).await;
 
@@ -54,6 +55,41 @@ async fn two_workers_on_one_bucket_never_exceed_its_rate_plus_burst() {
         f64::from(u32::try_from(sms.requests).unwrap()) / span
     );
     assert_eq!(workers, 2, "both replicas sent");
+
+    // Each replica exposes the bucket's rates and its own attempts on /metrics.
+    let mut attempts = 0.0;
+    for port in ports {
+        let text = env
+            .http
+            .get(format!("http://127.0.0.1:{port}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            text.contains(
+                r#"nudge_bucket_effective_rate{provider_account="sms-main",channel="sms"} 20.0"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"nudge_bucket_rate{provider_account="sms-main",channel="sms"} 20.0"#),
+            "{text}"
+        );
+        attempts += text
+            .lines()
+            .filter(|l| {
+                l.starts_with("nudge_attempts_total{") && l.contains(r#"next_state="delivered""#)
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    assert_eq!(
+        attempts, 240.0,
+        "the replicas' attempt counters add up to the deliveries"
+    );
     assert!(
         sms.max_requests_in_any_second <= 25,
         "{} > 20/s + burst 5",
