@@ -30,6 +30,10 @@
 //! | `telemetry.otlp_endpoint` | unset (no export) | `http://` or `https://` URL |
 //! | `telemetry.metrics_addr` | unset (no listener) | socket address, e.g. `"0.0.0.0:9464"` |
 //! | `crypto.destination_key` (secret) | unset | standard base64 of exactly 32 bytes |
+//! | `retry.base_delay_ms` | `1000` | >= 1 |
+//! | `retry.max_delay_ms` | `300000` | >= `retry.base_delay_ms` |
+//! | `retry.max_attempts` | `8` | >= 1 |
+//! | `retry.max_retry_after_s` | `3600` | > 0 |
 //!
 //! `NUDGE_CONFIG` is the file path, never a key.
 //!
@@ -68,4 +72,6 @@ mod sections;
 pub use error::ConfigError;
 pub use load::{CONFIG_FILE_ENV, ENV_NESTING, ENV_PREFIX, KNOWN_SECTIONS, Validate, load};
 pub use secret::Secret;
-pub use sections::{AmqpConfig, CryptoConfig, DatabaseConfig, LogFormat, TelemetryConfig};
+pub use sections::{
+    AmqpConfig, CryptoConfig, DatabaseConfig, LogFormat, RetryConfig, TelemetryConfig,
+};

@@ -425,3 +425,42 @@ mod tests {
         assert!(printed.contains("[redacted]"));
     }
 }
+
+/// The retry policy (`nudge_domain::RetryPolicy`): workers decide attempts with it and the
+/// janitor's lease reaper decides expired leases with it, so both read this one section.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Backoff base, in milliseconds (>= 1).
+    pub base_delay_ms: u64,
+    /// Backoff cap, in milliseconds (>= base).
+    pub max_delay_ms: u64,
+    /// Attempts before a retryable failure dead-letters (>= 1).
+    pub max_attempts: u32,
+    /// Longest Retry-After honoured, in seconds (> 0); a longer one dead-letters.
+    pub max_retry_after_s: u64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            base_delay_ms: 1_000,
+            max_delay_ms: 300_000,
+            max_attempts: 8,
+            max_retry_after_s: 3_600,
+        }
+    }
+}
+
+impl RetryConfig {
+    /// The policy, or an error naming the `retry` section and the broken rule.
+    pub fn policy(&self) -> Result<nudge_domain::RetryPolicy, ConfigError> {
+        nudge_domain::RetryPolicy::new(
+            std::time::Duration::from_millis(self.base_delay_ms),
+            std::time::Duration::from_millis(self.max_delay_ms),
+            self.max_attempts,
+            std::time::Duration::from_secs(self.max_retry_after_s),
+        )
+        .map_err(|e| ConfigError::invalid("retry", e.to_string()))
+    }
+}

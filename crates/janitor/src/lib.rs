@@ -19,7 +19,9 @@ use std::time::Duration;
 use anyhow::Context;
 use chrono::Utc;
 use nudge_broker::{Broker, QueueKind, Topology};
-use nudge_config::{AmqpConfig, ConfigError, DatabaseConfig, TelemetryConfig, Validate};
+use nudge_config::{
+    AmqpConfig, ConfigError, DatabaseConfig, RetryConfig, TelemetryConfig, Validate,
+};
 use nudge_domain::{Channel, RandJitter, RetryPolicy};
 use nudge_ledger::{DeadLetter, Ledger};
 use nudge_proto::Envelope;
@@ -42,7 +44,7 @@ pub struct JanitorConfig {
     pub amqp: AmqpConfig,
     pub telemetry: TelemetryConfig,
     pub janitor: JanitorSection,
-    pub retry: RetrySection,
+    pub retry: RetryConfig,
 }
 
 impl JanitorConfig {
@@ -50,13 +52,7 @@ impl JanitorConfig {
         &["database", "amqp", "telemetry", "janitor", "retry"];
 
     pub fn retry_policy(&self) -> Result<RetryPolicy, ConfigError> {
-        RetryPolicy::new(
-            Duration::from_millis(self.retry.base_delay_ms),
-            Duration::from_millis(self.retry.max_delay_ms),
-            self.retry.max_attempts,
-            Duration::from_secs(self.retry.max_retry_after_s),
-        )
-        .map_err(|e| ConfigError::invalid("retry", e.to_string()))
+        self.retry.policy()
     }
 }
 
@@ -97,26 +93,6 @@ impl Default for JanitorSection {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RetrySection {
-    pub base_delay_ms: u64,
-    pub max_delay_ms: u64,
-    pub max_attempts: u32,
-    pub max_retry_after_s: u64,
-}
-
-impl Default for RetrySection {
-    fn default() -> Self {
-        Self {
-            base_delay_ms: 1_000,
-            max_delay_ms: 300_000,
-            max_attempts: 8,
-            max_retry_after_s: 3_600,
-        }
-    }
-}
-
 #[derive(Debug, clap::Parser)]
 #[command(
     version,
@@ -135,17 +111,7 @@ pub struct Cli {
 pub async fn main() -> ExitCode {
     use clap::Parser;
     let cli = Cli::parse();
-    match run_binary(cli).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            error!(error.cause_chain = ?e, "janitor stopped");
-            #[allow(clippy::print_stderr)]
-            {
-                eprintln!("error: {e:#}");
-            }
-            ExitCode::FAILURE
-        }
-    }
+    nudge_runtime::exit_code("janitor", run_binary(cli).await)
 }
 
 async fn run_binary(cli: Cli) -> anyhow::Result<()> {
@@ -156,8 +122,7 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     if config.telemetry.metrics_addr.is_some() {
         warn!("telemetry.metrics_addr is set, but only the channel workers serve /metrics so far");
     }
-    let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone());
+    let shutdown = nudge_runtime::shutdown_on_signal();
     let ledger = Ledger::connect(
         config.database.url.expose(),
         config.database.max_connections,
@@ -201,33 +166,6 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     broker.close().await;
     info!("janitor stopped cleanly");
     Ok(())
-}
-
-fn spawn_signal_handler(shutdown: CancellationToken) {
-    tokio::spawn(async move {
-        #[cfg(unix)]
-        {
-            use tokio::signal::unix::{SignalKind, signal};
-            match signal(SignalKind::terminate()) {
-                Ok(mut term) => {
-                    tokio::select! {
-                        _ = tokio::signal::ctrl_c() => {}
-                        _ = term.recv() => {}
-                    }
-                }
-                Err(e) => {
-                    warn!(error.cause_chain = ?e, "cannot listen for SIGTERM");
-                    let _ = tokio::signal::ctrl_c().await;
-                }
-            }
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-        info!("shutdown signal received");
-        shutdown.cancel();
-    });
 }
 
 /// What one sweep pass settled.

@@ -65,17 +65,7 @@ pub struct Cli {
 pub async fn main() -> ExitCode {
     use clap::Parser;
     let cli = Cli::parse();
-    match run_binary(cli).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            error!(error.cause_chain = ?e, "producer stopped");
-            #[allow(clippy::print_stderr)]
-            {
-                eprintln!("error: {e:#}");
-            }
-            ExitCode::FAILURE
-        }
-    }
+    nudge_runtime::exit_code("producer", run_binary(cli).await)
 }
 
 async fn run_binary(cli: Cli) -> anyhow::Result<()> {
@@ -87,8 +77,7 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     if config.telemetry.metrics_addr.is_some() {
         warn!("telemetry.metrics_addr is set, but only the channel workers serve /metrics so far");
     }
-    let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone());
+    let shutdown = nudge_runtime::shutdown_on_signal();
     let ledger = Ledger::connect(
         config.database.url.expose(),
         config.database.max_connections,
@@ -118,33 +107,6 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     broker.close().await;
     info!("producer stopped cleanly");
     Ok(())
-}
-
-fn spawn_signal_handler(shutdown: CancellationToken) {
-    tokio::spawn(async move {
-        #[cfg(unix)]
-        {
-            use tokio::signal::unix::{SignalKind, signal};
-            match signal(SignalKind::terminate()) {
-                Ok(mut term) => {
-                    tokio::select! {
-                        _ = tokio::signal::ctrl_c() => {}
-                        _ = term.recv() => {}
-                    }
-                }
-                Err(e) => {
-                    warn!(error.cause_chain = ?e, "cannot listen for SIGTERM");
-                    let _ = tokio::signal::ctrl_c().await;
-                }
-            }
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-        info!("shutdown signal received");
-        shutdown.cancel();
-    });
 }
 
 /// A schedule's cron expression could not be used.

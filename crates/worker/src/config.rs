@@ -22,7 +22,7 @@
 use std::time::Duration;
 
 use nudge_config::{
-    AmqpConfig, ConfigError, CryptoConfig, DatabaseConfig, TelemetryConfig, Validate,
+    AmqpConfig, ConfigError, CryptoConfig, DatabaseConfig, RetryConfig, TelemetryConfig, Validate,
 };
 use nudge_domain::{Channel, RetryPolicy};
 use nudge_provider::HttpProviderConfig;
@@ -36,7 +36,7 @@ pub struct WorkerConfig {
     pub telemetry: TelemetryConfig,
     pub crypto: CryptoConfig,
     pub worker: WorkerSection,
-    pub retry: RetrySection,
+    pub retry: RetryConfig,
     pub admission: AdmissionSection,
     pub providers: Vec<HttpProviderConfig>,
 }
@@ -80,13 +80,7 @@ impl WorkerConfig {
     }
 
     pub fn retry_policy(&self) -> Result<RetryPolicy, ConfigError> {
-        RetryPolicy::new(
-            Duration::from_millis(self.retry.base_delay_ms),
-            Duration::from_millis(self.retry.max_delay_ms),
-            self.retry.max_attempts,
-            Duration::from_secs(self.retry.max_retry_after_s),
-        )
-        .map_err(|e| ConfigError::invalid("retry", e.to_string()))
+        self.retry.policy()
     }
 }
 
@@ -131,26 +125,6 @@ impl WorkerSection {
             ));
         }
         Ok(())
-    }
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RetrySection {
-    pub base_delay_ms: u64,
-    pub max_delay_ms: u64,
-    pub max_attempts: u32,
-    pub max_retry_after_s: u64,
-}
-
-impl Default for RetrySection {
-    fn default() -> Self {
-        Self {
-            base_delay_ms: 1_000,
-            max_delay_ms: 300_000,
-            max_attempts: 8,
-            max_retry_after_s: 3_600,
-        }
     }
 }
 

@@ -27,9 +27,9 @@ use nudge_provider::HttpProvider;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
-pub use config::{AdmissionSection, RetrySection, WorkerConfig, WorkerSection};
+pub use config::{AdmissionSection, WorkerConfig, WorkerSection};
 pub use metrics::WorkerMetrics;
 pub use process::{Clock, Processed, Providers, Worker};
 
@@ -55,17 +55,7 @@ pub struct Cli {
 pub async fn main_for(channel: Channel) -> ExitCode {
     use clap::Parser;
     let cli = Cli::parse();
-    match run_binary(channel, cli).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            error!(error.cause_chain = ?e, "worker stopped");
-            #[allow(clippy::print_stderr)]
-            {
-                eprintln!("error: {e:#}");
-            }
-            ExitCode::FAILURE
-        }
-    }
+    nudge_runtime::exit_code("worker", run_binary(channel, cli).await)
 }
 
 async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
@@ -82,8 +72,7 @@ async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
     let _telemetry = nudge_telemetry::init(service, &config.telemetry)
         .context("failed to initialise logging")?;
 
-    let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone());
+    let shutdown = nudge_runtime::shutdown_on_signal();
     let worker = Arc::new(build(&config, channel).await?);
     if let Some(addr) = config.telemetry.metrics_addr {
         nudge_telemetry::serve_metrics(
@@ -177,31 +166,6 @@ pub async fn build(config: &WorkerConfig, channel: Channel) -> anyhow::Result<Wo
         admission: config.admission.settings(),
         metrics: Arc::new(WorkerMetrics::new()),
     })
-}
-
-fn spawn_signal_handler(shutdown: CancellationToken) {
-    tokio::spawn(async move {
-        let ctrl_c = tokio::signal::ctrl_c();
-        #[cfg(unix)]
-        let term = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
-                }
-                Err(e) => {
-                    warn!(error.cause_chain = ?e, "cannot listen for SIGTERM");
-                    std::future::pending::<()>().await;
-                }
-            }
-        };
-        #[cfg(not(unix))]
-        let term = std::future::pending::<()>();
-        tokio::select! {
-            _ = ctrl_c => info!("interrupt received: shutting down"),
-            () = term => info!("SIGTERM received: shutting down"),
-        }
-        shutdown.cancel();
-    });
 }
 
 /// Consumes `work.<channel>` until `shutdown`, processing up to `prefetch` messages at once.

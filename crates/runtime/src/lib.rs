@@ -1,0 +1,55 @@
+//! Process lifecycle shared by the long-running nudge binaries: a cancellation token that
+//! SIGTERM or Ctrl-C cancels (shutdown is passed in, never a global), and one way to turn a
+//! run's result into an exit code with the whole error chain reported once.
+//!
+//! It must never decide what shutting down means for a binary's work: each binary's loop
+//! watches the token and finishes or releases its own in-flight work.
+
+use std::process::ExitCode;
+
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+/// A token cancelled on the first SIGTERM or Ctrl-C. Must be called inside a tokio runtime.
+pub fn shutdown_on_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(e) => {
+                    warn!(error.cause_chain = ?e, "cannot listen for SIGTERM");
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        #[cfg(not(unix))]
+        let term = std::future::pending::<()>();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => info!("interrupt received: shutting down"),
+            () = term => info!("SIGTERM received: shutting down"),
+        }
+        cancel.cancel();
+    });
+    token
+}
+
+/// The exit code of a run: success, or failure with the error chain logged once and printed
+/// on stderr (the log may not be set up yet when configuration is what failed).
+pub fn exit_code(service: &str, result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!(error.cause_chain = ?e, "{service} stopped");
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("error: {e:#}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
