@@ -10,6 +10,9 @@
 //!   pointed at owed work with its current generation, that delivery is dead-lettered so an
 //!   operator sees it and can redrive it.
 //!
+//! - Orphan watchdog (every minute): a reminder whose time came two minutes ago or more, of a
+//!   tenant that is not paused, with no delivery at all, is materialised and logged as a bug.
+//!
 //! It must never delete anything (retention is a separate, counted operation), touch a
 //! delivery that a live lease holds, or acknowledge a dead letter before it is recorded.
 
@@ -200,6 +203,29 @@ pub async fn sweep_once(
     })
 }
 
+/// How often the orphan watchdog runs, how far back it looks, and how long after a
+/// reminder's time it waits before calling it orphaned (windows and relays are seconds apart).
+const ORPHAN_EVERY: Duration = Duration::from_secs(60);
+const ORPHAN_LOOKBACK: chrono::Duration = chrono::Duration::days(2);
+const ORPHAN_GRACE: Duration = Duration::from_secs(120);
+
+/// One pass of the orphan watchdog: reminders whose time came with no delivery at all are
+/// materialised, loudly. It should find none; any it finds is a bug worth an alert.
+pub async fn watch_orphans_once(ledger: &Ledger, batch_size: u32) -> anyhow::Result<u64> {
+    let now = Utc::now();
+    let repaired = ledger
+        .repair_orphaned_reminders(now - ORPHAN_LOOKBACK, now, ORPHAN_GRACE, batch_size)
+        .await
+        .context("orphan watchdog failed")?;
+    if repaired > 0 {
+        warn!(
+            repaired,
+            "reminders whose time had come had no delivery: materialised them (this is a bug)"
+        );
+    }
+    Ok(repaired)
+}
+
 async fn sweep_loop(
     ledger: &Ledger,
     policy: &RetryPolicy,
@@ -207,6 +233,7 @@ async fn sweep_loop(
     batch_size: u32,
     shutdown: CancellationToken,
 ) {
+    let mut last_orphan_watch: Option<std::time::Instant> = None;
     loop {
         match sweep_once(ledger, policy, batch_size).await {
             Ok(report) if report.expired > 0 || report.reaped > 0 => {
@@ -214,6 +241,12 @@ async fn sweep_loop(
             }
             Ok(_) => {}
             Err(e) => error!(error.cause_chain = ?e, "sweep failed; retrying"),
+        }
+        if last_orphan_watch.is_none_or(|at| at.elapsed() >= ORPHAN_EVERY) {
+            last_orphan_watch = Some(std::time::Instant::now());
+            if let Err(e) = watch_orphans_once(ledger, batch_size).await {
+                error!(error.cause_chain = ?e, "orphan watchdog failed; retrying");
+            }
         }
         tokio::select! {
             () = shutdown.cancelled() => return,

@@ -302,6 +302,47 @@ impl Ledger {
         Ok(created)
     }
 
+    /// The watchdog for "no reminder is silently dropped": reminders of tenants that are not
+    /// paused, not cancelled, whose time came between `since` and `now - grace`, yet that have
+    /// no delivery at all. Each one gets its deliveries (they then send, or expire, visibly);
+    /// returns how many reminders were repaired, which should always be 0.
+    pub async fn repair_orphaned_reminders(
+        &self,
+        since: DateTime<Utc>,
+        now: DateTime<Utc>,
+        grace: std::time::Duration,
+        limit: u32,
+    ) -> Result<u64, LedgerError> {
+        let until = now - chrono::Duration::from_std(grace).unwrap_or(chrono::Duration::zero());
+        let orphans: Vec<(uuid::Uuid, uuid::Uuid)> = sqlx::query_as(
+            "SELECT r.tenant_id, r.id FROM reminders r
+             JOIN tenants t ON t.id = r.tenant_id AND NOT t.intake_paused
+             WHERE r.cancelled_at IS NULL AND r.scheduled_at >= $1 AND r.scheduled_at <= $2
+               AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.reminder_id = r.id)
+             ORDER BY r.scheduled_at LIMIT $3",
+        )
+        .bind(since)
+        .bind(until)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        let mut repaired = 0;
+        for (tenant_id, reminder_id) in orphans {
+            if self
+                .materialise_reminder(
+                    TenantId::from_uuid(tenant_id),
+                    ReminderId::from_uuid(reminder_id),
+                    now,
+                )
+                .await?
+                > 0
+            {
+                repaired += 1;
+            }
+        }
+        Ok(repaired)
+    }
+
     /// The end of the latest window run for a tenant, where the producer's catch-up resumes.
     pub async fn last_window_end(
         &self,

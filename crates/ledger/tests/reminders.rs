@@ -619,3 +619,78 @@ async fn a_reminder_created_during_a_pause_for_a_window_that_already_ran_is_mate
         "a reminder of a window not yet run waits for that window"
     );
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_watchdog_gives_deliveries_to_reminders_whose_time_came_without_any(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    let paused = ledger.create_tenant("paused-clinic", t0()).await.unwrap();
+    ledger
+        .set_intake_paused(paused.id, true, t0())
+        .await
+        .unwrap();
+    // Rows written straight into the table, as a materialisation bug would leave them.
+    let orphan = |tenant_id: nudge_domain::TenantId,
+                  event: &'static str,
+                  at: chrono::DateTime<chrono::Utc>,
+                  cancelled: bool| {
+        let pool = pool.clone();
+        async move {
+            let id = uuid::Uuid::now_v7();
+            sqlx::query(
+                "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels, scheduled_at, expires_at, cancelled_at, created_at)
+                 VALUES ($1, $2, $3, 'p', ARRAY['sms', 'push'], $4, $4 + interval '1 hour', $5, $4)",
+            )
+            .bind(id)
+            .bind(tenant_id.as_uuid())
+            .bind(event)
+            .bind(at)
+            .bind(cancelled.then_some(at))
+            .execute(&pool)
+            .await
+            .unwrap();
+            nudge_domain::ReminderId::from_uuid(id)
+        }
+    };
+    let lost = orphan(tenant.id, "lost", t0() - secs(600), false).await;
+    let too_recent = orphan(tenant.id, "recent", t0() - secs(30), false).await;
+    let cancelled = orphan(tenant.id, "cancelled", t0() - secs(600), true).await;
+    let held = orphan(paused.id, "held", t0() - secs(600), false).await;
+    let ancient = orphan(tenant.id, "ancient", t0() - secs(10 * 86_400), false).await;
+
+    let repaired = ledger
+        .repair_orphaned_reminders(
+            t0() - secs(2 * 86_400),
+            t0(),
+            std::time::Duration::from_secs(120),
+            100,
+        )
+        .await
+        .unwrap();
+
+    assert_eq!(repaired, 1);
+    assert_eq!(
+        ledger.deliveries_of_reminder(lost).await.unwrap().len(),
+        2,
+        "one per channel"
+    );
+    for untouched in [too_recent, cancelled, held, ancient] {
+        assert!(
+            ledger
+                .deliveries_of_reminder(untouched)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+    }
+    let again = ledger
+        .repair_orphaned_reminders(
+            t0() - secs(2 * 86_400),
+            t0(),
+            std::time::Duration::from_secs(120),
+            100,
+        )
+        .await
+        .unwrap();
+    assert_eq!(again, 0, "repaired once");
+}
