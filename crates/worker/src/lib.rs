@@ -73,7 +73,7 @@ async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
         .context("failed to initialise logging")?;
 
     let shutdown = nudge_runtime::shutdown_on_signal();
-    let worker = Arc::new(build(&config, channel).await?);
+    let worker = Arc::new(build(&config, channel, shutdown.clone()).await?);
     if let Some(addr) = config.telemetry.metrics_addr {
         nudge_telemetry::serve_metrics(
             addr,
@@ -109,7 +109,12 @@ async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
 }
 
 /// Builds a worker for `channel` from its configuration.
-pub async fn build(config: &WorkerConfig, channel: Channel) -> anyhow::Result<Worker> {
+/// `shutdown` is the process's shutdown token (see [`Worker::shutdown`]).
+pub async fn build(
+    config: &WorkerConfig,
+    channel: Channel,
+    shutdown: CancellationToken,
+) -> anyhow::Result<Worker> {
     let key = config
         .crypto
         .destination_key_bytes()?
@@ -165,6 +170,7 @@ pub async fn build(config: &WorkerConfig, channel: Channel) -> anyhow::Result<Wo
         clock: Arc::new(chrono::Utc::now),
         admission: config.admission.settings(),
         metrics: Arc::new(WorkerMetrics::new()),
+        shutdown,
     })
 }
 

@@ -85,6 +85,8 @@ pub struct Worker {
     pub admission: AdmissionSettings,
     /// Bucket rates, attempts and deferrals, served on `telemetry.metrics_addr`.
     pub metrics: Arc<WorkerMetrics>,
+    /// Cancelled at SIGTERM: a send still waiting for its slot then hands its lease back.
+    pub shutdown: tokio_util::sync::CancellationToken,
 }
 
 impl std::fmt::Debug for Worker {
@@ -360,7 +362,17 @@ impl Worker {
     ) -> Result<Slot, Processed> {
         for _ in 0..3 {
             match (slot.send_at - (self.clock)()).to_std() {
-                Ok(wait) if !wait.is_zero() => tokio::time::sleep(wait).await,
+                Ok(wait) if !wait.is_zero() => {
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        // Shutting down: nothing was sent, so the lease goes back due now and
+                        // another worker takes it, rather than this one sending while it stops.
+                        () = self.shutdown.cancelled() => {
+                            let now = (self.clock)();
+                            return Err(self.give_back(lease, account, now, "shutdown").await);
+                        }
+                    }
+                }
                 // Sent at once: nothing could have changed the bucket since it admitted this.
                 _ => return Ok(slot),
             }

@@ -45,8 +45,39 @@ async fn a_rate_of_zero_stops_new_sends_and_raising_it_resumes() {
         .unwrap();
     assert_eq!(code, 0, "{out}{err}");
     let stopped_at = Utc::now();
-    // Sends already on the wire finish; nothing new starts. Watch for a few seconds.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Sends already on the wire finish; nothing new starts. Wait until the workers have been
+    // seen honouring the closed bucket twice, one recheck apart: a delivery handed back to the
+    // ledger (`retry_wait`) after the change, then, once republished, handed back again.
+    let watched = env.ledger.clone();
+    let released_after = |since: DateTime<Utc>| {
+        let ledger = watched.clone();
+        move || {
+            let ledger = ledger.clone();
+            async move {
+                let at: Option<DateTime<Utc>> = sqlx::query_scalar(
+                    "SELECT max(updated_at) FROM deliveries
+                     WHERE state = 'retry_wait' AND attempt_count = 0 AND updated_at > $1",
+                )
+                .bind(since)
+                .fetch_one(ledger.pool())
+                .await?;
+                Ok(at)
+            }
+        }
+    };
+    let first = env
+        .wait_for(
+            "a delivery handed back while the rate is 0",
+            Duration::from_secs(20),
+            released_after(stopped_at),
+        )
+        .await;
+    env.wait_for(
+        "a second hand-back, one recheck later",
+        Duration::from_secs(20),
+        released_after(first + chrono::Duration::milliseconds(900)),
+    )
+    .await;
     let (code, out, err) = env
         .nudgectl(&[
             "rate",

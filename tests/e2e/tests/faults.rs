@@ -254,3 +254,83 @@ async fn two_producers_at_once_and_a_replayed_window_create_each_delivery_once()
         "{stopped:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stopped_while_sends_wait_for_their_slots_hands_them_back_unsent() {
+    let mut env = TestEnv::start("shutdown-handback").await.unwrap();
+    seed_sms(&env, 60, "h").await;
+    // A slow bucket and a long admission wait: at SIGTERM many sends wait for their slot.
+    let mut options = WorkerOptions::for_channel(Channel::Sms);
+    options.rate = Some((4.0, 1));
+    options.max_wait_ms = 8_000;
+    options.prefetch = 40;
+    env.start_producer("producer").unwrap();
+    env.start_janitor(200, 1_000).unwrap();
+    let first = env
+        .start_worker(Channel::Sms, "worker-first", &options)
+        .unwrap();
+    let ledger = env.ledger.clone();
+    env.wait_for("sends waiting for their slots", Duration::from_secs(30), || {
+        let ledger = ledger.clone();
+        async move {
+            let (delivered, sending): (i64, i64) = sqlx::query_as(
+                "SELECT count(*) FILTER (WHERE state = 'delivered'), count(*) FILTER (WHERE state = 'sending') FROM deliveries",
+            )
+            .fetch_one(ledger.pool())
+            .await?;
+            Ok((delivered >= 3 && sending >= 10).then_some(()))
+        }
+    })
+    .await;
+
+    let stopped = std::time::Instant::now();
+    let code = env.proc(first).terminate(Duration::from_secs(15));
+    let took = stopped.elapsed();
+    let handed_back = count(
+        &env,
+        "SELECT count(*) FROM deliveries WHERE state = 'retry_wait' AND attempt_count = 0",
+    )
+    .await;
+    let still_leased = count(
+        &env,
+        "SELECT count(*) FROM deliveries WHERE state = 'sending'",
+    )
+    .await;
+    eprintln!(
+        "e2e shutdown: exit={code:?} took_ms={} handed_back={handed_back} still_leased={still_leased}",
+        took.as_millis()
+    );
+    assert_eq!(code, Some(0));
+    assert!(
+        took < Duration::from_secs(4),
+        "waited out its slots instead of stopping: {took:?}"
+    );
+    assert!(
+        handed_back >= 5,
+        "waiting sends were handed back unsent: {handed_back}"
+    );
+    assert_eq!(still_leased, 0, "no lease left for the reaper");
+
+    env.start_worker(Channel::Sms, "worker-second", &options)
+        .unwrap();
+    let ledger = env.ledger.clone();
+    env.wait_for("all 60 delivered", Duration::from_secs(60), || {
+        let ledger = ledger.clone();
+        async move {
+            let done: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM deliveries WHERE state = 'delivered'")
+                    .fetch_one(ledger.pool())
+                    .await?;
+            Ok((done == 60).then_some(()))
+        }
+    })
+    .await;
+    let stub = stats(env.stub_stats().await.unwrap()).unwrap();
+    let reaped = count(
+        &env,
+        "SELECT count(*) FROM attempts WHERE reason LIKE 'lease_expired%'",
+    )
+    .await;
+    assert_eq!(reaped, 0);
+    assert_eq!((stub.total.accepted, stub.total.duplicates), (60, 0));
+}
