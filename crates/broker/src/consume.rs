@@ -239,6 +239,72 @@ fn as_u64(value: &AMQPValue) -> Option<u64> {
     }
 }
 
+/// Backoff between attempts to consume again after a consumer failed or ended.
+const RECONSUME_FIRST: std::time::Duration = std::time::Duration::from_millis(100);
+const RECONSUME_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl crate::Broker {
+    /// Consumes `queue` until `shutdown`, awaiting `handle` for each message (which must
+    /// settle it). When the consumer fails or ends (a dropped connection, a closed channel),
+    /// it consumes again, which reconnects and redeclares through the supervisor, backing off
+    /// from 100 ms to 5 s while that fails. Returns once `shutdown` is cancelled; a handler
+    /// already running is awaited first.
+    pub async fn consume_until<F, Fut>(
+        &self,
+        queue: QueueKind,
+        prefetch: u16,
+        consumer_tag: &str,
+        shutdown: &tokio_util::sync::CancellationToken,
+        mut handle: F,
+    ) where
+        F: FnMut(Incoming) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
+        let name = queue.queue_name(self.topology());
+        let mut delay = RECONSUME_FIRST;
+        while !shutdown.is_cancelled() {
+            let consumer = tokio::select! {
+                () = shutdown.cancelled() => return,
+                c = self.consume(queue, prefetch, consumer_tag) => c,
+            };
+            let mut consumer = match consumer {
+                Ok(consumer) => {
+                    delay = RECONSUME_FIRST;
+                    consumer
+                }
+                Err(e) => {
+                    tracing::warn!(queue = %name, error.cause_chain = ?e,
+                        delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                        "cannot consume; retrying");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                    delay = (delay * 2).min(RECONSUME_MAX);
+                    continue;
+                }
+            };
+            loop {
+                let next = tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    next = consumer.next() => next,
+                };
+                match next {
+                    Some(Ok(incoming)) => handle(incoming).await,
+                    Some(Err(e)) => {
+                        tracing::warn!(queue = %name, error.cause_chain = ?e, "consumer failed; consuming again");
+                        break;
+                    }
+                    None => {
+                        tracing::warn!(queue = %name, "consumer ended; consuming again");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -264,72 +264,55 @@ async fn record_dead_letters(
 ) {
     let queue = broker.topology().dead_queue(channel);
     let tag = format!("janitor-dead-{channel}-{}", std::process::id());
-    let mut delay = Duration::from_millis(100);
-    'consume: while !shutdown.is_cancelled() {
-        let consumer = tokio::select! {
-            () = shutdown.cancelled() => break 'consume,
-            c = broker.consume(QueueKind::Dead(channel), 16, &tag) => c,
-        };
-        let mut consumer = match consumer {
-            Ok(c) => {
-                delay = Duration::from_millis(100);
-                c
+    broker
+        .consume_until(QueueKind::Dead(channel), 16, &tag, &shutdown, |incoming| {
+            record_one(&ledger, &queue, channel, incoming, &shutdown)
+        })
+        .await;
+}
+
+/// Records one dead letter, then acks it; if the ledger cannot take it, it stays queued.
+async fn record_one(
+    ledger: &Ledger,
+    queue: &str,
+    channel: Channel,
+    incoming: nudge_broker::Incoming,
+    shutdown: &CancellationToken,
+) {
+    let payload = incoming.payload().to_vec();
+    let (decode_error, delivery) = match Envelope::decode(&payload) {
+        Ok(envelope) => (None, Some((envelope.delivery_id, envelope.generation))),
+        Err(e) => (Some(e.reason_code().to_owned()), None),
+    };
+    let letter = DeadLetter {
+        queue: queue.to_owned(),
+        channel: Some(channel),
+        death_reason: incoming
+            .death_reason()
+            .unwrap_or_else(|| "unknown".to_owned()),
+        decode_error,
+        delivery,
+        delivery_count: incoming.delivery_count(),
+        payload,
+    };
+    match ledger.record_dead_letter(&letter, Utc::now()).await {
+        Ok(action) => {
+            warn!(%channel, death_reason = %letter.death_reason,
+                  decode_error = letter.decode_error.as_deref(),
+                  delivery_id = letter.delivery.map(|(id, _)| id.to_string()),
+                  ?action, "dead letter recorded");
+            if let Err(e) = incoming.ack().await {
+                warn!(error.cause_chain = ?e, "failed to ack a recorded dead letter; it will be recorded again");
             }
-            Err(e) => {
-                warn!(%channel, error.cause_chain = ?e, "cannot consume the dead-letter queue; retrying");
-                tokio::select! {
-                    () = shutdown.cancelled() => break 'consume,
-                    () = tokio::time::sleep(delay) => {}
-                }
-                delay = (delay * 2).min(Duration::from_secs(5));
-                continue;
+        }
+        Err(e) => {
+            error!(error.cause_chain = ?e, "failed to record a dead letter; leaving it queued");
+            if let Err(e) = incoming.requeue().await {
+                warn!(error.cause_chain = ?e, "failed to requeue a dead letter");
             }
-        };
-        loop {
-            let next = tokio::select! {
-                () = shutdown.cancelled() => break 'consume,
-                n = consumer.next() => n,
-            };
-            let Some(Ok(incoming)) = next else {
-                warn!(%channel, "dead-letter consumer ended; reconnecting");
-                break;
-            };
-            let payload = incoming.payload().to_vec();
-            let (decode_error, delivery) = match Envelope::decode(&payload) {
-                Ok(envelope) => (None, Some((envelope.delivery_id, envelope.generation))),
-                Err(e) => (Some(e.reason_code().to_owned()), None),
-            };
-            let letter = DeadLetter {
-                queue: queue.clone(),
-                channel: Some(channel),
-                death_reason: incoming
-                    .death_reason()
-                    .unwrap_or_else(|| "unknown".to_owned()),
-                decode_error,
-                delivery,
-                delivery_count: incoming.delivery_count(),
-                payload,
-            };
-            match ledger.record_dead_letter(&letter, Utc::now()).await {
-                Ok(action) => {
-                    warn!(%channel, death_reason = %letter.death_reason,
-                          decode_error = letter.decode_error.as_deref(),
-                          delivery_id = letter.delivery.map(|(id, _)| id.to_string()),
-                          ?action, "dead letter recorded");
-                    if let Err(e) = incoming.ack().await {
-                        warn!(error.cause_chain = ?e, "failed to ack a recorded dead letter; it will be recorded again");
-                    }
-                }
-                Err(e) => {
-                    error!(error.cause_chain = ?e, "failed to record a dead letter; leaving it queued");
-                    if let Err(e) = incoming.requeue().await {
-                        warn!(error.cause_chain = ?e, "failed to requeue a dead letter");
-                    }
-                    tokio::select! {
-                        () = shutdown.cancelled() => break 'consume,
-                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                    }
-                }
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
         }
     }

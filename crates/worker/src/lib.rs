@@ -186,64 +186,34 @@ pub async fn run(
 ) {
     let permits = Arc::new(Semaphore::new(usize::from(prefetch)));
     let tracker = TaskTracker::new();
-    let mut reconnect_delay = Duration::from_millis(100);
-    'consume: while !shutdown.is_cancelled() {
-        let consumer = tokio::select! {
-            () = shutdown.cancelled() => break 'consume,
-            c = broker.consume(QueueKind::Work(worker.channel), prefetch, &worker.worker_id) => c,
-        };
-        let mut consumer = match consumer {
-            Ok(consumer) => {
-                reconnect_delay = Duration::from_millis(100);
-                consumer
-            }
-            Err(e) => {
-                warn!(error.cause_chain = ?e, delay_ms = reconnect_delay.as_millis() as u64,
-                      "cannot consume; retrying");
-                tokio::select! {
-                    () = shutdown.cancelled() => break 'consume,
-                    () = tokio::time::sleep(reconnect_delay) => {}
-                }
-                reconnect_delay = (reconnect_delay * 2).min(Duration::from_secs(5));
-                continue;
-            }
-        };
-        loop {
-            let next = tokio::select! {
-                () = shutdown.cancelled() => break 'consume,
-                next = consumer.next() => next,
-            };
-            let incoming = match next {
-                Some(Ok(incoming)) => incoming,
-                Some(Err(e)) => {
-                    warn!(error.cause_chain = ?e, "consumer failed; reconnecting");
-                    break;
-                }
-                None => {
-                    warn!("consumer ended; reconnecting");
-                    break;
-                }
-            };
-            let Ok(permit) = permits.clone().acquire_owned().await else {
-                break 'consume;
-            };
+    let queue = QueueKind::Work(worker.channel);
+    broker
+        .consume_until(queue, prefetch, &worker.worker_id, &shutdown, |incoming| {
+            let permits = permits.clone();
             let worker = worker.clone();
-            tracker.spawn(async move {
-                let processed = worker.process_one(incoming.payload()).await;
-                let settled = if processed.dead_letter() {
-                    incoming.dead_letter().await
-                } else {
-                    incoming.ack().await
+            let tracker = &tracker;
+            async move {
+                // Never closed while consuming; bounded by the prefetch anyway.
+                let Ok(permit) = permits.acquire_owned().await else {
+                    return;
                 };
-                if let Err(e) = settled {
-                    // The ledger holds the truth; a message we could not settle is redelivered
-                    // and dropped as stale, or republished by the relay if it was lost.
-                    warn!(error.cause_chain = ?e, ?processed, "failed to settle a message");
-                }
-                drop(permit);
-            });
-        }
-    }
+                tracker.spawn(async move {
+                    let processed = worker.process_one(incoming.payload()).await;
+                    let settled = if processed.dead_letter() {
+                        incoming.dead_letter().await
+                    } else {
+                        incoming.ack().await
+                    };
+                    if let Err(e) = settled {
+                        // The ledger holds the truth; a message we could not settle is
+                        // redelivered and dropped as stale, or republished if it was lost.
+                        warn!(error.cause_chain = ?e, ?processed, "failed to settle a message");
+                    }
+                    drop(permit);
+                });
+            }
+        })
+        .await;
     tracker.close();
     if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
         warn!(
