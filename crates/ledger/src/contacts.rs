@@ -46,6 +46,13 @@ pub(crate) async fn upsert_contact(
     Ok(())
 }
 
+#[derive(sqlx::FromRow)]
+struct MaterialRow {
+    subscriber_ref: String,
+    destination_ciphertext: Option<Vec<u8>>,
+    content_ciphertext: Option<Vec<u8>>,
+}
+
 impl Ledger {
     /// Stores (or replaces) a subscriber's destination for one channel, encrypted.
     pub async fn upsert_contact(
@@ -70,48 +77,46 @@ impl Ledger {
         .await
     }
 
-    /// Loads and decrypts the destination of a leased delivery, just before the send.
-    /// None when the subscriber has no destination on that channel.
-    pub async fn destination_for(
+    /// What a send needs, in one round trip, just before it: the decrypted destination (None
+    /// when the subscriber has none on this channel) and the message content, if any.
+    pub async fn send_material(
         &self,
         lease: &LeasedDelivery,
         cipher: &DestinationCipher,
-    ) -> Result<Option<Destination>, LedgerError> {
-        let row: Option<(String, Vec<u8>)> = sqlx::query_as(
-            "SELECT c.subscriber_ref, c.destination_ciphertext
+    ) -> Result<(Option<Destination>, Option<Vec<u8>>), LedgerError> {
+        let row: Option<MaterialRow> = sqlx::query_as(
+            "SELECT r.subscriber_ref, c.destination_ciphertext, r.content_ciphertext
              FROM reminders r
-             JOIN contacts c ON c.tenant_id = r.tenant_id AND c.subscriber_ref = r.subscriber_ref
-             WHERE r.id = $1 AND c.channel = $2",
+             LEFT JOIN contacts c ON c.tenant_id = r.tenant_id
+                                 AND c.subscriber_ref = r.subscriber_ref AND c.channel = $2
+             WHERE r.id = $1",
         )
         .bind(lease.reminder_id.as_uuid())
         .bind(lease.channel.as_str())
         .fetch_optional(&self.pool)
         .await?;
-        let Some((subscriber_ref, sealed)) = row else {
-            return Ok(None);
+        let Some(MaterialRow {
+            subscriber_ref,
+            destination_ciphertext: destination,
+            content_ciphertext: content,
+        }) = row
+        else {
+            return Ok((None, None));
         };
-        let plain = cipher.open(
-            &sealed,
-            &destination_aad(lease.tenant_id, &subscriber_ref, lease.channel),
-        )?;
-        let text = String::from_utf8(plain).map_err(|_| LedgerError::Crypto)?;
-        Ok(Some(Destination::new(text)))
-    }
-
-    /// Loads and decrypts a leased delivery's message content, if it has any.
-    pub async fn content_for(
-        &self,
-        lease: &LeasedDelivery,
-        cipher: &DestinationCipher,
-    ) -> Result<Option<Vec<u8>>, LedgerError> {
-        let sealed: Option<Option<Vec<u8>>> =
-            sqlx::query_scalar("SELECT content_ciphertext FROM reminders WHERE id = $1")
-                .bind(lease.reminder_id.as_uuid())
-                .fetch_optional(&self.pool)
-                .await?;
-        sealed
-            .flatten()
-            .map(|s| cipher.open(&s, &content_aad(lease.tenant_id, lease.reminder_id)))
-            .transpose()
+        let destination = destination
+            .map(|sealed| {
+                let plain = cipher.open(
+                    &sealed,
+                    &destination_aad(lease.tenant_id, &subscriber_ref, lease.channel),
+                )?;
+                String::from_utf8(plain)
+                    .map(Destination::new)
+                    .map_err(|_| LedgerError::Crypto)
+            })
+            .transpose()?;
+        let content = content
+            .map(|sealed| cipher.open(&sealed, &content_aad(lease.tenant_id, lease.reminder_id)))
+            .transpose()?;
+        Ok((destination, content))
     }
 }

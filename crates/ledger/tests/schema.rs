@@ -324,17 +324,15 @@ async fn a_destination_is_stored_only_encrypted_and_opens_for_the_leased_deliver
         else {
             panic!("not leased");
         };
-        let found = ledger.destination_for(&lease, &cipher()).await.unwrap();
+        let (found, content) = ledger.send_material(&lease, &cipher()).await.unwrap();
+        assert_eq!(content, None, "these reminders carry no content");
         match due.channel {
             Channel::Sms => assert_eq!(found, Some(phone.clone())),
             _ => assert_eq!(found, None, "no push token on file"),
         }
         if due.channel == Channel::Sms {
             let wrong_key = nudge_ledger::DestinationCipher::new(&[1u8; 32]);
-            let err = ledger
-                .destination_for(&lease, &wrong_key)
-                .await
-                .unwrap_err();
+            let err = ledger.send_material(&lease, &wrong_key).await.unwrap_err();
             assert!(matches!(err, LedgerError::Crypto));
         }
     }

@@ -186,18 +186,19 @@ impl Worker {
     ) -> Processed {
         // The destination and content are loaded first, so that once the slot is reserved
         // only the wait for it stands between the bucket's decision and the wire.
-        let destination = match self.ledger.destination_for(lease, &self.cipher).await {
-            Ok(Some(destination)) => destination,
-            Ok(None) => {
+        let (destination, content) = match self.ledger.send_material(lease, &self.cipher).await {
+            Ok((Some(destination), content)) => (
+                destination,
+                content.and_then(|c| serde_json::from_slice::<serde_json::Value>(&c).ok()),
+            ),
+            Ok((None, _)) => {
                 warn!("no destination on file for this channel: dead-lettering the delivery");
+                let now = (self.clock)();
                 return self
                     .record(
                         lease,
                         without_send("no_destination"),
-                        {
-                            let now = (self.clock)();
-                            (now, now)
-                        },
+                        (now, now),
                         account,
                         correlation_id,
                     )
@@ -205,14 +206,7 @@ impl Worker {
             }
             Err(e) => {
                 // The lease stays; the reaper settles it if this worker cannot.
-                error!(error.cause_chain = ?e, "failed to load the destination");
-                return Processed::Deferred("ledger_unavailable");
-            }
-        };
-        let content = match self.ledger.content_for(lease, &self.cipher).await {
-            Ok(content) => content.and_then(|c| serde_json::from_slice(&c).ok()),
-            Err(e) => {
-                error!(error.cause_chain = ?e, "failed to load the message content");
+                error!(error.cause_chain = ?e, "failed to load the destination and content");
                 return Processed::Deferred("ledger_unavailable");
             }
         };
