@@ -78,6 +78,9 @@ async fn a_rate_of_zero_stops_new_sends_and_raising_it_resumes() {
         released_after(first + chrono::Duration::milliseconds(900)),
     )
     .await;
+    // The bucket is closed until the command below commits: sends before this instant cannot
+    // have been let through by the resume.
+    let resumed_at = Utc::now();
     let (code, out, err) = env
         .nudgectl(&[
             "rate",
@@ -90,7 +93,6 @@ async fn a_rate_of_zero_stops_new_sends_and_raising_it_resumes() {
         ])
         .unwrap();
     assert_eq!(code, 0, "{out}{err}");
-    let resumed_at = Utc::now();
     wait_delivered(&mut env, Channel::Sms, 200, Duration::from_secs(90)).await;
 
     let keys = keys_report(env.stub_keys().await.unwrap()).unwrap();
