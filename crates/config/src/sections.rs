@@ -44,6 +44,14 @@ pub struct DatabaseConfig {
     pub max_connections: u32,
     /// How long to wait for a pooled connection before failing, > 0.
     pub acquire_timeout_ms: u64,
+    /// PostgreSQL's `statement_timeout` for every connection: no statement runs longer.
+    pub statement_timeout_ms: u64,
+    /// PostgreSQL's `lock_timeout`: no statement waits longer for a row lock (a rate bucket
+    /// held by a stalled replica), so one stuck peer cannot stall every worker.
+    pub lock_timeout_ms: u64,
+    /// PostgreSQL's `idle_in_transaction_session_timeout`: a session that leaves a transaction
+    /// open and idle this long is ended, releasing its locks.
+    pub idle_in_transaction_timeout_ms: u64,
 }
 
 impl Default for DatabaseConfig {
@@ -52,6 +60,9 @@ impl Default for DatabaseConfig {
             url: Secret::new("postgres://postgres@127.0.0.1:5432/nudge"),
             max_connections: 10,
             acquire_timeout_ms: 5000,
+            statement_timeout_ms: 30_000,
+            lock_timeout_ms: 2_000,
+            idle_in_transaction_timeout_ms: 30_000,
         }
     }
 }
@@ -75,6 +86,27 @@ impl DatabaseConfig {
             return Err(ConfigError::invalid(
                 key(prefix, "acquire_timeout_ms"),
                 "must be greater than 0",
+            ));
+        }
+        for (field, value) in [
+            ("statement_timeout_ms", self.statement_timeout_ms),
+            ("lock_timeout_ms", self.lock_timeout_ms),
+            (
+                "idle_in_transaction_timeout_ms",
+                self.idle_in_transaction_timeout_ms,
+            ),
+        ] {
+            if !(100..=3_600_000).contains(&value) {
+                return Err(ConfigError::invalid(
+                    key(prefix, field),
+                    format!("must be between 100 and 3600000, got {value}"),
+                ));
+            }
+        }
+        if self.lock_timeout_ms > self.statement_timeout_ms {
+            return Err(ConfigError::invalid(
+                key(prefix, "lock_timeout_ms"),
+                "must not exceed database.statement_timeout_ms",
             ));
         }
         Ok(())

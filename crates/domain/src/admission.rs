@@ -227,6 +227,9 @@ pub struct AdmissionSettings {
     /// A lane that asked within this long is waiting, so the other class must leave it its
     /// reserve.
     pub demand_window: Duration,
+    /// The longest one provider answer may pause the whole bucket, whatever its `Retry-After`
+    /// says (the delivery that got the answer follows its own retry ceiling).
+    pub max_pause: Duration,
 }
 
 impl Default for AdmissionSettings {
@@ -235,6 +238,7 @@ impl Default for AdmissionSettings {
             max_wait: Duration::from_millis(500),
             closed_recheck: Duration::from_secs(10),
             demand_window: Duration::from_secs(1),
+            max_pause: Duration::from_secs(60),
         }
     }
 }
@@ -1236,6 +1240,7 @@ mod tests {
                         max_wait: Duration::from_millis(wait_ms),
                         closed_recheck: Duration::from_secs(10),
                         demand_window: Duration::from_millis(window_ms),
+                        max_pause: Duration::from_secs(60),
                     },
                 )
             })

@@ -90,11 +90,29 @@ impl FromStr for OutcomeClass {
 
 /// Classifies an outcome. Statuses we do not expect from a send (1xx, 3xx, out of range) are
 /// terminal: retrying a misconfigured endpoint only burns the rate budget.
+///
+/// A 5xx from a provider that does not honour our idempotency key may have come after the
+/// message went out (a gateway timing out on a slow backend), so a resend could duplicate a
+/// clinical reminder: it is ambiguous, held for review. The exception is a 503 that carries a
+/// valid `Retry-After`: the provider is saying it did not take the request and when to come
+/// back. 429 and 408 say the request was not processed, whatever the provider supports.
 pub fn classify(outcome: &SendOutcome, idem: IdempotencySupport) -> OutcomeClass {
     match outcome {
-        SendOutcome::Response { status, .. } => match status {
-            200..=299 => OutcomeClass::Delivered,
-            408 | 429 | 500..=599 => OutcomeClass::Retryable,
+        SendOutcome::Response {
+            status,
+            retry_after,
+            ..
+        } => match (status, idem) {
+            (200..=299, _) => OutcomeClass::Delivered,
+            (408 | 429, _) | (500..=599, IdempotencySupport::Honoured) => OutcomeClass::Retryable,
+            (503, IdempotencySupport::NotHonoured)
+                if retry_after
+                    .as_deref()
+                    .is_some_and(|v| crate::RetryAfter::parse(v).is_ok()) =>
+            {
+                OutcomeClass::Retryable
+            }
+            (500..=599, IdempotencySupport::NotHonoured) => OutcomeClass::Ambiguous,
             _ => OutcomeClass::Terminal,
         },
         SendOutcome::FailedBeforeSend { .. } => OutcomeClass::Retryable,
@@ -134,11 +152,48 @@ mod tests {
         }
     }
 
+    fn with_retry_after(status: u16, value: &str) -> SendOutcome {
+        SendOutcome::Response {
+            status,
+            retry_after: Some(value.to_owned()),
+            provider_message_id: None,
+        }
+    }
+
     #[test]
-    fn throttling_request_timeout_and_server_errors_are_retryable() {
-        for s in [429, 408, 500, 502, 503, 504, 599] {
+    fn throttling_and_request_timeout_are_retryable_whatever_the_provider_supports() {
+        for s in [429, 408] {
             assert_eq!(both(&status(s)), [OutcomeClass::Retryable; 2], "{s}");
         }
+    }
+
+    #[test]
+    fn server_errors_are_retryable_only_where_the_key_makes_a_resend_safe() {
+        for s in [500, 502, 503, 504, 599] {
+            assert_eq!(
+                both(&status(s)),
+                [OutcomeClass::Retryable, OutcomeClass::Ambiguous],
+                "{s}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_503_with_a_valid_retry_after_stays_retryable_without_idempotency() {
+        assert_eq!(
+            both(&with_retry_after(503, "30")),
+            [OutcomeClass::Retryable; 2]
+        );
+        // A malformed header is no promise that the request was not taken.
+        assert_eq!(
+            both(&with_retry_after(503, "soon")),
+            [OutcomeClass::Retryable, OutcomeClass::Ambiguous]
+        );
+        // Only a 503 says "not taken, come back then".
+        assert_eq!(
+            both(&with_retry_after(502, "30")),
+            [OutcomeClass::Retryable, OutcomeClass::Ambiguous]
+        );
     }
 
     #[test]
@@ -195,10 +250,14 @@ mod tests {
 
     proptest! {
         #[test]
-        fn a_response_is_never_ambiguous_and_ignores_idempotency(s in any::<u16>()) {
-            let [a, b] = both(&status(s));
-            prop_assert_eq!(a, b);
-            prop_assert_ne!(a, OutcomeClass::Ambiguous);
+        fn only_a_5xx_without_idempotency_makes_a_response_ambiguous(s in any::<u16>()) {
+            let [honoured, not_honoured] = both(&status(s));
+            prop_assert_ne!(honoured, OutcomeClass::Ambiguous);
+            if (500..=599).contains(&s) {
+                prop_assert_eq!(not_honoured, OutcomeClass::Ambiguous);
+            } else {
+                prop_assert_eq!(honoured, not_honoured);
+            }
         }
     }
 }

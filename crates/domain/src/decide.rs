@@ -109,7 +109,11 @@ pub fn decide(
             DeliveryState::DeadLettered
         }
         OutcomeClass::Ambiguous => {
-            facts.reason = Some(UNKNOWN_OUTCOME_AFTER_SEND.to_owned());
+            facts.reason = Some(match http_status {
+                // A 5xx from a provider without idempotency: it may have sent.
+                Some(_) => format!("maybe_sent: {cause}"),
+                None => UNKNOWN_OUTCOME_AFTER_SEND.to_owned(),
+            });
             DeliveryState::Ambiguous
         }
         OutcomeClass::Retryable => {
@@ -411,6 +415,40 @@ mod tests {
     }
 
     #[test]
+    fn an_overflowing_retry_after_is_over_the_ceiling_not_a_reason_to_retry_soon() {
+        // Beyond u32 but within the calendar: past the ceiling, so dead-lettered.
+        let mut c = ctx(1);
+        c.expires_at = now() + TimeDelta::days(365 * 1000);
+        let d = run(&c, &response(429, Some("4294967296")));
+        assert_eq!(d.next_state, DeliveryState::DeadLettered);
+        assert_eq!(d.facts.reason.as_deref(), Some("retry_after_over_ceiling"));
+        assert!(d.facts.retry_after_valid);
+        // Beyond u64: a wait past any expiry, so the delivery expires; never a quick retry.
+        let d = run(&ctx(1), &response(429, Some("99999999999999999999999")));
+        assert_eq!(d.next_state, DeliveryState::Expired);
+        assert_eq!(d.facts.reason.as_deref(), Some("would_retry_after_expiry"));
+        assert_eq!(d.next_attempt_at, None);
+    }
+
+    #[test]
+    fn a_5xx_without_idempotency_is_held_ambiguous_naming_the_status() {
+        let mut c = ctx(1);
+        c.idempotency = IdempotencySupport::NotHonoured;
+        for status in [500, 502, 504] {
+            let d = run(&c, &response(status, None));
+            assert_eq!(d.next_state, DeliveryState::Ambiguous, "{status}");
+            assert_eq!(
+                d.facts.reason.as_deref(),
+                Some(format!("maybe_sent: http_{status}").as_str())
+            );
+        }
+        let d = run(&c, &response(503, Some("2")));
+        assert_eq!(d.next_state, DeliveryState::RetryWait);
+        let d = run(&c, &response(429, Some("2")));
+        assert_eq!(d.next_state, DeliveryState::RetryWait);
+    }
+
+    #[test]
     fn expiry_is_checked_before_the_ceiling() {
         let d = run(&ctx(1), &response(429, Some("999999")));
         assert_eq!(d.next_state, DeliveryState::Expired);
@@ -561,7 +599,8 @@ mod tests {
             now_s in 1_000_000_000i64..4_000_000_000,
             offset in -100_000i64..200_000,
             as_date in any::<bool>(),
-            status in prop_oneof![Just(429u16), Just(408u16), 500u16..600],
+            status in prop_oneof![Just(429u16), Just(408u16), Just(503u16), 500u16..600],
+            honoured in any::<bool>(),
             policy in policy(),
         ) {
             let now = instant(now_s);
@@ -574,10 +613,13 @@ mod tests {
             let ctx = AttemptContext {
                 attempt_number: 1,
                 expires_at: now + TimeDelta::days(3),
-                idempotency: IdempotencySupport::NotHonoured,
+                idempotency: IdempotencySupport::from(honoured),
             };
             let d = decide(&ctx, &response(status, Some(&header)), now, &policy, &mut MaxJitter);
-            if policy.max_attempts() == 1 {
+            if !honoured && status >= 500 && status != 503 {
+                // Maybe sent, and the key would not dedupe a resend.
+                prop_assert_eq!(d.next_state, DeliveryState::Ambiguous);
+            } else if policy.max_attempts() == 1 {
                 prop_assert_eq!(d.next_state, DeliveryState::DeadLettered);
             } else if ra.resolve(now) - now > TimeDelta::from_std(policy.max_retry_after()).unwrap() {
                 prop_assert_eq!(d.next_state, DeliveryState::DeadLettered);

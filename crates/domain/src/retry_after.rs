@@ -28,9 +28,6 @@ impl MalformedRetryAfter {
 pub enum MalformedReason {
     #[error("empty")]
     Empty,
-    /// All digits, but more seconds than fit in a `u32` (about 136 years).
-    #[error("delta-seconds too large")]
-    Overflow,
     /// Neither `1*DIGIT` nor an IMF-fixdate, RFC 850 or asctime date. Signs, fractions and
     /// trailing junk land here.
     #[error("neither delta-seconds nor an HTTP-date")]
@@ -40,10 +37,10 @@ pub enum MalformedReason {
 impl RetryAfter {
     /// Parses a header value, tolerating the optional whitespace (SP / HTAB) around it.
     ///
-    /// A delta-seconds value that does not fit in a `u32` is malformed. RFC 9110 asks recipients
-    /// to clamp an overflowing delta to 2^31 instead; we deliberately do not, because the retry
-    /// policy's Retry-After ceiling rejects anything that long anyway, and a number that large is
-    /// more likely a provider bug than an instruction. Malformed means "fall back to backoff".
+    /// A delta-seconds value too large for a `u64` saturates (RFC 9110 lets recipients clamp an
+    /// overflowing delta): it is a valid request to wait a very long time, so the retry
+    /// policy's ceiling applies to it, as to any long one. Treating it as malformed would fall
+    /// back to backoff and retry within seconds what the provider asked us to leave alone.
     pub fn parse(value: &str) -> Result<RetryAfter, MalformedRetryAfter> {
         let value = trim_ows(value);
         if value.is_empty() {
@@ -51,10 +48,8 @@ impl RetryAfter {
         }
         if value.bytes().all(|b| b.is_ascii_digit()) {
             // `u32::from_str` alone would also accept a leading `+`, which delta-seconds does not.
-            return value
-                .parse::<u32>()
-                .map(|secs| RetryAfter::Delay(Duration::from_secs(u64::from(secs))))
-                .map_err(|_| MalformedReason::Overflow.into());
+            let secs = value.parse::<u64>().unwrap_or(u64::MAX);
+            return Ok(RetryAfter::Delay(Duration::from_secs(secs)));
         }
         httpdate::parse_http_date(value)
             .map(|t: SystemTime| RetryAfter::At(DateTime::<Utc>::from(t)))
@@ -233,9 +228,22 @@ mod tests {
     }
 
     #[test]
-    fn a_delta_that_overflows_u32_is_malformed_not_clamped() {
-        assert_eq!(reason("99999999999"), MalformedReason::Overflow);
-        assert_eq!(reason("4294967296"), MalformedReason::Overflow);
+    fn a_delta_that_overflows_is_a_valid_very_long_delay_not_malformed() {
+        assert_eq!(
+            RetryAfter::parse("4294967296"),
+            Ok(RetryAfter::Delay(Duration::from_secs(4_294_967_296)))
+        );
+        assert_eq!(
+            RetryAfter::parse("99999999999999999999999999"),
+            Ok(RetryAfter::Delay(Duration::from_secs(u64::MAX)))
+        );
+        let now = DateTime::<Utc>::UNIX_EPOCH;
+        assert_eq!(
+            RetryAfter::parse("99999999999999999999999999")
+                .unwrap()
+                .resolve(now),
+            DateTime::<Utc>::MAX_UTC
+        );
     }
 
     #[test]

@@ -105,9 +105,11 @@ impl DeliveryState {
                 // Dead-lettered from `queued`: its message was poison (the worker could not
                 // process it and the broker's delivery limit dead-lettered it).
                 | (Queued, Sending | RetryWait | DeadLettered | Expired | Cancelled)
+                // Cancelled or expired from `sending` only before the send started: the fence
+                // saw it and nothing was sent.
                 | (
                     Sending,
-                    Delivered | RetryWait | DeadLettered | Expired | Ambiguous
+                    Delivered | RetryWait | DeadLettered | Expired | Ambiguous | Cancelled
                 )
                 | (RetryWait, Queued | Expired | Cancelled)
                 // Redrive.
@@ -182,6 +184,7 @@ mod tests {
         (Sending, DeadLettered),
         (Sending, Expired),
         (Sending, Ambiguous),
+        (Sending, Cancelled),
         (RetryWait, Queued),
         (RetryWait, Expired),
         (RetryWait, Cancelled),

@@ -2,9 +2,11 @@
 //!
 //! - Expiry sweep: owed deliveries (`scheduled`, `queued`, `retry_wait`) whose `expires_at`
 //!   has passed are settled `expired`, so they are never sent.
-//! - Lease reaper: a delivery whose lease expired without an outcome (its worker crashed or
-//!   lost its connection mid-send) is decided as a timeout after send: retried when the
-//!   account honours idempotency keys, held `ambiguous` when it does not.
+//! - Lease reaper: a delivery whose lease expired without an outcome is given back due, with
+//!   no attempt spent, when its send never started (no fence stamp: its worker died or lost
+//!   the ledger before the request); when its send started (the worker crashed or was cut off
+//!   mid-send) it is decided as a timeout after send: retried when the account honours
+//!   idempotency keys, held `ambiguous` when it does not.
 //! - Dead-letter recorder: every message that reaches `dead.<channel>` (poison: undecodable,
 //!   wrong schema, or redelivered past the delivery limit) is recorded in the ledger; if it
 //!   pointed at owed work with its current generation, that delivery is dead-lettered so an
@@ -20,13 +22,12 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use chrono::Utc;
 use nudge_broker::{Broker, QueueKind, Topology};
 use nudge_config::{
     AmqpConfig, ConfigError, DatabaseConfig, RetryConfig, TelemetryConfig, Validate,
 };
 use nudge_domain::{Channel, RandJitter, RetryPolicy};
-use nudge_ledger::{DeadLetter, Ledger};
+use nudge_ledger::{DeadLetter, Ledger, LedgerTime};
 use nudge_proto::Envelope;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
@@ -126,13 +127,9 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
         warn!("telemetry.metrics_addr is set, but only the channel workers serve /metrics so far");
     }
     let shutdown = nudge_runtime::shutdown_on_signal();
-    let ledger = Ledger::connect(
-        config.database.url.expose(),
-        config.database.max_connections,
-        Duration::from_millis(config.database.acquire_timeout_ms),
-    )
-    .await
-    .context("failed to connect to PostgreSQL (database.url)")?;
+    let ledger = Ledger::connect(&config.database)
+        .await
+        .context("failed to connect to PostgreSQL (database.url)")?;
     let topology = Topology::new(&config.amqp.namespace, config.amqp.delivery_limit)
         .context("invalid amqp.namespace or amqp.delivery_limit")?;
     let broker = Broker::connect(
@@ -175,7 +172,10 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct SweepReport {
     pub expired: u64,
+    /// Leases whose send had started, decided like a timeout after send.
     pub reaped: usize,
+    /// Leases whose send never started, given back due without an attempt.
+    pub returned_unsent: usize,
 }
 
 /// One pass of the expiry sweep and the lease reaper.
@@ -183,23 +183,27 @@ pub async fn sweep_once(
     ledger: &Ledger,
     policy: &RetryPolicy,
     batch_size: u32,
+    at: LedgerTime,
 ) -> anyhow::Result<SweepReport> {
-    let now = Utc::now();
     let expired = ledger
-        .expire_overdue(now, batch_size)
+        .expire_overdue(batch_size, at)
         .await
         .context("expiry sweep failed")?;
     let mut jitter = RandJitter::from_entropy();
     let reaped = ledger
-        .reap_expired_leases(now, batch_size, policy, &mut jitter)
+        .reap_expired_leases(batch_size, policy, &mut jitter, at)
         .await
         .context("lease reaper failed")?;
-    for (delivery_id, state) in &reaped {
-        warn!(%delivery_id, next_state = %state, "lease expired without an outcome: reaped");
+    for delivery_id in &reaped.unsent {
+        warn!(%delivery_id, "lease expired before its send started: due again, no attempt spent");
+    }
+    for (delivery_id, state) in &reaped.decided {
+        warn!(%delivery_id, next_state = %state, "lease expired after its send started: reaped");
     }
     Ok(SweepReport {
         expired,
-        reaped: reaped.len(),
+        reaped: reaped.decided.len(),
+        returned_unsent: reaped.unsent.len(),
     })
 }
 
@@ -212,7 +216,10 @@ const ORPHAN_GRACE: Duration = Duration::from_secs(120);
 /// One pass of the orphan watchdog: reminders whose time came with no delivery at all are
 /// materialised, loudly. It should find none; any it finds is a bug worth an alert.
 pub async fn watch_orphans_once(ledger: &Ledger, batch_size: u32) -> anyhow::Result<u64> {
-    let now = Utc::now();
+    let now = ledger
+        .clock(LedgerTime::Database)
+        .await
+        .context("failed to read the database's clock")?;
     let repaired = ledger
         .repair_orphaned_reminders(now - ORPHAN_LOOKBACK, now, ORPHAN_GRACE, batch_size)
         .await
@@ -235,9 +242,14 @@ async fn sweep_loop(
 ) {
     let mut last_orphan_watch: Option<std::time::Instant> = None;
     loop {
-        match sweep_once(ledger, policy, batch_size).await {
-            Ok(report) if report.expired > 0 || report.reaped > 0 => {
-                info!(expired = report.expired, reaped = report.reaped, "sweep");
+        match sweep_once(ledger, policy, batch_size, LedgerTime::Database).await {
+            Ok(report) if report.expired > 0 || report.reaped > 0 || report.returned_unsent > 0 => {
+                info!(
+                    expired = report.expired,
+                    reaped = report.reaped,
+                    returned_unsent = report.returned_unsent,
+                    "sweep"
+                );
             }
             Ok(_) => {}
             Err(e) => error!(error.cause_chain = ?e, "sweep failed; retrying"),
@@ -295,7 +307,11 @@ async fn record_one(
         delivery_count: incoming.delivery_count(),
         payload,
     };
-    match ledger.record_dead_letter(&letter, Utc::now()).await {
+    let recorded = match ledger.clock(LedgerTime::Database).await {
+        Ok(now) => ledger.record_dead_letter(&letter, now).await,
+        Err(e) => Err(e),
+    };
+    match recorded {
         Ok(action) => {
             warn!(%channel, death_reason = %letter.death_reason,
                   decode_error = letter.decode_error.as_deref(),

@@ -36,6 +36,32 @@ impl From<AuditRow> for AuditEntry {
     }
 }
 
+/// Appends `entry` inside the caller's transaction, so a change and its audit row commit
+/// together or not at all.
+pub(crate) async fn insert(
+    conn: &mut sqlx::PgConnection,
+    entry: &AuditEntry,
+) -> Result<(), LedgerError> {
+    if entry.actor.is_empty() || entry.action.is_empty() {
+        return Err(LedgerError::InvalidInput(
+            "an audit entry needs an actor and an action",
+        ));
+    }
+    sqlx::query(
+        "INSERT INTO audit_log (at, actor, action, target, reason, details)
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(entry.at)
+    .bind(&entry.actor)
+    .bind(&entry.action)
+    .bind(entry.target.as_deref())
+    .bind(entry.reason.as_deref())
+    .bind(&entry.details)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
 impl Ledger {
     /// Appends to the audit log. The table refuses updates and deletes.
     pub async fn record_audit(&self, entry: &AuditEntry) -> Result<(), LedgerError> {

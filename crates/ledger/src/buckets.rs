@@ -8,7 +8,7 @@ use nudge_domain::{
     admission,
 };
 
-use crate::{Ledger, LedgerError};
+use crate::{Ledger, LedgerError, LedgerTime};
 
 /// A bucket as operators see it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -19,28 +19,13 @@ pub struct RateBucket {
     pub burst: u32,
     pub effective_rate: f64,
     pub paused_until: Option<DateTime<Utc>>,
+    /// Why it is paused: the answer that paused it, and whether the pause was cut short.
+    pub pause_cause: Option<String>,
     pub reserve_new: f64,
     pub reserve_recovery: f64,
     pub changed_by: String,
     pub changed_at: DateTime<Utc>,
     pub change_reason: Option<String>,
-}
-
-/// The answer to an admission request, with the bucket's rates for logs and metrics.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BucketAdmission {
-    pub admission: Admission,
-    pub rate_per_second: f64,
-    pub effective_rate: f64,
-}
-
-/// What a send whose slot has come should do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BucketCheck {
-    Open,
-    ClosedUntil(DateTime<Utc>),
-    /// A 429 slowed the bucket after this slot was reserved: reserve again.
-    Slowed,
 }
 
 /// What a provider's answer says about the bucket.
@@ -56,12 +41,35 @@ pub enum Feedback {
     Success,
 }
 
-#[derive(sqlx::FromRow)]
-struct GateRow {
-    rate_per_second: f64,
-    effective_rate: f64,
-    paused_until: Option<DateTime<Utc>>,
-    last_decrease_at: Option<DateTime<Utc>>,
+/// What a provider's answer did to a bucket, when it changed it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FeedbackApplied {
+    pub effective_rate: f64,
+    pub paused_until: Option<DateTime<Utc>>,
+    /// The provider asked for a longer pause than `admission.max_pause_s`: it was cut to that.
+    pub pause_capped: bool,
+}
+
+/// A bucket's rates as one admission saw them, for logs and metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketReading {
+    pub account: ProviderAccount,
+    pub rate_per_second: f64,
+    pub effective_rate: f64,
+}
+
+/// One lease asking for a slot.
+pub(crate) struct SlotRequest<'a> {
+    pub account: &'a ProviderAccount,
+    pub lane: Lane,
+}
+
+/// The slots of one admission round: the answers in request order, the database time they
+/// were decided at, and the buckets they came from.
+pub(crate) struct SlotAnswers {
+    pub admissions: Vec<Admission>,
+    pub decided_at: DateTime<Utc>,
+    pub readings: Vec<BucketReading>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -85,12 +93,13 @@ struct BucketRow {
     changed_by: String,
     changed_at: DateTime<Utc>,
     change_reason: Option<String>,
+    pause_cause: Option<String>,
 }
 
 const COLUMNS: &str = "provider_account, channel, rate_per_second, burst, effective_rate, \
      paused_until, reserve_new, reserve_recovery, tat, tat_new, tat_recovery, new_demand_at, \
      recovery_demand_at, last_decrease_at, last_increase_at, throttled_rate, changed_by, changed_at, \
-     change_reason";
+     change_reason, pause_cause";
 
 impl BucketRow {
     fn config(&self) -> Result<BucketConfig, LedgerError> {
@@ -131,6 +140,7 @@ impl BucketRow {
                 .map_err(|e| LedgerError::corrupt("rate_buckets", e))?,
             effective_rate: self.effective_rate,
             paused_until: self.paused_until,
+            pause_cause: self.pause_cause.filter(|_| self.paused_until.is_some()),
             reserve_new: self.reserve_new,
             reserve_recovery: self.reserve_recovery,
             changed_by: self.changed_by,
@@ -154,6 +164,35 @@ async fn lock(
     .await?)
 }
 
+/// Locks the bucket row and reads the database's clock *after* the lock is held: replicas
+/// queue on that lock, and a slot computed from a time read before the wait would place an
+/// immediate send earlier than it really happens, letting the provider see sends bunched
+/// closer than the bucket allows. The no-op UPDATE is what makes `RETURNING` run after the
+/// lock (a `SELECT ... FOR UPDATE` evaluates its target list before waiting).
+async fn lock_now(
+    conn: &mut sqlx::PgConnection,
+    account: &ProviderAccount,
+    channel: Channel,
+    at: LedgerTime,
+) -> Result<Option<(BucketRow, DateTime<Utc>)>, LedgerError> {
+    #[derive(sqlx::FromRow)]
+    struct Locked {
+        #[sqlx(flatten)]
+        row: BucketRow,
+        db_now: DateTime<Utc>,
+    }
+    let locked: Option<Locked> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "UPDATE rate_buckets SET burst = burst WHERE provider_account = $1 AND channel = $2
+         RETURNING {COLUMNS}, COALESCE($3, clock_timestamp()) AS db_now"
+    )))
+    .bind(account.as_str())
+    .bind(channel.as_str())
+    .bind(at.bind())
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(locked.map(|l| (l.row, l.db_now)))
+}
+
 async fn store(
     conn: &mut sqlx::PgConnection,
     account: &ProviderAccount,
@@ -164,7 +203,8 @@ async fn store(
         "UPDATE rate_buckets
          SET effective_rate = $3, paused_until = $4, tat = $5, tat_new = $6, tat_recovery = $7,
              new_demand_at = $8, recovery_demand_at = $9, last_decrease_at = $10,
-             last_increase_at = $11, throttled_rate = $12
+             last_increase_at = $11, throttled_rate = $12,
+             pause_cause = CASE WHEN $4::timestamptz IS NULL THEN NULL ELSE pause_cause END
          WHERE provider_account = $1 AND channel = $2",
     )
     .bind(account.as_str())
@@ -278,62 +318,20 @@ impl Ledger {
         row.bucket()
     }
 
-    /// What a send that reserved its slot at `reserved_at` should do now that its slot has
-    /// come: go, wait until the bucket reopens (a provider's pause, or `closed_recheck` after
-    /// `now` when an operator set the rate to 0), or reserve again because a 429 slowed the
-    /// bucket after the reservation (slots handed out at the old pace would overshoot).
-    pub async fn bucket_check(
-        &self,
-        account: &ProviderAccount,
-        channel: Channel,
-        now: DateTime<Utc>,
-        reserved_at: DateTime<Utc>,
-        closed_recheck: std::time::Duration,
-    ) -> Result<BucketCheck, LedgerError> {
-        let row: Option<GateRow> = sqlx::query_as(
-            "SELECT rate_per_second, effective_rate, paused_until, last_decrease_at FROM rate_buckets
-             WHERE provider_account = $1 AND channel = $2",
-        )
-        .bind(account.as_str())
-        .bind(channel.as_str())
-        .fetch_optional(&self.pool)
-        .await?;
-        Ok(
-            match row.map(|r| {
-                (
-                    r.rate_per_second,
-                    r.effective_rate,
-                    r.paused_until,
-                    r.last_decrease_at,
-                )
-            }) {
-                None => BucketCheck::Open,
-                Some((rate, effective, _, _)) if rate <= 0.0 || effective <= 0.0 => {
-                    BucketCheck::ClosedUntil(
-                        now + chrono::Duration::from_std(closed_recheck)
-                            .unwrap_or(chrono::Duration::seconds(10)),
-                    )
-                }
-                Some((_, _, Some(paused), _)) if paused > now => BucketCheck::ClosedUntil(paused),
-                Some((_, _, _, Some(decreased))) if decreased >= reserved_at => BucketCheck::Slowed,
-                Some(_) => BucketCheck::Open,
-            },
-        )
-    }
-
     /// What a channel's buckets admit together right now: the sum of their effective rates,
     /// less the paused ones. None when the channel has no bucket (not limited).
     pub async fn channel_rate(
         &self,
         channel: Channel,
-        now: DateTime<Utc>,
+        at: LedgerTime,
     ) -> Result<Option<f64>, LedgerError> {
         let (buckets, rate): (i64, Option<f64>) = sqlx::query_as(
-            "SELECT count(*), sum(effective_rate) FILTER (WHERE paused_until IS NULL OR paused_until <= $2)
+            "SELECT count(*), sum(effective_rate)
+                 FILTER (WHERE paused_until IS NULL OR paused_until <= COALESCE($2, now()))
              FROM rate_buckets WHERE channel = $1",
         )
         .bind(channel.as_str())
-        .bind(now)
+        .bind(at.bind())
         .fetch_one(&self.pool)
         .await?;
         Ok((buckets > 0).then(|| rate.unwrap_or(0.0)))
@@ -349,72 +347,176 @@ impl Ledger {
         rows.into_iter().map(BucketRow::bucket).collect()
     }
 
-    /// Asks the bucket of `account` + `channel` for a send slot for `lane`. A provider account
-    /// without a bucket is not limited (admitted now).
-    ///
-    /// `clock` is read once the bucket's row is locked: replicas queue on that lock, and a
-    /// slot computed from a time read before the wait would place an immediate send earlier
-    /// than it really happens, letting the provider see sends bunched closer than the bucket
-    /// allows.
-    pub async fn admit(
-        &self,
-        account: &ProviderAccount,
-        channel: Channel,
-        lane: Lane,
-        clock: &(dyn Fn() -> DateTime<Utc> + Send + Sync),
-        settings: &AdmissionSettings,
-    ) -> Result<BucketAdmission, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        let Some(row) = lock(&mut tx, account, channel).await? else {
-            return Ok(BucketAdmission {
-                admission: Admission::Admitted { send_at: clock() },
-                rate_per_second: f64::INFINITY,
-                effective_rate: f64::INFINITY,
-            });
-        };
-        let now = clock();
-        let config = row.config()?;
-        let mut state = row.state();
-        let admission = admission::admit(&config, &mut state, lane, now, settings);
-        if state != row.state() {
-            store(&mut tx, account, channel, &state).await?;
-        }
-        tx.commit().await?;
-        Ok(BucketAdmission {
-            admission,
-            rate_per_second: config.rate_per_second(),
-            effective_rate: state.effective_rate,
-        })
-    }
-
     /// Applies a provider's answer to the bucket: a 429 with Retry-After pauses it for every
-    /// replica, one without lowers the effective rate, success raises it back. Returns the new
-    /// effective rate and pause when they changed.
+    /// replica, one without lowers the effective rate, success raises it back. No answer pauses
+    /// a bucket for longer than `max_pause` (`admission.max_pause_s`), whatever it asked for:
+    /// after the pause the bucket sends at its lowered rate and climbs back only as sends
+    /// succeed. Returns what changed, if anything. Time is the database's, read under the lock.
     pub async fn bucket_feedback(
         &self,
         account: &ProviderAccount,
         channel: Channel,
         feedback: Feedback,
-        now: DateTime<Utc>,
-    ) -> Result<Option<(f64, Option<DateTime<Utc>>)>, LedgerError> {
+        max_pause: std::time::Duration,
+        at: LedgerTime,
+    ) -> Result<Option<FeedbackApplied>, LedgerError> {
         let mut tx = self.pool.begin().await?;
-        let Some(row) = lock(&mut tx, account, channel).await? else {
+        let Some((row, now)) = lock_now(&mut tx, account, channel, at).await? else {
             return Ok(None);
         };
         let config = row.config()?;
         let mut state = row.state();
-        let changed = match feedback {
+        let (changed, cause) = match feedback {
             Feedback::Throttled {
                 retry_at,
                 reserved_at,
-            } => admission::on_throttled_after(&config, &mut state, retry_at, reserved_at, now),
-            Feedback::Success => admission::on_success(&config, &mut state, now),
+            } => {
+                let longest =
+                    now + chrono::Duration::from_std(max_pause).unwrap_or(chrono::Duration::MAX);
+                let capped = retry_at.filter(|r| *r > longest).map(|_| longest);
+                let kept = capped.or(retry_at);
+                let changed =
+                    admission::on_throttled_after(&config, &mut state, kept, reserved_at, now);
+                let cause = kept
+                    .filter(|_| state.paused_until != row.paused_until)
+                    .map(|until| {
+                        let asked = retry_at.map_or(0, |r| (r - now).num_seconds());
+                        if capped.is_some() {
+                            format!(
+                                "429 Retry-After of {asked} s, cut to admission.max_pause_s ({} s)",
+                                (until - now).num_seconds()
+                            )
+                        } else {
+                            format!("429 Retry-After of {asked} s")
+                        }
+                    });
+                (changed, cause.map(|c| (c, capped.is_some())))
+            }
+            Feedback::Success => (admission::on_success(&config, &mut state, now), None),
         };
         if !changed {
             return Ok(None);
         }
         store(&mut tx, account, channel, &state).await?;
+        if let Some((cause, _)) = &cause {
+            sqlx::query(
+                "UPDATE rate_buckets SET pause_cause = $3 WHERE provider_account = $1 AND channel = $2",
+            )
+            .bind(account.as_str())
+            .bind(channel.as_str())
+            .bind(cause)
+            .execute(&mut *tx)
+            .await?;
+        }
         tx.commit().await?;
-        Ok(Some((state.effective_rate, state.paused_until)))
+        Ok(Some(FeedbackApplied {
+            effective_rate: state.effective_rate,
+            paused_until: state.paused_until,
+            pause_capped: cause.is_some_and(|(_, capped)| capped),
+        }))
     }
+
+    /// Clears a bucket's pause (an operator overriding a provider's `Retry-After`), recording
+    /// the change and its audit row in one transaction. Returns the bucket, or None when there
+    /// is no such bucket. The rate is untouched.
+    pub async fn resume_bucket(
+        &self,
+        account: &ProviderAccount,
+        channel: Channel,
+        audit: &crate::AuditEntry,
+    ) -> Result<Option<RateBucket>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let Some(row) = lock(&mut tx, account, channel).await? else {
+            return Ok(None);
+        };
+        sqlx::query(
+            "UPDATE rate_buckets SET paused_until = NULL, pause_cause = NULL
+             WHERE provider_account = $1 AND channel = $2",
+        )
+        .bind(account.as_str())
+        .bind(channel.as_str())
+        .execute(&mut *tx)
+        .await?;
+        let mut entry = audit.clone();
+        if let serde_json::Value::Object(details) = &mut entry.details {
+            details.insert(
+                "paused_until".into(),
+                serde_json::json!(row.paused_until.map(|p| p.to_rfc3339())),
+            );
+            details.insert("pause_cause".into(), serde_json::json!(row.pause_cause));
+        }
+        crate::audit::insert(&mut tx, &entry).await?;
+        let row = lock(&mut tx, account, channel)
+            .await?
+            .ok_or_else(|| LedgerError::corrupt("rate_buckets", "bucket vanished"))?;
+        tx.commit().await?;
+        row.bucket().map(Some)
+    }
+}
+
+/// Takes a send slot for each request, in one round of the buckets' locks: each bucket is
+/// locked once (in account order, so concurrent rounds cannot deadlock), the domain admits its
+/// requests in order at the database time read under the lock, and the state is written back.
+/// A request on an account without a bucket is admitted at once.
+pub(crate) async fn admit_slots(
+    conn: &mut sqlx::PgConnection,
+    channel: Channel,
+    requests: &[SlotRequest<'_>],
+    settings: &AdmissionSettings,
+    at: LedgerTime,
+) -> Result<SlotAnswers, LedgerError> {
+    let mut accounts: Vec<&ProviderAccount> = requests.iter().map(|r| r.account).collect();
+    accounts.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    accounts.dedup();
+    let mut admissions: Vec<Option<Admission>> = vec![None; requests.len()];
+    let mut readings = Vec::with_capacity(accounts.len());
+    let mut decided_at = None;
+    for account in accounts {
+        let Some((row, now)) = lock_now(conn, account, channel, at).await? else {
+            continue;
+        };
+        decided_at = Some(decided_at.map_or(now, |d: DateTime<Utc>| d.max(now)));
+        let config = row.config()?;
+        let mut state = row.state();
+        for (i, request) in requests.iter().enumerate() {
+            if request.account == account {
+                admissions[i] = Some(admission::admit(
+                    &config,
+                    &mut state,
+                    request.lane,
+                    now,
+                    settings,
+                ));
+            }
+        }
+        if state != row.state() {
+            store(conn, account, channel, &state).await?;
+        }
+        readings.push(BucketReading {
+            account: account.clone(),
+            rate_per_second: config.rate_per_second(),
+            effective_rate: state.effective_rate,
+        });
+    }
+    let decided_at = match decided_at {
+        Some(at) => at,
+        None => {
+            sqlx::query_scalar("SELECT COALESCE($1, clock_timestamp())")
+                .bind(at.bind())
+                .fetch_one(&mut *conn)
+                .await?
+        }
+    };
+    Ok(SlotAnswers {
+        admissions: admissions
+            .into_iter()
+            .map(|a| {
+                a.unwrap_or(Admission::Admitted {
+                    send_at: decided_at,
+                })
+            })
+            .collect(),
+        decided_at,
+        readings,
+    })
 }

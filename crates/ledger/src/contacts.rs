@@ -6,7 +6,11 @@ use crate::deliveries::LeasedDelivery;
 use crate::reminders::content_aad;
 use crate::{Ledger, LedgerError};
 
-fn destination_aad(tenant_id: TenantId, subscriber_ref: &str, channel: Channel) -> Vec<u8> {
+pub(crate) fn destination_aad(
+    tenant_id: TenantId,
+    subscriber_ref: &str,
+    channel: Channel,
+) -> Vec<u8> {
     format!("destination:{tenant_id}:{channel}:{subscriber_ref}").into_bytes()
 }
 

@@ -5,12 +5,14 @@
 //! delivery is new, owed, in flight, done or dead is decided here, by conditional updates.
 //!
 //! It must never: hold a transaction open across network I/O (a claim commits before its
-//! message is published, see [`Ledger::claim_due`]); decide a delivery's next state itself (that is
+//! message is published, see [`Ledger::claim_due`]); evaluate a time condition with a
+//! process's clock (statements use PostgreSQL's, see [`LedgerTime`]); decide a delivery's next state itself (that is
 //! `nudge_domain::decide`, the ledger only records it); store a destination or message
 //! content in plaintext; log a destination, subscriber reference or content.
 //!
-//! Every function that depends on time takes `now` from the caller, so tests move time
-//! instead of sleeping.
+//! The delivery statements take a [`LedgerTime`]: PostgreSQL's clock in every process, a fixed
+//! instant in tests that move time instead of sleeping. Functions that only record an
+//! operator's or client's action still take `now` from the caller.
 
 mod audit;
 mod buckets;
@@ -26,11 +28,13 @@ mod status;
 mod tenants;
 
 pub use audit::AuditEntry;
-pub use buckets::{BucketAdmission, BucketCheck, Feedback, RateBucket};
+pub use buckets::{BucketReading, Feedback, FeedbackApplied, RateBucket};
 pub use crypto::{Destination, DestinationCipher};
 pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{
-    Attempt, AttemptRecord, DeliveryRecord, DueDelivery, LeaseOutcome, LeasedDelivery,
+    Attempt, AttemptRecord, DeliveryRecord, DueDelivery, FenceRefused, LeaseBatch, LeaseOutcome,
+    LeaseResult, LeasedDelivery, LedgerTime, Material, OutcomeToRecord, Reaped, Recorded, SendSlot,
+    Slotted, WorkerRoutes,
 };
 pub use error::LedgerError;
 pub use estimate::{Backlog, OwedDelivery};
@@ -54,20 +58,28 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    /// Connects a pool. Fails fast (within `acquire_timeout`) when the database is down,
-    /// so a binary started against the wrong URL says so instead of hanging.
-    pub async fn connect(
-        url: &str,
-        max_connections: u32,
-        acquire_timeout: Duration,
-    ) -> Result<Self, LedgerError> {
-        let options: PgConnectOptions = url.parse().map_err(LedgerError::Database)?;
+    /// Connects a pool. Fails fast (within `database.acquire_timeout_ms`) when the database
+    /// is down, so a binary started against the wrong URL says so instead of hanging. Every
+    /// connection gets the section's statement, lock and idle-in-transaction timeouts, so a
+    /// stalled peer holding a row lock cannot stall this process past them.
+    pub async fn connect(config: &nudge_config::DatabaseConfig) -> Result<Self, LedgerError> {
+        let options: PgConnectOptions =
+            config.url.expose().parse().map_err(LedgerError::Database)?;
         // Statements are logged by sqlx at info level by default, and they carry values bound
         // to placeholders only as `$n`; still, keep them at debug so logs stay about outcomes.
-        let options = options.log_statements(tracing::log::LevelFilter::Debug);
+        let options = options
+            .log_statements(tracing::log::LevelFilter::Debug)
+            .options([
+                ("statement_timeout", config.statement_timeout_ms.to_string()),
+                ("lock_timeout", config.lock_timeout_ms.to_string()),
+                (
+                    "idle_in_transaction_session_timeout",
+                    config.idle_in_transaction_timeout_ms.to_string(),
+                ),
+            ]);
         let pool = PgPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(acquire_timeout)
+            .max_connections(config.max_connections)
+            .acquire_timeout(Duration::from_millis(config.acquire_timeout_ms))
             .connect_with(options)
             .await?;
         Ok(Self { pool })

@@ -1,4 +1,5 @@
-//! Rate buckets in the ledger: admission under the row lock, feedback, checks, rates.
+//! Rate buckets in the ledger: slots taken with the lease under the row lock, the fence,
+//! provider feedback and its bounds, operator changes, and lock timeouts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -8,62 +9,159 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use common::*;
-use nudge_domain::{Admission, AdmissionSettings, Channel, DeferReason, Lane, ProviderAccount};
-use nudge_ledger::{BucketCheck, Feedback, Ledger};
+use nudge_domain::{
+    AdmissionSettings, Channel, DeferReason, DeliveryState, IdempotencySupport, ProviderAccount,
+};
+use nudge_ledger::{
+    AuditEntry, DueDelivery, Feedback, FeedbackApplied, FenceRefused, LeaseBatch, LeaseOutcome,
+    LeasedDelivery, Ledger, SendSlot, Slotted,
+};
 use sqlx::PgPool;
 
-fn account() -> ProviderAccount {
-    ProviderAccount::parse("sms-main").unwrap()
+fn main_account() -> ProviderAccount {
+    account("main")
 }
 
-fn settings(max_wait_ms: u64) -> AdmissionSettings {
+fn wait(max_wait_ms: u64) -> AdmissionSettings {
     AdmissionSettings {
         max_wait: Duration::from_millis(max_wait_ms),
         ..AdmissionSettings::default()
     }
 }
 
-fn at(t: DateTime<Utc>) -> impl Fn() -> DateTime<Utc> + Send + Sync {
-    move || t
-}
-
-#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
-async fn an_account_without_a_bucket_is_admitted_at_once(pool: PgPool) {
-    let ledger = Ledger::from_pool(pool);
-    let admitted = ledger
-        .admit(&account(), Channel::Sms, Lane::New, &at(t0()), &settings(0))
+/// `n` SMS deliveries due at t0, claimed (published).
+async fn due(ledger: &Ledger, n: usize) -> Vec<DueDelivery> {
+    let name = format!("clinic-{}", uuid::Uuid::new_v4().simple());
+    let tenant = ledger.create_tenant(&name, t0()).await.unwrap();
+    for i in 0..n {
+        owed(ledger, tenant.id, &format!("e{i}"), &[Channel::Sms], t0()).await;
+    }
+    ledger
+        .claim_due(Channel::Sms, 10_000, at(t0()))
         .await
-        .unwrap();
-    assert_eq!(admitted.admission, Admission::Admitted { send_at: t0() });
+        .unwrap()
+}
+
+/// Leases `messages` in one batch at `now`, as `owner`, waiting at most `settings.max_wait`.
+async fn lease_batch(
+    ledger: &Ledger,
+    messages: &[DueDelivery],
+    owner: &str,
+    settings: &AdmissionSettings,
+    now: DateTime<Utc>,
+) -> Vec<LeaseOutcome> {
+    let routes = routes(IdempotencySupport::Honoured);
+    let cipher = cipher();
+    let batch = LeaseBatch {
+        channel: Channel::Sms,
+        owner,
+        lease_for: LEASE,
+        routes: &routes,
+        admission: settings,
+        cipher: &cipher,
+        at: at(now),
+    };
+    let messages: Vec<_> = messages.iter().map(|d| (d.id, d.generation)).collect();
+    ledger
+        .lease_batch(&batch, &messages)
+        .await
+        .unwrap()
+        .outcomes
+}
+
+/// A lease waiting for its slot: the last of `burst + 1` leased at once.
+async fn waiting_lease(ledger: &Ledger, burst: usize) -> (LeasedDelivery, DateTime<Utc>) {
+    let due = due(ledger, burst + 1).await;
+    let outcomes = lease_batch(ledger, &due, "worker-1", &wait(500), t0()).await;
+    match outcomes.into_iter().last().unwrap() {
+        LeaseOutcome::Leased {
+            lease,
+            slot: SendSlot::At { reserved_at, .. },
+            ..
+        } => (lease, reserved_at),
+        other => panic!("expected a waiting lease, got {other:?}"),
+    }
+}
+
+async fn feedback(
+    ledger: &Ledger,
+    feedback: Feedback,
+    now: DateTime<Utc>,
+) -> Option<FeedbackApplied> {
+    ledger
+        .bucket_feedback(
+            &main_account(),
+            Channel::Sms,
+            feedback,
+            Duration::from_secs(60),
+            at(now),
+        )
+        .await
+        .unwrap()
+}
+
+async fn send_started_at(pool: &PgPool, lease: &LeasedDelivery) -> Option<DateTime<Utc>> {
+    sqlx::query_scalar("SELECT send_started_at FROM deliveries WHERE id = $1")
+        .bind(lease.id.as_uuid())
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
-async fn replicas_admitting_at_once_share_one_bucket_exactly(pool: PgPool) {
+async fn an_account_without_a_bucket_is_leased_and_fenced_in_one_statement(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let due = due(&ledger, 1).await;
+
+    let outcome = lease_batch(&ledger, &due, "worker-1", &wait(0), t0())
+        .await
+        .remove(0);
+
+    let LeaseOutcome::Leased { lease, slot, .. } = outcome else {
+        panic!("expected a lease, got {outcome:?}");
+    };
+    assert_eq!(slot, SendSlot::Now);
+    assert_eq!(
+        send_started_at(&pool, &lease).await,
+        Some(t0()),
+        "fenced with the lease"
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn replicas_leasing_at_once_share_one_bucket_exactly(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
     ledger
-        .ensure_bucket(&account(), Channel::Sms, 20.0, 5, t0())
+        .ensure_bucket(&main_account(), Channel::Sms, 20.0, 5, t0())
         .await
         .unwrap();
-    // Eight replicas ask for 30 slots each at the same instant, with a 10 s horizon.
+    // Eight replicas lease 30 messages each, in batches of 5, at the same instant, with a
+    // 10 s horizon.
+    let due = due(&ledger, 240).await;
     let slots = Arc::new(Mutex::new(Vec::new()));
-    let tasks: Vec<_> = (0..8)
-        .map(|_| {
+    let tasks: Vec<_> = due
+        .chunks(30)
+        .enumerate()
+        .map(|(replica, mine)| {
             let ledger = ledger.clone();
             let slots = slots.clone();
+            let mine = mine.to_vec();
             tokio::spawn(async move {
-                for _ in 0..30 {
-                    let a = ledger
-                        .admit(
-                            &account(),
-                            Channel::Sms,
-                            Lane::New,
-                            &at(t0()),
-                            &settings(10_000),
-                        )
-                        .await
-                        .unwrap();
-                    if let Admission::Admitted { send_at } = a.admission {
-                        slots.lock().unwrap().push(send_at);
+                for batch in mine.chunks(5) {
+                    let owner = format!("replica-{replica}");
+                    for outcome in lease_batch(&ledger, batch, &owner, &wait(10_000), t0()).await {
+                        match outcome {
+                            LeaseOutcome::Leased {
+                                slot: SendSlot::Now,
+                                ..
+                            } => slots.lock().unwrap().push(t0()),
+                            LeaseOutcome::Leased {
+                                slot: SendSlot::At { send_at, .. },
+                                ..
+                            } => slots.lock().unwrap().push(send_at),
+                            LeaseOutcome::Released { .. } => {}
+                            other => panic!("unexpected {other:?}"),
+                        }
                     }
                 }
             })
@@ -95,178 +193,366 @@ async fn replicas_admitting_at_once_share_one_bucket_exactly(pool: PgPool) {
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_429_with_retry_after_pauses_the_bucket_for_every_replica(pool: PgPool) {
-    let ledger = Ledger::from_pool(pool);
+    let ledger = Ledger::from_pool(pool.clone());
     ledger
-        .ensure_bucket(&account(), Channel::Sms, 20.0, 5, t0())
+        .ensure_bucket(&main_account(), Channel::Sms, 20.0, 5, t0())
         .await
         .unwrap();
-    let reserved = t0();
+    let (waiting, reserved_at) = waiting_lease(&ledger, 5).await;
     let until = t0() + secs(3);
 
-    let changed = ledger
-        .bucket_feedback(
-            &account(),
-            Channel::Sms,
-            Feedback::Throttled {
-                retry_at: Some(until),
-                reserved_at: Some(reserved),
-            },
-            t0() + secs(1),
-        )
-        .await
-        .unwrap();
+    let changed = feedback(
+        &ledger,
+        Feedback::Throttled {
+            retry_at: Some(until),
+            reserved_at: Some(reserved_at),
+        },
+        t0() + secs(1),
+    )
+    .await;
 
     assert_eq!(
         changed,
-        Some((10.0, Some(until))),
+        Some(FeedbackApplied {
+            effective_rate: 10.0,
+            paused_until: Some(until),
+            pause_capped: false
+        }),
         "paused, and (a first 429) halved"
     );
-    let check = ledger
-        .bucket_check(
-            &account(),
-            Channel::Sms,
-            t0() + secs(1),
-            reserved,
+    // The send that waited for its slot is not fenced: the bucket is paused.
+    let fenced = ledger
+        .fence(
+            &waiting,
+            reserved_at,
+            LEASE,
             Duration::from_secs(10),
+            at(t0() + secs(1)),
         )
         .await
         .unwrap();
-    assert_eq!(check, BucketCheck::ClosedUntil(until));
-    let other_replica = ledger
-        .admit(
-            &account(),
-            Channel::Sms,
-            Lane::New,
-            &at(t0() + secs(1)),
-            &settings(500),
-        )
+    assert_eq!(fenced, Err(FenceRefused::BucketClosedUntil(until)));
+    assert_eq!(send_started_at(&pool, &waiting).await, None);
+    // Another replica gets no slot until the pause ends.
+    let more = due(&ledger, 1).await;
+    let other = lease_batch(&ledger, &more, "replica-2", &wait(500), t0() + secs(1))
         .await
-        .unwrap();
-    assert_eq!(
-        other_replica.admission,
-        Admission::Deferred {
-            until,
-            reason: DeferReason::Paused
-        }
+        .remove(0);
+    assert!(
+        matches!(other, LeaseOutcome::Released { until: u, reason: DeferReason::Paused, .. } if u == until),
+        "{other:?}"
     );
-    let after = ledger
-        .bucket_check(
-            &account(),
-            Channel::Sms,
-            t0() + secs(4),
-            t0() + secs(4),
-            Duration::from_secs(10),
-        )
-        .await
-        .unwrap();
-    assert_eq!(after, BucketCheck::Open);
+    assert_eq!(
+        ledger
+            .delivery(more[0].id)
+            .await
+            .unwrap()
+            .unwrap()
+            .next_attempt_at,
+        Some(until),
+        "given back, due when the pause ends"
+    );
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_slot_reserved_before_a_slow_down_is_reserved_again(pool: PgPool) {
-    let ledger = Ledger::from_pool(pool);
+    let ledger = Ledger::from_pool(pool.clone());
     ledger
-        .ensure_bucket(&account(), Channel::Sms, 20.0, 5, t0())
+        .ensure_bucket(&main_account(), Channel::Sms, 20.0, 5, t0())
         .await
         .unwrap();
+    let (waiting, reserved_at) = waiting_lease(&ledger, 5).await;
+    feedback(
+        &ledger,
+        Feedback::Throttled {
+            retry_at: None,
+            reserved_at: None,
+        },
+        t0() + secs(1),
+    )
+    .await;
+
+    let fenced = ledger
+        .fence(
+            &waiting,
+            reserved_at,
+            LEASE,
+            Duration::from_secs(10),
+            at(t0() + secs(2)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(fenced, Err(FenceRefused::Slowed));
+
+    let routes = routes(IdempotencySupport::Honoured);
+    let settings = wait(500);
+    let cipher = cipher();
+    let batch = LeaseBatch {
+        channel: Channel::Sms,
+        owner: "worker-1",
+        lease_for: LEASE,
+        routes: &routes,
+        admission: &settings,
+        cipher: &cipher,
+        at: at(t0() + secs(2)),
+    };
+    let again = ledger.readmit(&batch, waiting.clone()).await.unwrap();
+    assert!(
+        matches!(again, Slotted::Slot(SendSlot::Now, _)),
+        "a slot at the new pace: {again:?}"
+    );
+    assert_eq!(send_started_at(&pool, &waiting).await, Some(t0() + secs(2)));
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_fence_refuses_a_send_that_expired_or_was_cancelled_while_it_waited(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
     ledger
-        .bucket_feedback(
-            &account(),
-            Channel::Sms,
-            Feedback::Throttled {
-                retry_at: None,
-                reserved_at: None,
-            },
-            t0() + secs(1),
+        .ensure_bucket(&main_account(), Channel::Sms, 20.0, 1, t0())
+        .await
+        .unwrap();
+    let (expiring, reserved_at) = waiting_lease(&ledger, 1).await;
+    let after_expiry = expiring.expires_at + secs(1);
+    let lease_for = Duration::from_secs(7200);
+    // Renew the lease so only the expiry can refuse it.
+    sqlx::query("UPDATE deliveries SET lease_expires_at = $2 WHERE id = $1")
+        .bind(expiring.id.as_uuid())
+        .bind(after_expiry + secs(60))
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let refused = ledger
+        .fence(
+            &expiring,
+            reserved_at,
+            lease_for,
+            Duration::from_secs(10),
+            at(after_expiry),
         )
         .await
         .unwrap();
 
-    let before = ledger
-        .bucket_check(
-            &account(),
-            Channel::Sms,
-            t0() + secs(2),
-            t0(),
-            Duration::from_secs(10),
-        )
+    assert_eq!(refused, Err(FenceRefused::Expired));
+    let record = ledger.delivery(expiring.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::Expired);
+    assert_eq!(record.attempt_count, 0, "nothing was sent");
+
+    // A reminder cancelled while its send waited for a slot.
+    sqlx::query("DELETE FROM rate_buckets")
+        .execute(&pool)
         .await
         .unwrap();
-    let after = ledger
-        .bucket_check(
-            &account(),
-            Channel::Sms,
-            t0() + secs(2),
-            t0() + secs(1) + chrono::Duration::milliseconds(1),
+    ledger
+        .ensure_bucket(&main_account(), Channel::Sms, 20.0, 1, t0())
+        .await
+        .unwrap();
+    let tenant = ledger.create_tenant("clinic-b", t0()).await.unwrap();
+    owed(&ledger, tenant.id, "x", &[Channel::Sms], t0()).await;
+    owed(&ledger, tenant.id, "y", &[Channel::Sms], t0()).await;
+    let pair = ledger.claim_due(Channel::Sms, 10, at(t0())).await.unwrap();
+    let outcomes = lease_batch(&ledger, &pair, "worker-1", &wait(500), t0()).await;
+    let (waiting, reserved_at) = outcomes
+        .into_iter()
+        .find_map(|o| match o {
+            LeaseOutcome::Leased {
+                lease,
+                slot: SendSlot::At { reserved_at, .. },
+                ..
+            } => Some((lease, reserved_at)),
+            _ => None,
+        })
+        .unwrap();
+    sqlx::query("UPDATE reminders SET cancelled_at = $2 WHERE id = $1")
+        .bind(waiting.reminder_id.as_uuid())
+        .bind(t0())
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let refused = ledger
+        .fence(
+            &waiting,
+            reserved_at,
+            LEASE,
             Duration::from_secs(10),
+            at(t0() + secs(1)),
         )
         .await
         .unwrap();
 
-    assert_eq!(before, BucketCheck::Slowed);
-    assert_eq!(after, BucketCheck::Open);
+    assert_eq!(refused, Err(FenceRefused::Cancelled));
+    assert_eq!(
+        ledger.delivery(waiting.id).await.unwrap().unwrap().state,
+        DeliveryState::Cancelled
+    );
+    // A lease that was reaped meanwhile is not this worker's any more.
+    let lost = ledger
+        .fence(
+            &waiting,
+            reserved_at,
+            LEASE,
+            Duration::from_secs(10),
+            at(t0() + secs(1)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(lost, Err(FenceRefused::LeaseLost));
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_huge_retry_after_pauses_the_bucket_at_most_the_maximum_and_an_operator_can_clear_it(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool.clone());
+    ledger
+        .ensure_bucket(&main_account(), Channel::Sms, 20.0, 5, t0())
+        .await
+        .unwrap();
+    let asked = t0() + secs(99_999_999);
+
+    let applied = feedback(
+        &ledger,
+        Feedback::Throttled {
+            retry_at: Some(asked),
+            reserved_at: Some(t0()),
+        },
+        t0(),
+    )
+    .await
+    .unwrap();
+
+    assert_eq!(applied.paused_until, Some(t0() + secs(60)));
+    assert!(applied.pause_capped);
+    let bucket = &ledger.rate_buckets().await.unwrap()[0];
+    assert_eq!(bucket.paused_until, Some(t0() + secs(60)));
+    let cause = bucket.pause_cause.as_deref().unwrap();
+    assert!(cause.contains("99999999"), "{cause}");
+    assert!(cause.contains("max_pause_s"), "{cause}");
+    // Past the bound, the bucket admits again (at its lowered rate).
+    let later = due(&ledger, 1).await;
+    let outcome = lease_batch(&ledger, &later, "w", &wait(500), t0() + secs(61))
+        .await
+        .remove(0);
+    assert!(
+        matches!(outcome, LeaseOutcome::Leased { .. }),
+        "{outcome:?}"
+    );
+
+    // A second pause, cleared by an operator: the change and its audit row together.
+    feedback(
+        &ledger,
+        Feedback::Throttled {
+            retry_at: Some(t0() + secs(120)),
+            reserved_at: Some(t0() + secs(62)),
+        },
+        t0() + secs(62),
+    )
+    .await;
+    let audit = AuditEntry {
+        at: t0() + secs(63),
+        actor: "oncall".into(),
+        action: "rate_resume".into(),
+        target: Some("bucket:main/sms".into()),
+        reason: Some("provider confirmed recovery".into()),
+        details: serde_json::json!({}),
+    };
+    let resumed = ledger
+        .resume_bucket(&main_account(), Channel::Sms, &audit)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(resumed.paused_until, None);
+    assert_eq!(resumed.pause_cause, None);
+    let recent = ledger.recent_audit(1).await.unwrap();
+    assert_eq!(recent[0].action, "rate_resume");
+    assert!(recent[0].details["paused_until"].is_string());
+
+    // An audit row the database refuses leaves the pause in place.
+    feedback(
+        &ledger,
+        Feedback::Throttled {
+            retry_at: Some(t0() + secs(200)),
+            reserved_at: Some(t0() + secs(190)),
+        },
+        t0() + secs(190),
+    )
+    .await;
+    let bad = AuditEntry {
+        actor: String::new(),
+        ..audit
+    };
+    assert!(
+        ledger
+            .resume_bucket(&main_account(), Channel::Sms, &bad)
+            .await
+            .is_err()
+    );
+    assert!(
+        ledger.rate_buckets().await.unwrap()[0]
+            .paused_until
+            .is_some()
+    );
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_rate_of_zero_closes_the_bucket_and_raising_it_reopens(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
     ledger
-        .ensure_bucket(&account(), Channel::Sms, 20.0, 5, t0())
+        .ensure_bucket(&main_account(), Channel::Sms, 20.0, 5, t0())
         .await
         .unwrap();
+    let due = due(&ledger, 2).await;
 
     ledger
-        .set_rate(&account(), Channel::Sms, 0.0, None, "ops", "incident", t0())
-        .await
-        .unwrap();
-    let closed = ledger
-        .admit(
-            &account(),
+        .set_rate(
+            &main_account(),
             Channel::Sms,
-            Lane::New,
-            &at(t0()),
-            &settings(500),
+            0.0,
+            None,
+            "ops",
+            "incident",
+            t0(),
         )
         .await
         .unwrap();
-    let check = ledger
-        .bucket_check(
-            &account(),
-            Channel::Sms,
-            t0(),
-            t0(),
-            Duration::from_secs(10),
-        )
+    let closed = lease_batch(&ledger, &due[..1], "w", &wait(500), t0())
         .await
-        .unwrap();
-    let channel_rate = ledger.channel_rate(Channel::Sms, t0()).await.unwrap();
+        .remove(0);
+    let channel_rate = ledger.channel_rate(Channel::Sms, at(t0())).await.unwrap();
     ledger
-        .set_rate(&account(), Channel::Sms, 20.0, None, "ops", "over", t0())
-        .await
-        .unwrap();
-    let reopened = ledger
-        .admit(
-            &account(),
+        .set_rate(
+            &main_account(),
             Channel::Sms,
-            Lane::New,
-            &at(t0()),
-            &settings(500),
+            20.0,
+            None,
+            "ops",
+            "over",
+            t0(),
         )
         .await
         .unwrap();
+    let reopened = lease_batch(&ledger, &due[1..], "w", &wait(500), t0())
+        .await
+        .remove(0);
 
-    assert!(matches!(
-        closed.admission,
-        Admission::Deferred {
-            reason: DeferReason::Closed,
-            ..
-        }
-    ));
-    assert_eq!(check, BucketCheck::ClosedUntil(t0() + secs(10)));
+    assert!(
+        matches!(closed, LeaseOutcome::Released { reason: DeferReason::Closed, until, .. } if until == t0() + secs(10)),
+        "{closed:?}"
+    );
     assert_eq!(channel_rate, Some(0.0));
-    assert_eq!(reopened.admission, Admission::Admitted { send_at: t0() });
+    assert!(
+        matches!(
+            reopened,
+            LeaseOutcome::Leased {
+                slot: SendSlot::Now,
+                ..
+            }
+        ),
+        "{reopened:?}"
+    );
     assert_eq!(
-        ledger.channel_rate(Channel::Email, t0()).await.unwrap(),
+        ledger.channel_rate(Channel::Email, at(t0())).await.unwrap(),
         None,
         "no bucket: not limited"
     );
@@ -276,12 +562,12 @@ async fn a_rate_of_zero_closes_the_bucket_and_raising_it_reopens(pool: PgPool) {
 async fn a_bucket_changed_at_run_time_keeps_its_rate_when_workers_restart(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
     ledger
-        .ensure_bucket(&account(), Channel::Sms, 40.0, 10, t0())
+        .ensure_bucket(&main_account(), Channel::Sms, 40.0, 10, t0())
         .await
         .unwrap();
     ledger
         .set_rate(
-            &account(),
+            &main_account(),
             Channel::Sms,
             12.0,
             Some(3),
@@ -293,7 +579,7 @@ async fn a_bucket_changed_at_run_time_keeps_its_rate_when_workers_restart(pool: 
         .unwrap();
 
     ledger
-        .ensure_bucket(&account(), Channel::Sms, 40.0, 10, t0() + secs(60))
+        .ensure_bucket(&main_account(), Channel::Sms, 40.0, 10, t0() + secs(60))
         .await
         .unwrap();
 
@@ -303,4 +589,73 @@ async fn a_bucket_changed_at_run_time_keeps_its_rate_when_workers_restart(pool: 
         (12.0, 3, 12.0)
     );
     assert_eq!(bucket.changed_by, "ops");
+}
+
+/// The pool a process builds from its `database` section, on this test's database.
+async fn configured_ledger(pool: &PgPool, lock_timeout_ms: u64) -> Ledger {
+    let base = std::env::var("DATABASE_URL").unwrap();
+    let name = pool.connect_options().get_database().unwrap().to_owned();
+    let mut url = url::Url::parse(&base).unwrap();
+    url.set_path(&name);
+    Ledger::connect(&nudge_config::DatabaseConfig {
+        url: nudge_config::Secret::new(url.to_string()),
+        max_connections: 2,
+        lock_timeout_ms,
+        ..nudge_config::DatabaseConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_bucket_row_held_by_a_stalled_peer_stops_a_lease_at_the_lock_timeout(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    ledger
+        .ensure_bucket(&main_account(), Channel::Sms, 20.0, 5, t0())
+        .await
+        .unwrap();
+    let due = due(&ledger, 1).await;
+    let worker = configured_ledger(&pool, 300).await;
+    // A stalled replica holds the bucket's row lock and does nothing.
+    let mut stalled = pool.begin().await.unwrap();
+    sqlx::query("SELECT * FROM rate_buckets FOR UPDATE")
+        .execute(&mut *stalled)
+        .await
+        .unwrap();
+
+    let routes = routes(IdempotencySupport::Honoured);
+    let settings = wait(500);
+    let cipher = cipher();
+    let batch = LeaseBatch {
+        channel: Channel::Sms,
+        owner: "worker-1",
+        lease_for: LEASE,
+        routes: &routes,
+        admission: &settings,
+        cipher: &cipher,
+        at: at(t0()),
+    };
+    let started = std::time::Instant::now();
+    let result = worker
+        .lease_batch(&batch, &[(due[0].id, due[0].generation)])
+        .await;
+    let waited = started.elapsed();
+
+    assert!(
+        result.is_err(),
+        "the lock timeout ends the wait with an error"
+    );
+    // Tolerance: the 300 ms lock timeout plus scheduling on a loaded machine.
+    assert!(waited < Duration::from_secs(5), "waited {waited:?}");
+    assert_eq!(
+        ledger.delivery(due[0].id).await.unwrap().unwrap().state,
+        DeliveryState::Queued,
+        "nothing was leased: the transaction rolled back"
+    );
+    stalled.rollback().await.unwrap();
+    let result = worker
+        .lease_batch(&batch, &[(due[0].id, due[0].generation)])
+        .await
+        .unwrap();
+    assert!(matches!(result.outcomes[0], LeaseOutcome::Leased { .. }));
 }

@@ -8,32 +8,46 @@ use chrono::{DateTime, Utc};
 use common::*;
 use nudge_domain::{
     AttemptContext, Channel, DeliveryState, FixedJitter, IdempotencySupport, Lane, OutcomeClass,
-    ProviderAccount, RetryPolicy, SendOutcome, decide,
+    RetryPolicy, SendOutcome, decide,
 };
-use nudge_ledger::{AttemptRecord, DueDelivery, LeaseOutcome, LeasedDelivery, Ledger, LedgerError};
+use nudge_ledger::{AttemptRecord, DueDelivery, LeaseOutcome, LeasedDelivery, Ledger, Recorded};
 use sqlx::PgPool;
 
 /// Publishes (claims and commits) everything due at `now`.
 async fn publish_due(ledger: &Ledger, now: DateTime<Utc>) -> Vec<DueDelivery> {
-    ledger.claim_due(now, 1000).await.unwrap()
+    claim_all(ledger, now).await
 }
 
 async fn lease_one(ledger: &Ledger, due: &DueDelivery, now: DateTime<Utc>) -> LeasedDelivery {
-    match ledger
-        .lease(due.id, due.generation, "worker-1", LEASE, now)
+    leased(lease(ledger, due, now).await)
+}
+
+/// A lease whose send has not started: its bucket is paused for 400 ms, so the slot is
+/// reserved ahead and the send waits for it, unfenced.
+async fn lease_waiting(ledger: &Ledger, due: &DueDelivery, now: DateTime<Utc>) -> LeasedDelivery {
+    ledger
+        .ensure_bucket(&account("main"), due.channel, 100.0, 10, now)
         .await
-        .unwrap()
-    {
-        LeaseOutcome::Leased(lease) => lease,
-        other => panic!("expected a lease, got {other:?}"),
+        .unwrap();
+    sqlx::query("UPDATE rate_buckets SET paused_until = $1")
+        .bind(now + chrono::Duration::milliseconds(400))
+        .execute(ledger.pool())
+        .await
+        .unwrap();
+    match lease(ledger, due, now).await {
+        LeaseOutcome::Leased {
+            lease,
+            slot: nudge_ledger::SendSlot::At { .. },
+            ..
+        } => lease,
+        other => panic!("expected a lease waiting for its slot, got {other:?}"),
     }
 }
 
-fn attempt(at: DateTime<Utc>) -> AttemptRecord {
+fn attempt(start: DateTime<Utc>) -> AttemptRecord {
     AttemptRecord {
-        started_at: at,
-        finished_at: at + secs(1),
-        provider_account: Some(ProviderAccount::parse("sms-main").unwrap()),
+        started_at: start,
+        finished_at: start + secs(1),
         worker: "worker-1".into(),
         correlation_id: Some("corr-1".into()),
     }
@@ -49,7 +63,7 @@ fn response(status: u16, retry_after: Option<&str>) -> SendOutcome {
 
 /// Runs the domain decision for a leased delivery and records it.
 async fn settle(ledger: &Ledger, lease: &LeasedDelivery, outcome: SendOutcome, at: DateTime<Utc>) {
-    let record = attempt(at);
+    let facts = attempt(at);
     let ctx = AttemptContext {
         attempt_number: lease.attempt_number,
         expires_at: lease.expires_at,
@@ -58,14 +72,14 @@ async fn settle(ledger: &Ledger, lease: &LeasedDelivery, outcome: SendOutcome, a
     let decision = decide(
         &ctx,
         &outcome,
-        record.finished_at,
+        facts.finished_at,
         &RetryPolicy::default(),
         &mut FixedJitter::new(2_000),
     );
-    ledger
-        .record_outcome(lease, &decision, &record)
-        .await
-        .unwrap();
+    assert_eq!(
+        record(ledger, lease, &decision, &facts, facts.finished_at).await,
+        Recorded::Applied
+    );
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -138,7 +152,7 @@ async fn relays_claiming_at_once_never_claim_the_same_delivery(pool: PgPool) {
             tokio::spawn(async move {
                 let mut mine = Vec::new();
                 loop {
-                    let batch = ledger.claim_due(t0(), 7).await.unwrap();
+                    let batch = ledger.claim_due(Channel::Sms, 7, at(t0())).await.unwrap();
                     if batch.is_empty() {
                         return mine;
                     }
@@ -164,14 +178,18 @@ async fn a_claimed_delivery_is_leasable_as_soon_as_the_claim_returns(pool: PgPoo
     let tenant = tenant(&ledger).await;
     owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
 
-    let due = ledger.claim_due(t0(), 10).await.unwrap().remove(0);
-    // A worker on another connection, as fast as it can be.
-    let outcome = ledger
-        .lease(due.id, due.generation, "w", LEASE, t0())
+    let due = ledger
+        .claim_due(Channel::Sms, 10, at(t0()))
         .await
-        .unwrap();
+        .unwrap()
+        .remove(0);
+    // A worker on another connection, as fast as it can be.
+    let outcome = lease(&ledger, &due, t0()).await;
 
-    assert!(matches!(outcome, LeaseOutcome::Leased(_)), "{outcome:?}");
+    assert!(
+        matches!(outcome, LeaseOutcome::Leased { .. }),
+        "{outcome:?}"
+    );
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -179,27 +197,18 @@ async fn a_failed_publish_is_claimed_again_at_the_next_tick_with_a_new_generatio
     let ledger = Ledger::from_pool(pool);
     let tenant = tenant(&ledger).await;
     owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
-    let failed = ledger.claim_due(t0(), 10).await.unwrap();
+    let failed = ledger.claim_due(Channel::Sms, 10, at(t0())).await.unwrap();
 
     assert_eq!(ledger.mark_unpublished(&failed).await.unwrap(), 1);
     let again = ledger
-        .claim_unconsumed(t0() + secs(1), Duration::from_secs(60), 10)
+        .claim_unconsumed(Duration::from_secs(60), 10, at(t0() + secs(1)))
         .await
         .unwrap();
 
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].id, failed[0].id);
     assert_eq!(again[0].generation, failed[0].generation + 1);
-    let stale = ledger
-        .lease(
-            failed[0].id,
-            failed[0].generation,
-            "w",
-            LEASE,
-            t0() + secs(1),
-        )
-        .await
-        .unwrap();
+    let stale = lease(&ledger, &failed[0], t0() + secs(1)).await;
     assert!(matches!(stale, LeaseOutcome::Stale { .. }));
 }
 
@@ -208,7 +217,7 @@ async fn marking_an_old_claim_unpublished_leaves_work_that_moved_on_alone(pool: 
     let ledger = Ledger::from_pool(pool);
     let tenant = tenant(&ledger).await;
     owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
-    let claimed = ledger.claim_due(t0(), 10).await.unwrap();
+    let claimed = ledger.claim_due(Channel::Sms, 10, at(t0())).await.unwrap();
     lease_one(&ledger, &claimed[0], t0()).await;
 
     assert_eq!(ledger.mark_unpublished(&claimed).await.unwrap(), 0);
@@ -232,18 +241,23 @@ async fn of_many_concurrent_leasers_of_one_delivery_exactly_one_wins(pool: PgPoo
         let racers: Vec<_> = (0..8)
             .map(|i| {
                 let ledger = ledger.clone();
+                let d = d.clone();
                 tokio::spawn(async move {
-                    ledger
-                        .lease(d.id, d.generation, &format!("worker-{i}"), LEASE, t0())
-                        .await
-                        .unwrap()
+                    lease_as(
+                        &ledger,
+                        &d,
+                        &format!("worker-{i}"),
+                        &routes(IdempotencySupport::Honoured),
+                        t0(),
+                    )
+                    .await
                 })
             })
             .collect();
         let mut winners = 0;
         for racer in racers {
             match racer.await.unwrap() {
-                LeaseOutcome::Leased(_) => winners += 1,
+                LeaseOutcome::Leased { .. } => winners += 1,
                 LeaseOutcome::Stale { state, .. } => assert_eq!(state, DeliveryState::Sending),
                 other => panic!("unexpected {other:?}"),
             }
@@ -262,28 +276,25 @@ async fn a_message_with_an_old_generation_is_stale(pool: PgPool) {
     let first = publish_due(&ledger, t0()).await.remove(0);
     // The first message is lost; the relay republishes with a new generation.
     let second = ledger
-        .claim_unconsumed(t0() + secs(120), Duration::from_secs(60), 10)
+        .claim_unconsumed(Duration::from_secs(60), 10, at(t0() + secs(120)))
         .await
         .unwrap()
         .remove(0);
 
     assert_eq!(second.generation, first.generation + 1);
-    let old = ledger
-        .lease(first.id, first.generation, "w", LEASE, t0() + secs(121))
-        .await
-        .unwrap();
-    assert_eq!(
-        old,
-        LeaseOutcome::Stale {
-            state: DeliveryState::Queued,
-            generation: second.generation
-        }
+    let old = lease(&ledger, &first, t0() + secs(121)).await;
+    assert!(
+        matches!(
+            old,
+            LeaseOutcome::Stale {
+                state: DeliveryState::Queued,
+                generation
+            } if generation == second.generation
+        ),
+        "{old:?}"
     );
-    let new = ledger
-        .lease(second.id, second.generation, "w", LEASE, t0() + secs(121))
-        .await
-        .unwrap();
-    assert!(matches!(new, LeaseOutcome::Leased(_)));
+    let new = lease(&ledger, &second, t0() + secs(121)).await;
+    assert!(matches!(new, LeaseOutcome::Leased { .. }));
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -294,7 +305,7 @@ async fn recently_queued_work_is_not_republished(pool: PgPool) {
     publish_due(&ledger, t0()).await;
 
     let again = ledger
-        .claim_unconsumed(t0() + secs(30), Duration::from_secs(60), 10)
+        .claim_unconsumed(Duration::from_secs(60), 10, at(t0() + secs(30)))
         .await
         .unwrap();
 
@@ -309,12 +320,9 @@ async fn an_expired_delivery_is_settled_as_expired_instead_of_leased(pool: PgPoo
     let due = publish_due(&ledger, t0()).await.remove(0);
 
     let after_expiry = t0() + secs(3600);
-    let outcome = ledger
-        .lease(due.id, due.generation, "w", LEASE, after_expiry)
-        .await
-        .unwrap();
+    let outcome = lease(&ledger, &due, after_expiry).await;
 
-    assert_eq!(outcome, LeaseOutcome::Expired);
+    assert!(matches!(outcome, LeaseOutcome::Expired), "{outcome:?}");
     let record = ledger.delivery(due.id).await.unwrap().unwrap();
     assert_eq!(record.state, DeliveryState::Expired);
     assert_eq!(record.attempt_count, 0, "nothing was sent");
@@ -335,7 +343,11 @@ async fn a_delivered_outcome_settles_the_delivery_and_appends_one_attempt(pool: 
     assert_eq!(record.state, DeliveryState::Delivered);
     assert_eq!(record.provider_message_id.as_deref(), Some("prov-123"));
     assert_eq!(record.lease_owner, None);
-    assert_eq!(record.settled_at, Some(t0() + secs(1)));
+    assert_eq!(
+        record.settled_at,
+        Some(t0() + secs(1)),
+        "settled on the ledger's clock"
+    );
     let attempts = ledger.attempts(due.id).await.unwrap();
     assert_eq!(attempts.len(), 1);
     assert_eq!(attempts[0].attempt_number, 1);
@@ -403,7 +415,7 @@ async fn an_outcome_after_the_lease_was_lost_is_refused_and_writes_nothing(pool:
     let due = publish_due(&ledger, t0()).await.remove(0);
     let lease = lease_one(&ledger, &due, t0()).await;
     // Another party (the lease reaper) moved the delivery on.
-    sqlx::query("UPDATE deliveries SET state = 'ambiguous', lease_owner = NULL, lease_expires_at = NULL, settled_at = now() WHERE id = $1")
+    sqlx::query("UPDATE deliveries SET state = 'ambiguous', lease_owner = NULL, lease_expires_at = NULL, send_started_at = NULL, settled_at = now() WHERE id = $1")
         .bind(due.id.as_uuid())
         .execute(&pool)
         .await
@@ -420,20 +432,12 @@ async fn an_outcome_after_the_lease_was_lost_is_refused_and_writes_nothing(pool:
         &RetryPolicy::default(),
         &mut FixedJitter::zero(),
     );
-    let err = ledger
-        .record_outcome(&lease, &decision, &attempt(t0()))
-        .await
-        .unwrap_err();
+    let recorded = record(&ledger, &lease, &decision, &attempt(t0()), t0()).await;
 
-    assert!(
-        matches!(
-            err,
-            LedgerError::LeaseLost {
-                state: DeliveryState::Ambiguous,
-                ..
-            }
-        ),
-        "{err:?}"
+    assert_eq!(recorded, Recorded::LeaseLost);
+    assert_eq!(
+        ledger.delivery(due.id).await.unwrap().unwrap().state,
+        DeliveryState::Ambiguous
     );
     assert!(ledger.attempts(due.id).await.unwrap().is_empty());
 }
@@ -444,16 +448,19 @@ async fn a_released_lease_waits_for_its_time_without_spending_an_attempt(pool: P
     let tenant = tenant(&ledger).await;
     owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
     let due = publish_due(&ledger, t0()).await.remove(0);
-    let lease = lease_one(&ledger, &due, t0()).await;
+    let lease = lease_waiting(&ledger, &due, t0()).await;
 
-    ledger.release(&lease, t0() + secs(10), t0()).await.unwrap();
+    ledger
+        .release(&lease, Some(t0() + secs(10)), at(t0()))
+        .await
+        .unwrap();
 
     let record = ledger.delivery(due.id).await.unwrap().unwrap();
     assert_eq!(record.state, DeliveryState::RetryWait);
     assert_eq!(record.attempt_count, 0);
     assert_eq!(record.next_attempt_at, Some(t0() + secs(10)));
     assert!(
-        ledger.release(&lease, t0(), t0()).await.is_err(),
+        ledger.release(&lease, None, at(t0())).await.is_err(),
         "a lease is released once"
     );
 }
@@ -486,14 +493,174 @@ async fn the_expiry_sweep_settles_only_owed_work_past_its_expiry(pool: PgPool) {
         .unwrap();
     lease_one(&ledger, &sending, t0() - secs(3590)).await;
 
-    let expired = ledger.expire_overdue(t0() + secs(1), 100).await.unwrap();
+    // Both `old` (expired at t0) and `sending` (expired at t0 + 10 s) are past their expiry
+    // when the sweep runs; only the one not being sent is settled.
+    let sweep_at = t0() + secs(20);
+    let expired = ledger.expire_overdue(100, at(sweep_at)).await.unwrap();
 
     assert_eq!(expired, 1);
-    let status = ledger.status(t0() + secs(1)).await.unwrap();
-    let push = status.iter().find(|s| s.channel == Channel::Push).unwrap();
+    let sending = ledger.delivery(sending.id).await.unwrap().unwrap();
+    assert!(sending.expires_at < sweep_at, "it was a candidate by time");
     assert_eq!(
-        push.sending, 1,
+        sending.state,
+        DeliveryState::Sending,
         "work being sent finishes; its outcome decides"
+    );
+    let state_of = |channel: &'static str| {
+        sqlx::query_scalar::<_, String>("SELECT state FROM deliveries WHERE channel = $1")
+            .bind(channel)
+            .fetch_one(ledger.pool())
+    };
+    assert_eq!(state_of("sms").await.unwrap(), "expired");
+    assert_eq!(
+        state_of("email").await.unwrap(),
+        "scheduled",
+        "fresh work is untouched"
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_lease_whose_send_started_is_never_given_back(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let due = publish_due(&ledger, t0()).await.remove(0);
+    // No bucket: the lease is the fence, and the send has started.
+    let lease = lease_one(&ledger, &due, t0()).await;
+
+    assert!(ledger.release(&lease, None, at(t0())).await.is_err());
+    let record = ledger.delivery(due.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::Sending, "its outcome decides");
+    assert_eq!(record.attempt_count, 1);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_released_lease_keeps_its_lane_and_a_failed_attempt_moves_it_to_retry(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let due = publish_due(&ledger, t0()).await.remove(0);
+    let lease = lease_waiting(&ledger, &due, t0()).await;
+
+    // No slot in time: given back, due at once.
+    ledger.release(&lease, None, at(t0())).await.unwrap();
+    sqlx::query("DELETE FROM rate_buckets")
+        .execute(ledger.pool())
+        .await
+        .unwrap();
+    let again = publish_due(&ledger, t0()).await.remove(0);
+    assert_eq!(
+        again.lane,
+        Lane::New,
+        "a throttled first attempt is still new work"
+    );
+
+    // A real attempt that fails moves it to the retry lane.
+    let lease = lease_one(&ledger, &again, t0()).await;
+    assert_eq!(lease.attempt_number, 1, "the give-back spent no attempt");
+    settle(&ledger, &lease, response(503, None), t0()).await;
+    let retry = publish_due(&ledger, t0() + secs(3)).await.remove(0);
+    assert_eq!(retry.lane, Lane::Retry);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn one_batch_lease_explains_every_message_it_did_not_lease(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    for event in ["ok", "stale", "expired", "cancelled", "elsewhere"] {
+        owed(&ledger, tenant.id, event, &[Channel::Sms], t0()).await;
+    }
+    let due = publish_due(&ledger, t0()).await;
+    assert_eq!(due.len(), 5);
+    // Give each message its own fate, by hand, through the database.
+    let ids: Vec<uuid::Uuid> = due.iter().map(|d| d.id.as_uuid()).collect();
+    sqlx::query("UPDATE deliveries SET generation = generation + 1 WHERE id = $1")
+        .bind(ids[1])
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE deliveries SET scheduled_at = $2 - interval '1 minute', expires_at = $2 WHERE id = $1")
+        .bind(ids[2])
+        .bind(t0() - secs(1))
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE reminders SET cancelled_at = $2 FROM deliveries d WHERE d.id = $1 AND reminders.id = d.reminder_id")
+        .bind(ids[3])
+        .bind(t0())
+        .execute(&pool)
+        .await
+        .unwrap();
+    ledger
+        .set_tenant_channel_account(tenant.id, Channel::Sms, Some(&account("nowhere")), t0())
+        .await
+        .unwrap();
+    let settings = settings();
+    let cipher = cipher();
+    let routes = routes(IdempotencySupport::Honoured);
+    let batch = nudge_ledger::LeaseBatch {
+        channel: Channel::Sms,
+        owner: "worker-1",
+        lease_for: LEASE,
+        routes: &routes,
+        admission: &settings,
+        cipher: &cipher,
+        at: at(t0()),
+    };
+    let messages: Vec<_> = due.iter().map(|d| (d.id, d.generation)).collect();
+    let result = ledger.lease_batch(&batch, &messages).await.unwrap();
+
+    // The tenant is routed to an account this worker lacks: nothing owed is leased.
+    assert!(matches!(result.outcomes[0], LeaseOutcome::UnknownAccount(ref a) if a == "nowhere"));
+    assert!(matches!(
+        result.outcomes[1],
+        LeaseOutcome::Stale {
+            state: DeliveryState::Queued,
+            ..
+        }
+    ));
+    assert!(matches!(result.outcomes[2], LeaseOutcome::Expired));
+    assert!(matches!(result.outcomes[3], LeaseOutcome::Cancelled));
+    assert!(matches!(
+        result.outcomes[4],
+        LeaseOutcome::UnknownAccount(_)
+    ));
+
+    // Routed back to the default, the two still owed are leased in one statement.
+    ledger
+        .set_tenant_channel_account(tenant.id, Channel::Sms, None, t0())
+        .await
+        .unwrap();
+    let result = ledger
+        .lease_batch(&batch, &[messages[0], messages[4]])
+        .await
+        .unwrap();
+    for outcome in &result.outcomes {
+        match outcome {
+            LeaseOutcome::Leased {
+                lease,
+                material,
+                slot,
+            } => {
+                assert_eq!(
+                    *slot,
+                    nudge_ledger::SendSlot::Now,
+                    "no bucket: fenced with the lease"
+                );
+                assert_eq!(lease.provider_account.as_str(), "main");
+                assert!(material.as_ref().unwrap().destination.is_none());
+            }
+            other => panic!("expected a lease, got {other:?}"),
+        }
+    }
+    assert_eq!(result.leased_at, t0());
+    assert_eq!(
+        ledger.delivery(due[2].id).await.unwrap().unwrap().state,
+        DeliveryState::Expired
+    );
+    assert_eq!(
+        ledger.delivery(due[3].id).await.unwrap().unwrap().state,
+        DeliveryState::Cancelled
     );
 }
 

@@ -59,12 +59,8 @@ async fn the_backlog_counts_what_is_due_and_in_flight_on_the_channel_only(pool: 
     }
     owed(&ledger, tenant.id, "later", &[Channel::Sms], now + secs(1)).await;
     owed(&ledger, tenant.id, "email", &[Channel::Email], t0()).await;
-    let queued = ledger.claim_due_for(Channel::Sms, now, 2).await.unwrap();
-    let LeaseOutcome::Leased(_) = ledger
-        .lease(queued[0].id, queued[0].generation, "worker-1", LEASE, now)
-        .await
-        .unwrap()
-    else {
+    let queued = ledger.claim_due(Channel::Sms, 2, at(now)).await.unwrap();
+    let LeaseOutcome::Leased { .. } = lease(&ledger, &queued[0], now).await else {
         panic!("expected a lease");
     };
 
@@ -117,12 +113,9 @@ async fn owed_deliveries_come_in_flight_first_then_by_due_time(pool: PgPool) {
     .await;
     owed(&ledger, tenant.id, "email", &[Channel::Email], t0()).await;
     let flying = delivery_of(&ledger, in_flight, Channel::Sms).await;
-    let claimed = ledger.claim_due_for(Channel::Sms, now, 10).await.unwrap();
+    let claimed = ledger.claim_due(Channel::Sms, 10, at(now)).await.unwrap();
     let flying_claim = claimed.iter().find(|d| d.id == flying).unwrap();
-    ledger
-        .lease(flying, flying_claim.generation, "worker-1", LEASE, now)
-        .await
-        .unwrap();
+    leased(lease(&ledger, flying_claim, now).await);
 
     let owed = ledger
         .owed_in_due_order(Channel::Sms, now, 100)

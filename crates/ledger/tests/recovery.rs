@@ -5,12 +5,12 @@
 mod common;
 
 use common::*;
-use nudge_domain::{
-    Channel, DeliveryState, FixedJitter, IdempotencySupport, ProviderAccount, RetryPolicy,
-};
-use nudge_ledger::{DeadLetter, DeadLetterAction, LeaseOutcome, Ledger};
+use nudge_domain::{Channel, DeliveryState, FixedJitter, IdempotencySupport, RetryPolicy};
+use nudge_ledger::{DeadLetter, DeadLetterAction, LeaseOutcome, Ledger, Reaped, SendSlot};
 use sqlx::PgPool;
 
+/// A delivery leased by a worker that then vanished, through an account with `idem`
+/// (None: a lease from before the capability was recorded).
 async fn leased_via(
     ledger: &Ledger,
     event: &str,
@@ -18,21 +18,34 @@ async fn leased_via(
 ) -> nudge_domain::DeliveryId {
     let tenant = ledger.create_tenant(event, t0()).await.unwrap();
     owed(ledger, tenant.id, event, &[Channel::Sms], t0()).await;
-    let due = ledger.claim_due(t0(), 10).await.unwrap().remove(0);
-    let account = ProviderAccount::parse("sms-main").unwrap();
-    let outcome = ledger
-        .lease_via(
-            due.id,
-            due.generation,
-            "crashed-worker",
-            LEASE,
-            t0(),
-            idem.map(|i| (&account, i)),
+    let due = ledger
+        .claim_due(Channel::Sms, 10, at(t0()))
+        .await
+        .unwrap()
+        .remove(0);
+    let routes = routes(idem.unwrap_or(IdempotencySupport::NotHonoured));
+    let outcome = lease_as(ledger, &due, "crashed-worker", &routes, t0()).await;
+    assert!(matches!(outcome, LeaseOutcome::Leased { .. }));
+    if idem.is_none() {
+        sqlx::query("UPDATE deliveries SET lease_idempotent = NULL WHERE id = $1")
+            .bind(due.id.as_uuid())
+            .execute(ledger.pool())
+            .await
+            .unwrap();
+    }
+    due.id
+}
+
+async fn reap(ledger: &Ledger, now: chrono::DateTime<chrono::Utc>) -> Reaped {
+    ledger
+        .reap_expired_leases(
+            100,
+            &RetryPolicy::default(),
+            &mut FixedJitter::zero(),
+            at(now),
         )
         .await
-        .unwrap();
-    assert!(matches!(outcome, LeaseOutcome::Leased(_)));
-    due.id
+        .unwrap()
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -42,28 +55,20 @@ async fn an_expired_lease_is_retried_only_when_the_account_honours_idempotency_k
     let unsafe_ = leased_via(&ledger, "unsafe", Some(IdempotencySupport::NotHonoured)).await;
     let unknown = leased_via(&ledger, "unknown", None).await;
 
-    let before = ledger
-        .reap_expired_leases(
-            t0() + secs(59),
-            100,
-            &RetryPolicy::default(),
-            &mut FixedJitter::zero(),
-        )
-        .await
-        .unwrap();
-    let reaped = ledger
-        .reap_expired_leases(
-            t0() + secs(61),
-            100,
-            &RetryPolicy::default(),
-            &mut FixedJitter::zero(),
-        )
-        .await
-        .unwrap();
+    let before = reap(&ledger, t0() + secs(59)).await;
+    let reaped = reap(&ledger, t0() + secs(61)).await;
 
-    assert!(before.is_empty(), "a lease is not reaped before it expires");
-    assert_eq!(reaped.len(), 3);
-    let state = |id| reaped.iter().find(|(d, _)| *d == id).unwrap().1;
+    assert_eq!(
+        before,
+        Reaped::default(),
+        "a lease is not reaped before it expires"
+    );
+    assert!(
+        reaped.unsent.is_empty(),
+        "every one of these sends had started"
+    );
+    assert_eq!(reaped.decided.len(), 3);
+    let state = |id| reaped.decided.iter().find(|(d, _)| *d == id).unwrap().1;
     assert_eq!(state(safe), DeliveryState::RetryWait);
     assert_eq!(state(unsafe_), DeliveryState::Ambiguous);
     assert_eq!(
@@ -90,17 +95,71 @@ async fn a_reaped_lease_past_its_expiry_is_expired_not_retried(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
     let id = leased_via(&ledger, "e", Some(IdempotencySupport::Honoured)).await;
 
-    let reaped = ledger
-        .reap_expired_leases(
-            t0() + secs(3600),
-            100,
-            &RetryPolicy::default(),
-            &mut FixedJitter::zero(),
-        )
+    let reaped = reap(&ledger, t0() + secs(3600)).await;
+
+    assert_eq!(reaped.decided, vec![(id, DeliveryState::Expired)]);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_lease_whose_send_never_started_is_given_back_unsent_not_held_ambiguous(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    // A bucket of 2/s, burst 1: of two leases taken at once, the second waits 500 ms for its
+    // slot, unfenced; its worker dies in that wait.
+    ledger
+        .ensure_bucket(&account("main"), Channel::Sms, 2.0, 1, t0())
         .await
         .unwrap();
+    owed(&ledger, tenant.id, "a", &[Channel::Sms], t0()).await;
+    owed(&ledger, tenant.id, "b", &[Channel::Sms], t0()).await;
+    let due = ledger.claim_due(Channel::Sms, 10, at(t0())).await.unwrap();
+    let routes = routes(IdempotencySupport::NotHonoured);
+    let settings = settings();
+    let cipher = cipher();
+    let batch = nudge_ledger::LeaseBatch {
+        channel: Channel::Sms,
+        owner: "doomed-worker",
+        lease_for: LEASE,
+        routes: &routes,
+        admission: &settings,
+        cipher: &cipher,
+        at: at(t0()),
+    };
+    let messages: Vec<_> = due.iter().map(|d| (d.id, d.generation)).collect();
+    let result = ledger.lease_batch(&batch, &messages).await.unwrap();
+    let (mut sent, mut waiting) = (None, None);
+    for (d, outcome) in due.iter().zip(&result.outcomes) {
+        match outcome {
+            LeaseOutcome::Leased {
+                slot: SendSlot::Now,
+                ..
+            } => sent = Some(d.id),
+            LeaseOutcome::Leased {
+                slot: SendSlot::At { send_at, .. },
+                ..
+            } => {
+                assert_eq!(*send_at, t0() + chrono::Duration::milliseconds(500));
+                waiting = Some(d.id);
+            }
+            other => panic!("expected leases, got {other:?}"),
+        }
+    }
+    let (sent, waiting) = (sent.unwrap(), waiting.unwrap());
 
-    assert_eq!(reaped, vec![(id, DeliveryState::Expired)]);
+    let reaped = reap(&ledger, t0() + secs(61)).await;
+
+    assert_eq!(reaped.unsent, vec![waiting]);
+    assert_eq!(reaped.decided, vec![(sent, DeliveryState::Ambiguous)]);
+    let unsent = ledger.delivery(waiting).await.unwrap().unwrap();
+    assert_eq!(unsent.state, DeliveryState::RetryWait);
+    assert_eq!(
+        unsent.next_attempt_at,
+        Some(t0() + secs(61)),
+        "due again at once"
+    );
+    assert_eq!(unsent.attempt_count, 0, "no attempt spent");
+    assert_eq!(unsent.lane, nudge_domain::Lane::New, "on its own lane");
+    assert!(ledger.attempts(waiting).await.unwrap().is_empty());
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -108,7 +167,11 @@ async fn a_poison_message_for_owed_work_dead_letters_that_delivery(pool: PgPool)
     let ledger = Ledger::from_pool(pool);
     let tenant = tenant(&ledger).await;
     owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
-    let due = ledger.claim_due(t0(), 10).await.unwrap().remove(0);
+    let due = ledger
+        .claim_due(Channel::Sms, 10, at(t0()))
+        .await
+        .unwrap()
+        .remove(0);
     let letter = |generation| DeadLetter {
         queue: "dead.sms".into(),
         channel: Some(Channel::Sms),

@@ -4,7 +4,7 @@ mod common;
 
 use common::*;
 use nudge_domain::{Channel, DeliveryState, Lane, OutcomeClass, SubscriberRef};
-use nudge_ledger::{AuditEntry, Destination, LeaseOutcome, Ledger, LedgerError};
+use nudge_ledger::{AuditEntry, Destination, DestinationCipher, LeaseOutcome, Ledger, LedgerError};
 use sqlx::PgPool;
 
 /// Inserts a bare delivery row in the given state, satisfying the other constraints.
@@ -148,14 +148,12 @@ async fn the_same_reminder_and_channel_cannot_have_two_deliveries(pool: PgPool) 
 async fn one_attempt(ledger: &Ledger) -> nudge_domain::DeliveryId {
     let tenant = tenant(ledger).await;
     owed(ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
-    let due = ledger.claim_due(t0(), 10).await.unwrap().remove(0);
-    let LeaseOutcome::Leased(lease) = ledger
-        .lease(due.id, due.generation, "w", LEASE, t0())
+    let due = ledger
+        .claim_due(Channel::Sms, 10, at(t0()))
         .await
         .unwrap()
-    else {
-        panic!("not leased");
-    };
+        .remove(0);
+    let lease = leased(lease(ledger, &due, t0()).await);
     let decision = nudge_domain::decide(
         &nudge_domain::AttemptContext {
             attempt_number: 1,
@@ -171,17 +169,16 @@ async fn one_attempt(ledger: &Ledger) -> nudge_domain::DeliveryId {
         &nudge_domain::RetryPolicy::default(),
         &mut nudge_domain::FixedJitter::zero(),
     );
-    let record = nudge_ledger::AttemptRecord {
+    let attempt = nudge_ledger::AttemptRecord {
         started_at: t0(),
         finished_at: t0(),
-        provider_account: None,
         worker: "w".into(),
         correlation_id: None,
     };
-    ledger
-        .record_outcome(&lease, &decision, &record)
-        .await
-        .unwrap();
+    assert_eq!(
+        record(ledger, &lease, &decision, &attempt, t0()).await,
+        nudge_ledger::Recorded::Applied
+    );
     due.id
 }
 
@@ -316,24 +313,56 @@ async fn a_destination_is_stored_only_encrypted_and_opens_for_the_leased_deliver
         "no plaintext in any column"
     );
 
-    for due in ledger.claim_due(t0(), 10).await.unwrap() {
-        let LeaseOutcome::Leased(lease) = ledger
-            .lease(due.id, due.generation, "w", LEASE, t0())
-            .await
-            .unwrap()
-        else {
-            panic!("not leased");
-        };
-        let (found, content) = ledger.send_material(&lease, &cipher()).await.unwrap();
-        assert_eq!(content, None, "these reminders carry no content");
-        match due.channel {
-            Channel::Sms => assert_eq!(found, Some(phone.clone())),
-            _ => assert_eq!(found, None, "no push token on file"),
-        }
-        if due.channel == Channel::Sms {
-            let wrong_key = nudge_ledger::DestinationCipher::new(&[1u8; 32]);
-            let err = ledger.send_material(&lease, &wrong_key).await.unwrap_err();
-            assert!(matches!(err, LedgerError::Crypto));
+    let routes = routes(nudge_domain::IdempotencySupport::Honoured);
+    let settings = settings();
+    for due in claim_all(&ledger, t0()).await {
+        for (key, opens) in [
+            (cipher(), true),
+            (DestinationCipher::new(&[1u8; 32]), false),
+        ] {
+            if !opens {
+                // Give the delivery back so the wrong key gets a lease of its own.
+                sqlx::query(
+                    "UPDATE deliveries SET state = 'queued', lease_owner = NULL,
+                         lease_expires_at = NULL, send_started_at = NULL WHERE id = $1",
+                )
+                .bind(due.id.as_uuid())
+                .execute(&pool)
+                .await
+                .unwrap();
+            }
+            let batch = nudge_ledger::LeaseBatch {
+                channel: due.channel,
+                owner: "w",
+                lease_for: LEASE,
+                routes: &routes,
+                admission: &settings,
+                cipher: &key,
+                at: at(t0()),
+            };
+            let outcome = ledger
+                .lease_batch(&batch, &[(due.id, due.generation)])
+                .await
+                .unwrap()
+                .outcomes
+                .remove(0);
+            let LeaseOutcome::Leased { material, .. } = outcome else {
+                panic!("not leased: {outcome:?}");
+            };
+            match (due.channel, opens) {
+                (Channel::Sms, true) => {
+                    let material = material.unwrap();
+                    assert_eq!(material.destination, Some(phone.clone()));
+                    assert_eq!(material.content, None, "these reminders carry no content");
+                }
+                (Channel::Sms, false) => {
+                    assert!(matches!(material, Err(LedgerError::Crypto)));
+                }
+                (_, true) => {
+                    assert_eq!(material.unwrap().destination, None, "no push token on file");
+                }
+                (_, false) => {}
+            }
         }
     }
 }
@@ -374,18 +403,13 @@ async fn finding_due_work_uses_the_partial_index_on_a_large_ledger(pool: PgPool)
         .await
         .unwrap();
 
-    let plan: Vec<String> = sqlx::query_scalar(
-        "EXPLAIN SELECT id FROM deliveries
-         WHERE state IN ('scheduled', 'retry_wait') AND next_attempt_at <= $1
-         ORDER BY next_attempt_at LIMIT 100 FOR UPDATE SKIP LOCKED",
-    )
-    .bind(t0())
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    let plan = plan.join("\n");
+    // The relay's own statement, per channel.
+    let plan = ledger
+        .explain_claim_due(Channel::Sms, 100, at(t0()))
+        .await
+        .unwrap();
     assert!(
-        plan.contains("Index Scan using deliveries_due_idx"),
+        plan.contains("Index Scan using deliveries_due_channel_idx"),
         "{plan}"
     );
     assert!(!plan.contains("Seq Scan"), "{plan}");
@@ -400,6 +424,6 @@ async fn finding_due_work_uses_the_partial_index_on_a_large_ledger(pool: PgPool)
     let oldest = oldest.join("\n");
     assert!(oldest.contains("deliveries_eligible_idx"), "{oldest}");
 
-    let claimed = ledger.claim_due(t0(), 100).await.unwrap();
+    let claimed = claim_all(&ledger, t0()).await;
     assert_eq!(claimed.len(), 1, "only the one due delivery of {reminder}");
 }

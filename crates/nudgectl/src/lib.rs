@@ -14,7 +14,6 @@ mod schedule;
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{Context, bail};
 use chrono::Utc;
@@ -134,6 +133,17 @@ pub enum RateCommand {
         /// bucket's, or max(1, ceil(PER_SECOND)) for a new bucket.
         #[arg(long, value_name = "N")]
         burst: Option<u32>,
+        /// Why: recorded in the audit log.
+        #[arg(long)]
+        reason: String,
+    },
+    /// Clear a bucket's pause (a provider's Retry-After), keeping its rate; audited.
+    #[command(long_about = rate::RESUME_HELP)]
+    Resume {
+        /// Provider account: 1 to 64 of [a-z0-9_-], starting with a letter or digit.
+        account: ProviderAccount,
+        /// The channel: push, email or sms.
+        channel: Channel,
         /// Why: recorded in the audit log.
         #[arg(long)]
         reason: String,
@@ -268,11 +278,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     // Operator output is the table; logs only speak up for warnings unless asked.
     let _telemetry = nudge_telemetry::init("nudgectl", &config.telemetry)
         .context("failed to initialise logging")?;
-    let ledger = Ledger::connect(
-        config.database.url.expose(),
-        2,
-        Duration::from_millis(config.database.acquire_timeout_ms),
-    )
+    let ledger = Ledger::connect(&nudge_config::DatabaseConfig {
+        max_connections: 2,
+        ..config.database.clone()
+    })
     .await
     .context("failed to connect to the database (database.url)")?;
     let cipher = config
@@ -392,6 +401,13 @@ pub async fn execute(
                 ledger, actor, &account, channel, per_second, burst, &reason, out,
             )
             .await?;
+        }
+        Command::Rate(RateCommand::Resume {
+            account,
+            channel,
+            reason,
+        }) => {
+            rate::resume(ledger, actor, &account, channel, &reason, out).await?;
         }
         Command::Rate(RateCommand::List { json }) => {
             rate::list(ledger, json, out).await?;

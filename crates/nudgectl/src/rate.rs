@@ -184,6 +184,7 @@ pub(crate) struct BucketView<'a> {
     burst: u32,
     effective_rate: f64,
     paused_until: Option<DateTime<Utc>>,
+    pause_cause: Option<&'a str>,
     reserve_new: f64,
     reserve_recovery: f64,
     changed_by: &'a str,
@@ -200,6 +201,7 @@ impl<'a> From<&'a RateBucket> for BucketView<'a> {
             burst: b.burst,
             effective_rate: b.effective_rate,
             paused_until: b.paused_until,
+            pause_cause: b.pause_cause.as_deref(),
             reserve_new: b.reserve_new,
             reserve_recovery: b.reserve_recovery,
             changed_by: &b.changed_by,
@@ -255,6 +257,46 @@ pub(crate) async fn list(ledger: &Ledger, json: bool, out: &mut impl Write) -> a
     Ok(())
 }
 
+pub(crate) const RESUME_HELP: &str = "\
+Clear the pause of the shared bucket of a provider account + channel: the pause a provider's \
+429 with Retry-After put on it (at most admission.max_pause_s). The rate and burst are kept. \
+Running workers send on it again at their next admission, within a second. The pause it \
+cleared (its end and cause) is recorded in the audit log with the actor and --reason.";
+
+/// Clears a bucket's pause, with its audit row in the same transaction.
+pub(crate) async fn resume(
+    ledger: &Ledger,
+    actor: &str,
+    account: &ProviderAccount,
+    channel: Channel,
+    reason: &str,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    crate::require_reason(reason)?;
+    let audit = AuditEntry {
+        at: Utc::now(),
+        actor: actor.to_owned(),
+        action: "rate_resume".into(),
+        target: Some(format!("bucket:{account}/{channel}")),
+        reason: Some(reason.to_owned()),
+        details: serde_json::json!({ "account": account.as_str(), "channel": channel }),
+    };
+    let Some(bucket) = ledger
+        .resume_bucket(account, channel, &audit)
+        .await
+        .context("failed to resume the bucket")?
+    else {
+        bail!("no rate bucket {account}/{channel} (see `nudgectl rate list`)");
+    };
+    writeln!(
+        out,
+        "bucket {account}/{channel}: pause cleared; rate {}/s, effective {}/s; running workers \
+         send on it again within a second",
+        bucket.rate_per_second, bucket.effective_rate
+    )?;
+    Ok(())
+}
+
 const NO_BUCKETS: &str =
     "no rate buckets (a provider account without a bucket is not limited by admission)";
 
@@ -271,19 +313,23 @@ pub(crate) fn write_bucket_table(
     let width = account_width(buckets);
     writeln!(
         out,
-        "{:<width$} {:<7} {:>9} {:>11} {:>6} paused_until",
+        "{:<width$} {:<7} {:>9} {:>11} {:>6} paused_until (cause)",
         "account", "channel", "rate/s", "effective/s", "burst",
     )?;
     for b in buckets {
+        let pause = match (b.paused_until, &b.pause_cause) {
+            (None, _) => "-".to_owned(),
+            (Some(until), None) => timestamp(until),
+            (Some(until), Some(cause)) => format!("{} ({cause})", timestamp(until)),
+        };
         writeln!(
             out,
-            "{:<width$} {:<7} {:>9} {:>11} {:>6} {}",
+            "{:<width$} {:<7} {:>9} {:>11} {:>6} {pause}",
             b.account.as_str(),
             b.channel.as_str(),
             b.rate_per_second,
             b.effective_rate,
             b.burst,
-            b.paused_until.map_or_else(|| "-".to_owned(), timestamp),
         )?;
     }
     Ok(())

@@ -26,7 +26,7 @@ use anyhow::Context;
 use chrono::{DateTime, TimeZone, Utc};
 use nudge_broker::{Broker, OutgoingMessage, Publisher, Topology};
 use nudge_domain::Channel;
-use nudge_ledger::{DueDelivery, Ledger, Schedule, WindowOutcome};
+use nudge_ledger::{DueDelivery, Ledger, LedgerTime, Schedule, WindowOutcome};
 use nudge_proto::Envelope;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -78,13 +78,9 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
         warn!("telemetry.metrics_addr is set, but only the channel workers serve /metrics so far");
     }
     let shutdown = nudge_runtime::shutdown_on_signal();
-    let ledger = Ledger::connect(
-        config.database.url.expose(),
-        config.database.max_connections,
-        Duration::from_millis(config.database.acquire_timeout_ms),
-    )
-    .await
-    .context("failed to connect to PostgreSQL (database.url)")?;
+    let ledger = Ledger::connect(&config.database)
+        .await
+        .context("failed to connect to PostgreSQL (database.url)")?;
     let topology = Topology::new(&config.amqp.namespace, config.amqp.delivery_limit)
         .context("invalid amqp.namespace or amqp.delivery_limit")?;
     let broker = Broker::connect(
@@ -195,7 +191,18 @@ impl Clock {
 
     async fn run(mut self, every: Duration, shutdown: CancellationToken) {
         loop {
-            match self.tick(Utc::now()).await {
+            // Windows are reckoned on the database's clock, like every other time condition.
+            let now = match self.ledger.clock(LedgerTime::Database).await {
+                Ok(now) => now,
+                Err(e) => {
+                    error!(error.cause_chain = ?e, "failed to read the database's clock; retrying");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(every) => continue,
+                    }
+                }
+            };
+            match self.tick(now).await {
                 Ok(outcomes) => {
                     for (schedule, outcome) in outcomes {
                         match outcome {
@@ -249,16 +256,21 @@ impl Relay {
 
     /// Publishes one batch of due work per channel, within the channel's in-flight window,
     /// and one batch of lost work, at `now`.
-    pub async fn relay_once(&mut self, now: DateTime<Utc>) -> anyhow::Result<RelayReport> {
+    pub async fn relay_once(&mut self, at: LedgerTime) -> anyhow::Result<RelayReport> {
         let mut report = RelayReport::default();
+        let now = self
+            .ledger
+            .clock(at)
+            .await
+            .context("failed to read the database's clock")?;
         for channel in Channel::ALL {
-            let room = self.room(channel, now).await?;
+            let room = self.room(channel, at).await?;
             if room == 0 {
                 continue;
             }
             let due = self
                 .ledger
-                .claim_due_for(channel, now, room.min(self.settings.batch_size))
+                .claim_due(channel, room.min(self.settings.batch_size), at)
                 .await
                 .context("failed to claim due deliveries")?;
             let (ok, failed) = self.publish(&due, now).await?;
@@ -269,9 +281,9 @@ impl Relay {
         let lost = self
             .ledger
             .claim_unconsumed(
-                now,
                 Duration::from_secs(self.settings.republish_after_s),
                 self.settings.batch_size,
+                at,
             )
             .await
             .context("failed to claim unconsumed deliveries")?;
@@ -289,9 +301,9 @@ impl Relay {
 
     /// How many more deliveries of `channel` may be published now: about
     /// `in_flight_seconds` of what the channel's buckets admit, less what is in flight.
-    async fn room(&self, channel: Channel, now: DateTime<Utc>) -> anyhow::Result<u32> {
+    async fn room(&self, channel: Channel, at: LedgerTime) -> anyhow::Result<u32> {
         let s = &self.settings;
-        let window = match self.ledger.channel_rate(channel, now).await? {
+        let window = match self.ledger.channel_rate(channel, at).await? {
             None => s.max_in_flight_per_channel,
             Some(rate) => {
                 // Saturating float-to-int; clamped to the configured bounds right after.
@@ -351,7 +363,7 @@ impl Relay {
         let idle = Duration::from_millis(self.settings.relay_interval_ms);
         let mut failures = 0u32;
         while !shutdown.is_cancelled() {
-            let pause = match self.relay_once(Utc::now()).await {
+            let pause = match self.relay_once(LedgerTime::Database).await {
                 Ok(report) => {
                     failures = 0;
                     if report.published + report.republished > 0 {

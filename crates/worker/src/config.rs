@@ -7,12 +7,17 @@
 //!   janitor's reaper may settle it; must exceed the longest provider timeout.
 //! - `worker.shutdown_grace_ms` (default 20000): how long in-flight sends may finish after
 //!   SIGTERM before the worker exits (their leases then expire and are reaped).
+//! - `worker.batch_size` (default 64, 1..=1000): the most messages leased in one transaction;
+//!   messages that arrived together are leased together, a lone one is not held back.
 //! - `retry.base_delay_ms` (1000), `retry.max_delay_ms` (300000), `retry.max_attempts` (8),
 //!   `retry.max_retry_after_s` (3600): the retry policy (see `nudge_domain::RetryPolicy`).
 //! - `admission.max_wait_ms` (default 1500): how long a worker may wait for its reserved send
 //!   slot; a delivery whose slot is further away goes back to the ledger, due at that time.
 //! - `admission.closed_recheck_ms` (default 10000): when a bucket is closed (rate 0), how long
 //!   its deliveries wait before they are looked at again.
+//! - `admission.max_pause_s` (default 60, 1..=3600): the longest one provider answer (a 429's
+//!   `Retry-After`) may pause a whole bucket; the delivery that got the answer still follows
+//!   `retry.max_retry_after_s`.
 //! - `providers`: a list (`[[providers]]` in TOML) of provider accounts, each
 //!   `account`, `channel`, `base_url`, `auth_token`, `timeout_ms`, `connect_timeout_ms`,
 //!   `honours_idempotency`, `default_for_channel`, `rate_per_second`, `burst` (see
@@ -105,6 +110,7 @@ impl Validate for WorkerConfig {
 pub struct WorkerSection {
     pub lease_seconds: u64,
     pub shutdown_grace_ms: u64,
+    pub batch_size: usize,
 }
 
 impl Default for WorkerSection {
@@ -112,6 +118,7 @@ impl Default for WorkerSection {
         Self {
             lease_seconds: 60,
             shutdown_grace_ms: 20_000,
+            batch_size: 64,
         }
     }
 }
@@ -124,6 +131,12 @@ impl WorkerSection {
                 "must be between 5 and 3600",
             ));
         }
+        if !(1..=1000).contains(&self.batch_size) {
+            return Err(ConfigError::invalid(
+                format!("{prefix}.batch_size"),
+                "must be between 1 and 1000",
+            ));
+        }
         Ok(())
     }
 }
@@ -133,6 +146,7 @@ impl WorkerSection {
 pub struct AdmissionSection {
     pub max_wait_ms: u64,
     pub closed_recheck_ms: u64,
+    pub max_pause_s: u64,
 }
 
 impl Default for AdmissionSection {
@@ -140,6 +154,7 @@ impl Default for AdmissionSection {
         Self {
             max_wait_ms: 1_500,
             closed_recheck_ms: 10_000,
+            max_pause_s: 60,
         }
     }
 }
@@ -158,6 +173,12 @@ impl AdmissionSection {
                 "must be between 100 and 600000",
             ));
         }
+        if !(1..=3600).contains(&self.max_pause_s) {
+            return Err(ConfigError::invalid(
+                format!("{prefix}.max_pause_s"),
+                "must be between 1 and 3600: no provider answer may stop an account for longer",
+            ));
+        }
         Ok(())
     }
 
@@ -165,6 +186,7 @@ impl AdmissionSection {
         nudge_domain::AdmissionSettings {
             max_wait: Duration::from_millis(self.max_wait_ms),
             closed_recheck: Duration::from_millis(self.closed_recheck_ms),
+            max_pause: Duration::from_secs(self.max_pause_s),
             ..nudge_domain::AdmissionSettings::default()
         }
     }

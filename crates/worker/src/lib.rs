@@ -1,37 +1,43 @@
 //! The channel worker behind `nudge-push`, `nudge-email` and `nudge-sms`.
 //!
-//! Per message: decode the envelope (poison goes to the dead-letter queue), lease the
-//! delivery in the ledger with one conditional UPDATE (stale and duplicate messages are
-//! dropped), load and decrypt the destination just before the send, send through the
-//! tenant's provider account with the delivery's idempotency key, record the attempt and the
-//! domain's decision in one transaction, then acknowledge.
+//! Messages are taken in batches of whatever has arrived (up to `worker.batch_size`): decode
+//! the envelopes (poison goes to the dead-letter queue), lease the batch in one transaction
+//! that also returns routing and send material and takes the send slots from the rate buckets
+//! (stale and duplicate messages are dropped), then send each through the tenant's provider
+//! account with the delivery's idempotency key, concurrently; a send that waits for its slot
+//! is fenced first. Outcomes are recorded in groups (one statement for many sends), and each
+//! message is acknowledged once its own outcome is written.
 //!
 //! It must never: send without a lease; send after `expires_at`; sleep through a backoff
 //! (a retry is a `next_attempt_at` in the ledger, the message is acknowledged); log a
 //! destination, subscriber reference or content; treat the queue as the authority (on any
 //! doubt it acknowledges and leaves the delivery to the ledger, which republishes or reaps).
 
+mod clock;
 mod config;
 mod metrics;
 mod process;
+mod recorder;
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use nudge_broker::{Broker, QueueKind, Topology};
+use nudge_broker::{Broker, Incoming, QueueKind, Topology};
 use nudge_domain::{Channel, ProviderAccount};
 use nudge_ledger::{DestinationCipher, Ledger};
 use nudge_provider::HttpProvider;
-use tokio::sync::Semaphore;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+pub use clock::{Clock, LedgerClock};
 pub use config::{AdmissionSection, WorkerConfig, WorkerSection};
 pub use metrics::WorkerMetrics;
-pub use process::{Clock, Processed, Providers, Worker};
+pub use process::{Processed, Providers, Step, ToSend, Worker};
+pub use recorder::{NotRecorded, Recorder};
 
 /// Command line of a channel worker binary.
 #[derive(Debug, clap::Parser)]
@@ -94,13 +100,17 @@ async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
     )
     .await
     .context("failed to connect to RabbitMQ (amqp.url)")?;
-    info!(%channel, worker_id = %worker.worker_id, prefetch = config.amqp.prefetch, "worker started");
+    info!(%channel, worker_id = %worker.worker_id, prefetch = config.amqp.prefetch,
+          batch_size = config.worker.batch_size, "worker started");
     run(
         worker,
         broker.clone(),
-        config.amqp.prefetch,
+        RunSettings {
+            prefetch: config.amqp.prefetch,
+            batch_size: config.worker.batch_size,
+            grace: Duration::from_millis(config.worker.shutdown_grace_ms),
+        },
         shutdown,
-        Duration::from_millis(config.worker.shutdown_grace_ms),
     )
     .await;
     broker.close().await;
@@ -119,13 +129,9 @@ pub async fn build(
         .crypto
         .destination_key_bytes()?
         .context("crypto.destination_key is required")?;
-    let ledger = Ledger::connect(
-        config.database.url.expose(),
-        config.database.max_connections,
-        Duration::from_millis(config.database.acquire_timeout_ms),
-    )
-    .await
-    .context("failed to connect to PostgreSQL (database.url)")?;
+    let ledger = Ledger::connect(&config.database)
+        .await
+        .context("failed to connect to PostgreSQL (database.url)")?;
     let mut providers = Vec::new();
     let mut default = None;
     for (i, cfg) in config
@@ -137,13 +143,17 @@ pub async fn build(
         let provider = HttpProvider::new(cfg)
             .with_context(|| format!("failed to build provider account providers[{i}]"))?;
         if let Some(rate) = cfg.rate_per_second {
+            let now = ledger
+                .clock(nudge_ledger::LedgerTime::Database)
+                .await
+                .context("failed to read the database's clock")?;
             ledger
                 .ensure_bucket(
                     &ProviderAccount::parse(&cfg.account)?,
                     channel,
                     rate,
                     cfg.starting_burst(),
-                    chrono::Utc::now(),
+                    now,
                 )
                 .await
                 .with_context(|| format!("failed to create the rate bucket of providers[{i}]"))?;
@@ -154,6 +164,8 @@ pub async fn build(
         providers.push(provider);
     }
     let default = default.context("no default provider account for this channel")?;
+    let clock = Arc::new(LedgerClock::new(Arc::new(chrono::Utc::now)));
+    let recorder = Recorder::spawn(ledger.clone(), clock.clone());
     Ok(Worker {
         channel,
         ledger,
@@ -167,58 +179,105 @@ pub async fn build(
             std::process::id(),
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         ),
-        clock: Arc::new(chrono::Utc::now),
+        clock,
+        recorder,
         admission: config.admission.settings(),
         metrics: Arc::new(WorkerMetrics::new()),
         shutdown,
     })
 }
 
-/// Consumes `work.<channel>` until `shutdown`, processing up to `prefetch` messages at once.
-/// On shutdown it stops taking messages, lets in-flight ones finish within `grace`, and
-/// returns; messages it had not started are redelivered by the broker to another worker.
+/// How [`run`] consumes.
+#[derive(Debug, Clone, Copy)]
+pub struct RunSettings {
+    /// Unacknowledged messages the broker hands this worker at once (`amqp.prefetch`): the
+    /// bound on sends in flight.
+    pub prefetch: u16,
+    /// The most messages leased in one transaction (`worker.batch_size`).
+    pub batch_size: usize,
+    /// How long in-flight sends may finish after shutdown (`worker.shutdown_grace_ms`).
+    pub grace: Duration,
+}
+
+/// Consumes `work.<channel>` until `shutdown`. Messages that have arrived are leased together
+/// (up to `batch_size`; a lone message is not held back to wait for company), and each leased
+/// delivery is sent as its own task, so a slow send never holds up the rest of its batch; at
+/// most `prefetch` messages are unacknowledged at once. On shutdown it stops taking messages,
+/// lets in-flight ones finish within `grace`, and returns; messages it had not started are
+/// redelivered by the broker to another worker.
 pub async fn run(
     worker: Arc<Worker>,
     broker: Broker,
-    prefetch: u16,
+    settings: RunSettings,
     shutdown: CancellationToken,
-    grace: Duration,
 ) {
-    let permits = Arc::new(Semaphore::new(usize::from(prefetch)));
     let tracker = TaskTracker::new();
     let queue = QueueKind::Work(worker.channel);
-    broker
-        .consume_until(queue, prefetch, &worker.worker_id, &shutdown, |incoming| {
-            let permits = permits.clone();
-            let worker = worker.clone();
-            let tracker = &tracker;
-            async move {
-                // Never closed while consuming; bounded by the prefetch anyway.
-                let Ok(permit) = permits.acquire_owned().await else {
-                    return;
-                };
-                tracker.spawn(async move {
-                    let processed = worker.process_one(incoming.payload()).await;
-                    let settled = if processed.dead_letter() {
-                        incoming.dead_letter().await
-                    } else {
-                        incoming.ack().await
-                    };
-                    if let Err(e) = settled {
-                        // The ledger holds the truth; a message we could not settle is
-                        // redelivered and dropped as stale, or republished if it was lost.
-                        warn!(error.cause_chain = ?e, ?processed, "failed to settle a message");
-                    }
-                    drop(permit);
-                });
+    let (tx, mut rx) = mpsc::channel::<Incoming>(usize::from(settings.prefetch).max(1));
+    let batcher = {
+        let worker = worker.clone();
+        let tracker = tracker.clone();
+        let batch_size = settings.batch_size.max(1);
+        tokio::spawn(async move {
+            let mut batch = Vec::with_capacity(batch_size);
+            while rx.recv_many(&mut batch, batch_size).await > 0 {
+                if worker.shutdown.is_cancelled() {
+                    // Not leased, not acknowledged: the broker hands them to another worker.
+                    break;
+                }
+                let incoming = std::mem::take(&mut batch);
+                let payloads: Vec<&[u8]> = incoming.iter().map(Incoming::payload).collect();
+                let steps = worker.lease_step(&payloads).await;
+                for (incoming, step) in incoming.into_iter().zip(steps) {
+                    let worker = worker.clone();
+                    tracker.spawn(async move {
+                        let processed = worker.finish_step(step).await;
+                        settle(incoming, &processed).await;
+                    });
+                }
             }
         })
+    };
+    broker
+        .consume_until(
+            queue,
+            settings.prefetch,
+            &worker.worker_id,
+            &shutdown,
+            |incoming| {
+                let tx = tx.clone();
+                async move {
+                    // The batcher lives as long as this loop; bounded by the prefetch anyway.
+                    let _ = tx.send(incoming).await;
+                }
+            },
+        )
         .await;
+    drop(tx);
+    if batcher.await.is_err() {
+        warn!("the batching task failed");
+    }
     tracker.close();
-    if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+    if tokio::time::timeout(settings.grace, tracker.wait())
+        .await
+        .is_err()
+    {
         warn!(
-            grace_ms = grace.as_millis() as u64,
+            grace_ms = settings.grace.as_millis() as u64,
             "in-flight sends did not finish in time; their leases will be reaped"
         );
+    }
+}
+
+async fn settle(incoming: Incoming, processed: &Processed) {
+    let settled = if processed.dead_letter() {
+        incoming.dead_letter().await
+    } else {
+        incoming.ack().await
+    };
+    if let Err(e) = settled {
+        // The ledger holds the truth; a message we could not settle is redelivered and
+        // dropped as stale, or republished if it was lost.
+        warn!(error.cause_chain = ?e, ?processed, "failed to settle a message");
     }
 }

@@ -1,5 +1,8 @@
-//! One message, start to finish: decode, lease, send, record. The loop in `lib.rs` owns
-//! waiting, concurrency and shutdown; this is what tests call.
+//! A batch of messages, start to finish: decode, lease (with routing, material and send slots,
+//! in one transaction), wait for a slot and fence, send, decide, record. The loop in `lib.rs`
+//! owns consuming, batching, concurrency and shutdown; [`Worker::process_batch`] is what tests
+//! call, through the same two steps the loop runs: [`Worker::lease_step`] for the batch, then
+//! [`Worker::send_step`] for each delivery it leased.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -7,17 +10,20 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use nudge_domain::{
-    Admission, AdmissionSettings, AttemptContext, AttemptFacts, Channel, Decision, DeferReason,
-    DeliveryState, OutcomeClass, ProviderAccount, RandJitter, RetryAfter, RetryPolicy, decide,
+    AdmissionSettings, AttemptContext, AttemptFacts, Channel, Decision, DeliveryId, DeliveryState,
+    OutcomeClass, ProviderAccount, RandJitter, RetryAfter, RetryPolicy, decide,
 };
 use nudge_ledger::{
-    AttemptRecord, BucketCheck, DestinationCipher, Feedback, LeaseOutcome, LeasedDelivery, Ledger,
+    AttemptRecord, DestinationCipher, Feedback, FenceRefused, LeaseBatch, LeaseOutcome,
+    LeasedDelivery, Ledger, LedgerTime, Material, Recorded, SendSlot, Slotted, WorkerRoutes,
 };
 use nudge_proto::Envelope;
 use nudge_provider::{HttpProvider, Provider, SendRequest};
 use tracing::{Instrument, debug, error, info, warn};
 
+use crate::clock::LedgerClock;
 use crate::metrics::WorkerMetrics;
+use crate::recorder::{NotRecorded, Recorder};
 
 /// How a message ends, and so how it is settled with the broker.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,15 +32,21 @@ pub enum Processed {
     Attempted(DeliveryState),
     /// The delivery's time had run out: settled `expired`, nothing sent.
     Expired,
+    /// Its reminder was cancelled: settled `cancelled`, nothing sent.
+    Cancelled,
     /// A duplicate or old message: the ledger says the delivery moved on.
     Stale,
-    /// The ledger could not be reached or refused the write. The message is dropped: the
-    /// ledger still owes the delivery and republishes it (or reaps its lease).
-    Deferred(&'static str),
+    /// The lease was lost before the outcome could be applied (reaped while the worker was
+    /// cut off): the outcome is not applied; the reaper's decision stands.
+    LeaseLost,
+    /// The message is dropped without a lease or an outcome: the ledger could not be reached,
+    /// or no account here can send it. The ledger still owes the delivery and republishes it
+    /// (or, for a lease, reaps it).
+    Dropped(&'static str),
     /// The message itself is unusable: it goes to the dead-letter queue with this reason.
     Poison(&'static str),
-    /// The bucket had no slot within the admission wait: the lease went back to the ledger,
-    /// due at the bucket's next opening, without spending an attempt.
+    /// The lease was given back before its send, due again later (no slot in time, the bucket
+    /// closed, shutdown), on its own lane, without spending an attempt.
     Released(&'static str),
 }
 
@@ -45,26 +57,27 @@ impl Processed {
     }
 }
 
-/// A clock, injected so tests can move time.
-pub type Clock = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
-
 /// The provider accounts of one channel.
 #[derive(Debug)]
 pub struct Providers {
     by_account: HashMap<ProviderAccount, HttpProvider>,
-    default: ProviderAccount,
+    routes: WorkerRoutes,
 }
 
 impl Providers {
     pub fn new(providers: Vec<HttpProvider>, default: ProviderAccount) -> Self {
+        let routes = WorkerRoutes {
+            default,
+            accounts: providers
+                .iter()
+                .map(|p| (p.account().clone(), p.idempotency()))
+                .collect(),
+        };
         let by_account = providers
             .into_iter()
             .map(|p| (p.account().clone(), p))
             .collect();
-        Self {
-            by_account,
-            default,
-        }
+        Self { by_account, routes }
     }
 
     fn get(&self, account: &ProviderAccount) -> Option<&HttpProvider> {
@@ -72,7 +85,7 @@ impl Providers {
     }
 }
 
-/// Everything one worker process needs to process a message.
+/// Everything one worker process needs to process messages.
 pub struct Worker {
     pub channel: Channel,
     pub ledger: Ledger,
@@ -81,8 +94,11 @@ pub struct Worker {
     pub policy: RetryPolicy,
     pub lease_for: Duration,
     pub worker_id: String,
-    pub clock: Clock,
+    /// The database's clock as this worker knows it.
+    pub clock: Arc<LedgerClock>,
     pub admission: AdmissionSettings,
+    /// Writes outcomes in groups (one commit for many sends).
+    pub recorder: Recorder,
     /// Bucket rates, attempts and deferrals, served on `telemetry.metrics_addr`.
     pub metrics: Arc<WorkerMetrics>,
     /// Cancelled at SIGTERM: a send still waiting for its slot then hands its lease back.
@@ -98,150 +114,397 @@ impl std::fmt::Debug for Worker {
     }
 }
 
+/// What the lease step decided for one message.
+#[derive(Debug)]
+pub enum Step {
+    /// Nothing to send: settle the message so.
+    Done(Processed),
+    /// A leased delivery to send.
+    Send(Box<ToSend>),
+    /// Leased, but the fence in the lease's transaction refused it (it expired or was
+    /// cancelled in the instant between): give it back unsent.
+    GiveBack(LeasedDelivery),
+}
+
+/// A leased delivery with what its send needs.
+#[derive(Debug)]
+pub struct ToSend {
+    lease: LeasedDelivery,
+    material: Result<Material, nudge_ledger::LedgerError>,
+    slot: SendSlot,
+    /// When the slot was reserved (the database's clock): a 429 for a slot reserved before
+    /// the bucket's last decrease does not lower it again.
+    reserved_at: DateTime<Utc>,
+    /// The bucket admitted below its configured rate: a success may raise it back.
+    below_full_rate: bool,
+    correlation_id: String,
+    span: tracing::Span,
+}
+
 impl Worker {
-    /// Processes one message payload.
-    pub async fn process_one(&self, payload: &[u8]) -> Processed {
-        let envelope = match Envelope::decode(payload) {
-            Ok(envelope) => envelope,
-            Err(e) => {
-                warn!(channel = %self.channel, reason = e.reason_code(), error.cause_chain = ?e,
-                      "poison message: dead-lettering");
-                return Processed::Poison(e.reason_code());
+    /// Processes a batch of message payloads: the lease step, then every send at once.
+    /// Returns each message's end, in order.
+    pub async fn process_batch(&self, payloads: &[&[u8]]) -> Vec<Processed> {
+        let steps = self.lease_step(payloads).await;
+        futures_util::future::join_all(steps.into_iter().map(|step| self.finish_step(step))).await
+    }
+
+    /// Finishes what the lease step decided for one message: sends a leased delivery, gives
+    /// back one the fence refused, or returns the end it already had.
+    pub async fn finish_step(&self, step: Step) -> Processed {
+        match step {
+            Step::Done(processed) => processed,
+            Step::Send(send) => {
+                let span = send.span.clone();
+                self.send_leased(*send).instrument(span).await
             }
-        };
-        if envelope.channel != self.channel {
-            warn!(channel = %self.channel, envelope_channel = %envelope.channel,
-                  delivery_id = %envelope.delivery_id, "message for another channel: dead-lettering");
-            return Processed::Poison("wrong_channel");
+            Step::GiveBack(lease) => self.give_back(&lease, None, "fence_refused").await,
         }
+    }
+
+    /// Processes one message payload (a batch of one).
+    pub async fn process_one(&self, payload: &[u8]) -> Processed {
+        self.process_batch(&[payload])
+            .await
+            .pop()
+            .unwrap_or(Processed::Dropped("empty_batch"))
+    }
+
+    fn lease_batch(&self) -> LeaseBatch<'_> {
+        LeaseBatch {
+            channel: self.channel,
+            owner: &self.worker_id,
+            lease_for: self.lease_for,
+            routes: &self.providers.routes,
+            admission: &self.admission,
+            cipher: &self.cipher,
+            at: LedgerTime::Database,
+        }
+    }
+
+    /// Decodes a batch and leases what it points at in one transaction.
+    pub async fn lease_step(&self, payloads: &[&[u8]]) -> Vec<Step> {
+        let mut steps: Vec<Option<Step>> = Vec::with_capacity(payloads.len());
+        let mut envelopes: Vec<(usize, Envelope)> = Vec::with_capacity(payloads.len());
+        for (i, payload) in payloads.iter().enumerate() {
+            match Envelope::decode(payload) {
+                Ok(envelope) if envelope.channel == self.channel => {
+                    envelopes.push((i, envelope));
+                    steps.push(None);
+                }
+                Ok(envelope) => {
+                    warn!(channel = %self.channel, envelope_channel = %envelope.channel,
+                          delivery_id = %envelope.delivery_id,
+                          "message for another channel: dead-lettering");
+                    steps.push(Some(Step::Done(Processed::Poison("wrong_channel"))));
+                }
+                Err(e) => {
+                    warn!(channel = %self.channel, reason = e.reason_code(), error.cause_chain = ?e,
+                          "poison message: dead-lettering");
+                    steps.push(Some(Step::Done(Processed::Poison(e.reason_code()))));
+                }
+            }
+        }
+        if !envelopes.is_empty() {
+            let messages: Vec<(DeliveryId, u64)> = envelopes
+                .iter()
+                .map(|(_, e)| (e.delivery_id, e.generation))
+                .collect();
+            let sent = self.clock.local();
+            let result = self
+                .ledger
+                .lease_batch(&self.lease_batch(), &messages)
+                .await;
+            let received = self.clock.local();
+            match result {
+                Ok(result) => {
+                    self.clock.observe(result.leased_at, sent, received);
+                    for reading in &result.buckets {
+                        self.metrics.bucket(
+                            &reading.account,
+                            self.channel,
+                            reading.rate_per_second,
+                            reading.effective_rate,
+                        );
+                    }
+                    let below_full_rate: Vec<&ProviderAccount> = result
+                        .buckets
+                        .iter()
+                        .filter(|b| b.effective_rate < b.rate_per_second)
+                        .map(|b| &b.account)
+                        .collect();
+                    for ((i, envelope), outcome) in envelopes.into_iter().zip(result.outcomes) {
+                        steps[i] = Some(self.after_lease(
+                            envelope,
+                            outcome,
+                            result.leased_at,
+                            &below_full_rate,
+                        ));
+                    }
+                }
+                Err(e) => {
+                    // Nothing was leased (the transaction rolled back): the deliveries stay
+                    // `queued` and the relay republishes them.
+                    error!(error.cause_chain = ?e, messages = messages.len(), "failed to lease");
+                    for (i, _) in envelopes {
+                        steps[i] = Some(Step::Done(Processed::Dropped("ledger_unavailable")));
+                    }
+                }
+            }
+        }
+        steps
+            .into_iter()
+            .map(|s| s.unwrap_or(Step::Done(Processed::Dropped("unprocessed"))))
+            .collect()
+    }
+
+    fn after_lease(
+        &self,
+        envelope: Envelope,
+        outcome: LeaseOutcome,
+        leased_at: DateTime<Utc>,
+        below_full_rate: &[&ProviderAccount],
+    ) -> Step {
         let span = tracing::info_span!("delivery",
             delivery_id = %envelope.delivery_id,
             channel = %self.channel,
             generation = envelope.generation,
             lane = %envelope.lane,
             correlation_id = %envelope.correlation_id);
-        self.process_envelope(&envelope).instrument(span).await
-    }
-
-    async fn process_envelope(&self, envelope: &Envelope) -> Processed {
-        let account = match self
-            .ledger
-            .tenant_channel_account(envelope.tenant_id, self.channel)
-            .await
-        {
-            Ok(account) => account.unwrap_or_else(|| self.providers.default.clone()),
-            Err(e) => {
-                error!(error.cause_chain = ?e, "failed to read the tenant's provider routing");
-                return Processed::Deferred("ledger_unavailable");
+        let _entered = span.enter();
+        let done = match outcome {
+            LeaseOutcome::Leased {
+                lease,
+                material,
+                slot,
+            } => {
+                drop(_entered);
+                let reserved_at = match slot {
+                    SendSlot::At { reserved_at, .. } => reserved_at,
+                    SendSlot::Now => leased_at,
+                };
+                let below_full_rate = below_full_rate.contains(&&lease.provider_account);
+                return Step::Send(Box::new(ToSend {
+                    lease,
+                    material,
+                    slot,
+                    reserved_at,
+                    below_full_rate,
+                    correlation_id: envelope.correlation_id,
+                    span,
+                }));
             }
-        };
-        let Some(provider) = self.providers.get(&account) else {
-            error!(provider_account = %account,
-                   "tenant routed to a provider account this worker has no configuration for; \
-                    leaving the delivery queued");
-            return Processed::Deferred("unknown_provider_account");
-        };
-
-        let now = (self.clock)();
-        let lease = match self
-            .ledger
-            .lease_via(
-                envelope.delivery_id,
-                envelope.generation,
-                &self.worker_id,
-                self.lease_for,
-                now,
-                Some((&account, provider.idempotency())),
-            )
-            .await
-        {
-            Ok(LeaseOutcome::Leased(lease)) => lease,
-            Ok(LeaseOutcome::Expired) => {
+            LeaseOutcome::Released {
+                until,
+                reason,
+                account,
+            } => {
+                let reason = match reason {
+                    nudge_domain::DeferReason::Closed => "bucket_closed",
+                    nudge_domain::DeferReason::Throttled => "bucket_throttled",
+                    nudge_domain::DeferReason::Paused => "bucket_paused",
+                };
+                self.metrics.deferral(&account, self.channel, reason);
+                debug!(provider_account = %account, reason, %until, "no send slot in time: released");
+                Processed::Released(reason)
+            }
+            LeaseOutcome::Unfenced(lease) => {
+                drop(_entered);
+                return Step::GiveBack(lease);
+            }
+            LeaseOutcome::Expired => {
                 info!("expired before it could be sent: settled as expired");
-                return Processed::Expired;
+                Processed::Expired
             }
-            Ok(LeaseOutcome::Stale { state, generation }) => {
+            LeaseOutcome::Cancelled => {
+                info!("reminder cancelled before the send: settled as cancelled");
+                Processed::Cancelled
+            }
+            LeaseOutcome::Stale { state, generation } => {
                 debug!(%state, current_generation = generation, "stale message dropped");
-                return Processed::Stale;
+                Processed::Stale
             }
-            Ok(LeaseOutcome::NotFound) => {
+            LeaseOutcome::NotFound => {
                 warn!("message for an unknown delivery dropped");
-                return Processed::Stale;
+                Processed::Stale
             }
-            Err(e) => {
-                error!(error.cause_chain = ?e, "failed to lease");
-                return Processed::Deferred("ledger_unavailable");
+            LeaseOutcome::UnknownAccount(account) => {
+                error!(provider_account = %account,
+                       "tenant routed to a provider account this worker has no configuration \
+                        for; leaving the delivery queued");
+                Processed::Dropped("unknown_provider_account")
             }
         };
-        self.send_leased(&lease, provider, &account, &envelope.correlation_id)
-            .await
+        Step::Done(done)
     }
 
-    async fn send_leased(
-        &self,
-        lease: &LeasedDelivery,
-        provider: &HttpProvider,
-        account: &ProviderAccount,
-        correlation_id: &str,
-    ) -> Processed {
-        // The destination and content are loaded first, so that once the slot is reserved
-        // only the wait for it stands between the bucket's decision and the wire.
-        let (destination, content) = match self.ledger.send_material(lease, &self.cipher).await {
-            Ok((Some(destination), content)) => (
+    /// Waits for the slot and fences (when the slot was not fenced with the lease), sends,
+    /// decides and records one leased delivery.
+    async fn send_leased(&self, send: ToSend) -> Processed {
+        let ToSend {
+            mut lease,
+            material,
+            mut slot,
+            mut reserved_at,
+            below_full_rate,
+            correlation_id,
+            ..
+        } = send;
+        let Some(provider) = self.providers.get(&lease.provider_account) else {
+            // The lease only takes accounts this worker has; a lease that says otherwise
+            // is given back rather than sent through the wrong account.
+            return self
+                .give_back(&lease, None, "unknown_provider_account")
+                .await;
+        };
+        let (destination, content) = match material {
+            Ok(Material {
+                destination: Some(destination),
+                content,
+            }) => (
                 destination,
                 content.and_then(|c| serde_json::from_slice::<serde_json::Value>(&c).ok()),
             ),
-            Ok((None, _)) => {
+            Ok(Material {
+                destination: None, ..
+            }) => {
                 warn!("no destination on file for this channel: dead-lettering the delivery");
-                let now = (self.clock)();
                 return self
-                    .record(
-                        lease,
-                        without_send("no_destination"),
-                        (now, now),
-                        account,
-                        correlation_id,
-                    )
+                    .record_unsendable(lease, "no_destination", &correlation_id)
                     .await;
             }
             Err(e) => {
-                // The lease stays; the reaper settles it if this worker cannot.
-                error!(error.cause_chain = ?e, "failed to load the destination and content");
-                return Processed::Deferred("ledger_unavailable");
+                error!(error.cause_chain = ?e, "the destination or content did not open: dead-lettering the delivery");
+                return self
+                    .record_unsendable(lease, "material_unreadable", &correlation_id)
+                    .await;
             }
         };
-        let slot = match self.reserve(lease, account).await {
-            Ok(slot) => slot,
-            Err(processed) => return processed,
-        };
-        let slot = match self.wait_for(slot, lease, account).await {
-            Ok(slot) => slot,
-            Err(processed) => return processed,
-        };
-        let started_at = (self.clock)();
 
+        // Wait for a reserved slot, then fence; a slowed bucket reserves again (a few times).
+        let mut rounds = 0;
+        while let SendSlot::At {
+            send_at,
+            reserved_at: reserved,
+        } = slot
+        {
+            rounds += 1;
+            reserved_at = reserved;
+            if let Ok(wait) = (send_at - reserved).to_std() {
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    // Shutting down: nothing was sent, so the lease goes back due now and
+                    // another worker takes it, rather than this one sending while it stops.
+                    () = self.shutdown.cancelled() => {
+                        return self.give_back(&lease, None, "shutdown").await;
+                    }
+                }
+            }
+            let fenced = self
+                .ledger
+                .fence(
+                    &lease,
+                    reserved,
+                    self.lease_for,
+                    self.admission.closed_recheck,
+                    LedgerTime::Database,
+                )
+                .await;
+            slot = match fenced {
+                Ok(Ok(lease_until)) => {
+                    lease.lease_expires_at = lease_until;
+                    SendSlot::Now
+                }
+                Ok(Err(FenceRefused::LeaseLost)) => {
+                    warn!("lease lost while waiting for the send slot: not sent");
+                    return Processed::LeaseLost;
+                }
+                Ok(Err(FenceRefused::Expired)) => {
+                    info!("expired while waiting for its slot: settled as expired, not sent");
+                    return Processed::Expired;
+                }
+                Ok(Err(FenceRefused::Cancelled)) => {
+                    info!("cancelled while waiting for its slot: settled as cancelled, not sent");
+                    return Processed::Cancelled;
+                }
+                Ok(Err(FenceRefused::BucketClosedUntil(until))) => {
+                    return self
+                        .give_back(&lease, Some(until), "bucket_closed_while_waiting")
+                        .await;
+                }
+                Ok(Err(FenceRefused::Slowed)) if rounds < 3 => {
+                    match self
+                        .ledger
+                        .readmit(&self.lease_batch(), lease.clone())
+                        .await
+                    {
+                        Ok(Slotted::Slot(slot, renewed)) => {
+                            lease = renewed;
+                            reserved_at = self.clock.now();
+                            slot
+                        }
+                        Ok(Slotted::Released { until, reason }) => {
+                            let reason = match reason {
+                                nudge_domain::DeferReason::Closed => "bucket_closed",
+                                nudge_domain::DeferReason::Throttled => "bucket_throttled",
+                                nudge_domain::DeferReason::Paused => "bucket_paused",
+                            };
+                            self.metrics
+                                .deferral(&lease.provider_account, self.channel, reason);
+                            debug!(%until, reason, "no send slot in time after a slow-down: released");
+                            return Processed::Released(reason);
+                        }
+                        Ok(Slotted::Unfenced) => {
+                            return self.give_back(&lease, None, "fence_refused").await;
+                        }
+                        Err(e) => {
+                            error!(error.cause_chain = ?e, "failed to reserve a new send slot");
+                            return self.give_back(&lease, None, "ledger_unavailable").await;
+                        }
+                    }
+                }
+                Ok(Err(FenceRefused::Slowed)) => {
+                    return self.give_back(&lease, None, "bucket_slowed").await;
+                }
+                Err(e) => {
+                    // No fence, no send: the lease goes back unsent (or, if the ledger is
+                    // unreachable for that too, the reaper sees it was never sent).
+                    error!(error.cause_chain = ?e, "failed to fence the send");
+                    return self.give_back(&lease, None, "ledger_unavailable").await;
+                }
+            };
+        }
+
+        let started_at = self.clock.now();
         let outcome = provider
             .send(SendRequest {
                 idempotency_key: &lease.idempotency_key,
                 channel: self.channel,
                 destination: destination.expose(),
                 content: content.as_ref(),
-                correlation_id,
+                correlation_id: &correlation_id,
             })
             .await;
         drop(destination);
-        let finished_at = (self.clock)();
+        let finished_at = self.clock.now();
         let ctx = AttemptContext {
             attempt_number: lease.attempt_number,
             expires_at: lease.expires_at,
-            idempotency: provider.idempotency(),
+            idempotency: lease.idempotency,
         };
         let mut jitter = RandJitter::from_entropy();
         let decision = decide(&ctx, &outcome, finished_at, &self.policy, &mut jitter);
-        self.feedback(account, &decision, &slot, finished_at).await;
+        self.feedback(
+            &lease.provider_account,
+            &decision,
+            reserved_at,
+            below_full_rate,
+            finished_at,
+        )
+        .await;
         info!(
             attempt = lease.attempt_number,
-            provider_account = %account,
+            provider_account = %lease.provider_account,
             outcome_class = %decision.facts.outcome_class,
             http_status = decision.facts.http_status,
             next_state = %decision.next_state,
@@ -249,181 +512,83 @@ impl Worker {
             send_ms = (finished_at - started_at).num_milliseconds(),
             "attempt finished"
         );
-        // The attempt is recorded as finishing at the instant the decision was taken from, so
-        // `next_attempt_at` is exactly `finished_at` plus the delay chosen.
-        self.record(
-            lease,
-            decision,
-            (started_at, finished_at),
-            account,
-            correlation_id,
-        )
-        .await
+        self.record(lease, decision, (started_at, finished_at), &correlation_id)
+            .await
+    }
+
+    async fn record_unsendable(
+        &self,
+        lease: LeasedDelivery,
+        reason: &str,
+        correlation_id: &str,
+    ) -> Processed {
+        let now = self.clock.now();
+        self.record(lease, without_send(reason), (now, now), correlation_id)
+            .await
     }
 
     async fn record(
         &self,
-        lease: &LeasedDelivery,
+        lease: LeasedDelivery,
         decision: Decision,
         (started_at, finished_at): (DateTime<Utc>, DateTime<Utc>),
-        account: &ProviderAccount,
         correlation_id: &str,
     ) -> Processed {
-        let record = AttemptRecord {
+        let attempt = AttemptRecord {
             started_at,
             finished_at: finished_at.max(started_at),
-            provider_account: Some(account.clone()),
             worker: self.worker_id.clone(),
             correlation_id: Some(correlation_id.to_owned()),
         };
-        match self.ledger.record_outcome(lease, &decision, &record).await {
-            Ok(()) => {
-                self.metrics.attempt(
-                    self.channel,
-                    decision.facts.outcome_class,
-                    decision.next_state,
-                );
-                Processed::Attempted(decision.next_state)
+        let (class, next_state) = (decision.facts.outcome_class, decision.next_state);
+        match self.recorder.record(lease, decision, attempt).await {
+            Ok(Recorded::Applied) => {
+                self.metrics.attempt(self.channel, class, next_state);
+                Processed::Attempted(next_state)
             }
-            Err(e) => {
-                error!(error.cause_chain = ?e, "failed to record the outcome; the lease reaper settles it");
-                Processed::Deferred("record_failed")
+            Ok(Recorded::LeaseLost) => {
+                warn!(outcome_class = %class, "lease lost before the outcome was recorded: the reaper's decision stands");
+                Processed::LeaseLost
             }
+            Err(NotRecorded::LeaseEnded) => Processed::Dropped("record_failed"),
+            Err(NotRecorded::Stopped) => Processed::Dropped("recorder_stopped"),
         }
-    }
-}
-
-impl Worker {
-    /// Reserves a send slot from the bucket of `account` for this delivery's lane. A slot
-    /// within the admission wait is returned (the caller prepares the send, then waits for
-    /// it); a slot further away sends the lease back to the ledger, due at the bucket's next
-    /// opening, so a throttled account never holds this worker's capacity.
-    async fn reserve(
-        &self,
-        lease: &LeasedDelivery,
-        account: &ProviderAccount,
-    ) -> Result<Slot, Processed> {
-        let reserved_at = (self.clock)();
-        let admitted = match self
-            .ledger
-            .admit(
-                account,
-                self.channel,
-                lease.lane,
-                &*self.clock,
-                &self.admission,
-            )
-            .await
-        {
-            Ok(admitted) => admitted,
-            Err(e) => {
-                error!(error.cause_chain = ?e, "failed to take a slot from the rate bucket");
-                return Err(Processed::Deferred("ledger_unavailable"));
-            }
-        };
-        self.metrics.bucket(
-            account,
-            self.channel,
-            admitted.rate_per_second,
-            admitted.effective_rate,
-        );
-        match admitted.admission {
-            Admission::Admitted { send_at } => Ok(Slot {
-                send_at,
-                reserved_at,
-                below_full_rate: admitted.effective_rate < admitted.rate_per_second,
-            }),
-            Admission::Deferred { until, reason } => {
-                let reason = match reason {
-                    DeferReason::Closed => "bucket_closed",
-                    DeferReason::Throttled => "bucket_throttled",
-                    DeferReason::Paused => "bucket_paused",
-                };
-                Err(self.give_back(lease, account, until, reason).await)
-            }
-        }
-    }
-
-    /// Waits for a reserved slot, then checks the bucket: while this send waited, a 429
-    /// elsewhere may have paused it or slowed it (the slot was handed out at the old pace:
-    /// reserve again, at most a few times), or an operator may have closed it (rate 0, the
-    /// rollback switch).
-    async fn wait_for(
-        &self,
-        mut slot: Slot,
-        lease: &LeasedDelivery,
-        account: &ProviderAccount,
-    ) -> Result<Slot, Processed> {
-        for _ in 0..3 {
-            match (slot.send_at - (self.clock)()).to_std() {
-                Ok(wait) if !wait.is_zero() => {
-                    tokio::select! {
-                        () = tokio::time::sleep(wait) => {}
-                        // Shutting down: nothing was sent, so the lease goes back due now and
-                        // another worker takes it, rather than this one sending while it stops.
-                        () = self.shutdown.cancelled() => {
-                            let now = (self.clock)();
-                            return Err(self.give_back(lease, account, now, "shutdown").await);
-                        }
-                    }
-                }
-                // Sent at once: nothing could have changed the bucket since it admitted this.
-                _ => return Ok(slot),
-            }
-            let check = self
-                .ledger
-                .bucket_check(
-                    account,
-                    self.channel,
-                    (self.clock)(),
-                    slot.reserved_at,
-                    self.admission.closed_recheck,
-                )
-                .await;
-            match check {
-                Ok(BucketCheck::Open) => return Ok(slot),
-                Ok(BucketCheck::ClosedUntil(until)) => {
-                    return Err(self
-                        .give_back(lease, account, until, "bucket_closed_while_waiting")
-                        .await);
-                }
-                Ok(BucketCheck::Slowed) => slot = self.reserve(lease, account).await?,
-                Err(e) => {
-                    error!(error.cause_chain = ?e, "failed to re-check the rate bucket");
-                    return Err(Processed::Deferred("ledger_unavailable"));
-                }
-            }
-        }
-        Ok(slot)
     }
 
     async fn give_back(
         &self,
         lease: &LeasedDelivery,
-        account: &ProviderAccount,
-        until: DateTime<Utc>,
+        until: Option<DateTime<Utc>>,
         reason: &'static str,
     ) -> Processed {
-        match self.ledger.release(lease, until, (self.clock)()).await {
+        match self
+            .ledger
+            .release(lease, until, LedgerTime::Database)
+            .await
+        {
             Ok(()) => {
-                self.metrics.deferral(account, self.channel, reason);
-                debug!(provider_account = %account, reason, %until, "no send slot in time: released");
+                self.metrics
+                    .deferral(&lease.provider_account, self.channel, reason);
+                debug!(provider_account = %lease.provider_account, reason, "lease given back unsent");
                 Processed::Released(reason)
             }
             Err(e) => {
-                error!(error.cause_chain = ?e, "failed to release the lease; the reaper settles it");
-                Processed::Deferred("release_failed")
+                // Never sent and never fenced: when the lease runs out, the reaper gives it
+                // back the same way.
+                error!(error.cause_chain = ?e, "failed to give the lease back; the reaper returns it unsent");
+                Processed::Dropped("release_failed")
             }
         }
     }
 
-    /// Tells the bucket what the provider said: a 429 pauses (valid Retry-After) or slows it,
-    /// a success raises a lowered rate back.
+    /// Tells the bucket what the provider said: a 429 pauses (valid Retry-After, at most
+    /// `admission.max_pause`) or slows it, a success raises a lowered rate back.
     async fn feedback(
         &self,
         account: &ProviderAccount,
         decision: &Decision,
-        slot: &Slot,
+        reserved_at: DateTime<Utc>,
+        below_full_rate: bool,
         at: DateTime<Utc>,
     ) {
         let feedback = match (decision.facts.http_status, decision.facts.outcome_class) {
@@ -437,25 +602,32 @@ impl Worker {
                     .map(|r| r.resolve(at));
                 Feedback::Throttled {
                     retry_at,
-                    reserved_at: Some(slot.reserved_at),
+                    reserved_at: Some(reserved_at),
                 }
             }
-            (_, OutcomeClass::Delivered) if slot.below_full_rate => Feedback::Success,
+            (_, OutcomeClass::Delivered) if below_full_rate => Feedback::Success,
             _ => return,
         };
         match self
             .ledger
-            .bucket_feedback(account, self.channel, feedback, at)
+            .bucket_feedback(
+                account,
+                self.channel,
+                feedback,
+                self.admission.max_pause,
+                LedgerTime::Database,
+            )
             .await
         {
-            Ok(Some((effective_rate, paused_until))) => {
+            Ok(Some(applied)) => {
                 self.metrics
-                    .effective_rate(account, self.channel, effective_rate);
+                    .effective_rate(account, self.channel, applied.effective_rate);
                 info!(
                     provider_account = %account,
                     channel = %self.channel,
-                    effective_rate,
-                    paused_until = paused_until.map(|p| p.to_rfc3339()),
+                    effective_rate = applied.effective_rate,
+                    paused_until = applied.paused_until.map(|p| p.to_rfc3339()),
+                    pause_capped = applied.pause_capped,
                     "rate bucket adjusted"
                 );
             }
@@ -465,13 +637,6 @@ impl Worker {
             }
         }
     }
-}
-
-/// A reserved send slot.
-struct Slot {
-    send_at: DateTime<Utc>,
-    reserved_at: DateTime<Utc>,
-    below_full_rate: bool,
 }
 
 /// A delivery that cannot be attempted at all (no destination): dead-lettered with a reason.

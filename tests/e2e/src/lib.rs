@@ -212,7 +212,13 @@ impl TestEnv {
             Some(i) => format!("{}/{db_name}", &base[..i]),
             None => bail!("DATABASE_URL has no database path"),
         };
-        let ledger = Ledger::connect(&db_url, 8, Duration::from_secs(10)).await?;
+        let ledger = Ledger::connect(&nudge_config::DatabaseConfig {
+            url: nudge_config::Secret::new(db_url.clone()),
+            max_connections: 8,
+            acquire_timeout_ms: 10_000,
+            ..nudge_config::DatabaseConfig::default()
+        })
+        .await?;
         ledger.migrate().await?;
         let key: [u8; 32] = rand_key();
         let key_b64 = base64::engine::general_purpose::STANDARD.encode(key);

@@ -5,8 +5,14 @@
 use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
-use nudge_domain::{Channel, EventId, ReminderId, SubscriberRef, TenantId};
-use nudge_ledger::{DestinationCipher, Ledger, NewReminder, Tenant};
+use nudge_domain::{
+    AdmissionSettings, Channel, Decision, EventId, IdempotencySupport, ProviderAccount, ReminderId,
+    SubscriberRef, TenantId,
+};
+use nudge_ledger::{
+    AttemptRecord, DestinationCipher, DueDelivery, LeaseBatch, LeaseOutcome, LeasedDelivery,
+    Ledger, LedgerTime, NewReminder, OutcomeToRecord, Recorded, Tenant, WorkerRoutes,
+};
 
 pub fn t0() -> DateTime<Utc> {
     Utc.with_ymd_and_hms(2026, 11, 29, 9, 0, 0).unwrap()
@@ -64,4 +70,108 @@ pub async fn owed(
         .await
         .unwrap();
     created.id
+}
+
+/// The fixed instant a statement evaluates its time conditions at, in place of the database's
+/// clock: the same statements production runs, with time moved by the test.
+pub fn at(t: DateTime<Utc>) -> LedgerTime {
+    LedgerTime::Fixed(t)
+}
+
+pub fn account(name: &str) -> ProviderAccount {
+    ProviderAccount::parse(name).unwrap()
+}
+
+/// A worker's accounts: `main` (the default) and `other`, with the idempotency given.
+pub fn routes(idempotency: IdempotencySupport) -> WorkerRoutes {
+    WorkerRoutes {
+        default: account("main"),
+        accounts: vec![
+            (account("main"), idempotency),
+            (account("other"), idempotency),
+        ],
+    }
+}
+
+pub fn settings() -> AdmissionSettings {
+    AdmissionSettings::default()
+}
+
+/// Claims everything due at `now` on every channel (the relay claims per channel).
+pub async fn claim_all(ledger: &Ledger, now: DateTime<Utc>) -> Vec<DueDelivery> {
+    let mut all = Vec::new();
+    for channel in Channel::ALL {
+        all.extend(ledger.claim_due(channel, 1000, at(now)).await.unwrap());
+    }
+    all.sort_by_key(|d| d.next_attempt_at);
+    all
+}
+
+/// Leases one message through the worker's batch lease, as `owner`, with `routes`.
+pub async fn lease_as(
+    ledger: &Ledger,
+    due: &DueDelivery,
+    owner: &str,
+    routes: &WorkerRoutes,
+    now: DateTime<Utc>,
+) -> LeaseOutcome {
+    let settings = settings();
+    let cipher = cipher();
+    let batch = LeaseBatch {
+        channel: due.channel,
+        owner,
+        lease_for: LEASE,
+        routes,
+        admission: &settings,
+        cipher: &cipher,
+        at: at(now),
+    };
+    ledger
+        .lease_batch(&batch, &[(due.id, due.generation)])
+        .await
+        .unwrap()
+        .outcomes
+        .remove(0)
+}
+
+/// Leases one message as `worker-1` on an idempotent default account.
+pub async fn lease(ledger: &Ledger, due: &DueDelivery, now: DateTime<Utc>) -> LeaseOutcome {
+    lease_as(
+        ledger,
+        due,
+        "worker-1",
+        &routes(IdempotencySupport::Honoured),
+        now,
+    )
+    .await
+}
+
+/// The lease of a `Leased` outcome; panics otherwise.
+pub fn leased(outcome: LeaseOutcome) -> LeasedDelivery {
+    match outcome {
+        LeaseOutcome::Leased { lease, .. } => lease,
+        other => panic!("expected a lease, got {other:?}"),
+    }
+}
+
+/// Records one outcome through the group-commit statement.
+pub async fn record(
+    ledger: &Ledger,
+    lease: &LeasedDelivery,
+    decision: &Decision,
+    attempt: &AttemptRecord,
+    now: DateTime<Utc>,
+) -> Recorded {
+    ledger
+        .record_outcomes(
+            &[OutcomeToRecord {
+                lease,
+                decision,
+                attempt,
+            }],
+            at(now),
+        )
+        .await
+        .unwrap()
+        .remove(0)
 }

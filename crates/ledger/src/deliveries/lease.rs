@@ -1,0 +1,801 @@
+//! The worker's side before a send: leasing a batch of messages, taking their send slots, and
+//! the fence.
+//!
+//! Protocol, in one transaction per batch:
+//! 1. One UPDATE leases every message whose delivery is `queued` with the message's generation,
+//!    due, not expired, whose reminder is not cancelled, and whose provider account (the
+//!    tenant's routing, else the worker's default) is one this worker can send through. It
+//!    returns what the send needs: routing, the sealed destination and content. For an account
+//!    without a rate bucket the same UPDATE is the fence: it stamps `send_started_at`.
+//! 2. Messages not leased are explained in one more statement (only when there are any):
+//!    expired or cancelled deliveries are settled so, others are stale or unknown.
+//! 3. Leases on accounts with a bucket take their slots (`buckets::admit_slots`: one lock per
+//!    bucket, the database's clock read under it). A slot that has come is fenced at once; a
+//!    slot within the admission wait is returned for the worker to wait for, then
+//!    [`Ledger::fence`]; no slot in time gives the lease back, due when the bucket opens, on its
+//!    own lane, with no attempt spent.
+//!
+//! Nothing here waits on the network while a transaction is open.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use nudge_domain::{
+    Admission, AdmissionSettings, Channel, DeferReason, DeliveryId, DeliveryState, IdempotencyKey,
+    IdempotencySupport, ProviderAccount, ReminderId, TenantId,
+};
+
+use super::{LeasedDelivery, LedgerTime, millis, parse, to_i64, to_u64};
+use crate::buckets::{BucketReading, SlotRequest, admit_slots};
+use crate::contacts::destination_aad;
+use crate::reminders::content_aad;
+use crate::{Destination, DestinationCipher, Ledger, LedgerError};
+
+/// The provider accounts a worker can send through.
+#[derive(Debug, Clone)]
+pub struct WorkerRoutes {
+    /// For tenants without their own routing on the channel.
+    pub default: ProviderAccount,
+    /// Every account the worker has, with whether it honours idempotency keys.
+    pub accounts: Vec<(ProviderAccount, IdempotencySupport)>,
+}
+
+/// Everything a batch lease needs besides the messages.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseBatch<'a> {
+    pub channel: Channel,
+    pub owner: &'a str,
+    /// How long a lease is held before the reaper may settle it; renewed by the fence.
+    pub lease_for: Duration,
+    pub routes: &'a WorkerRoutes,
+    pub admission: &'a AdmissionSettings,
+    pub cipher: &'a DestinationCipher,
+    pub at: LedgerTime,
+}
+
+/// What a send needs, opened just before it.
+#[derive(Debug)]
+pub struct Material {
+    /// None when the subscriber has no destination on file for the channel.
+    pub destination: Option<Destination>,
+    pub content: Option<Vec<u8>>,
+}
+
+/// When a leased delivery may be sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendSlot {
+    /// Fenced already: send now.
+    Now,
+    /// A slot reserved at `reserved_at` for `send_at` (both the database's clock): wait
+    /// `send_at - reserved_at`, then [`Ledger::fence`].
+    At {
+        send_at: DateTime<Utc>,
+        reserved_at: DateTime<Utc>,
+    },
+}
+
+/// What became of one message of a batch.
+#[derive(Debug)]
+pub enum LeaseOutcome {
+    Leased {
+        lease: LeasedDelivery,
+        /// Err when the sealed material did not open (wrong key, moved ciphertext).
+        material: Result<Material, LedgerError>,
+        slot: SendSlot,
+    },
+    /// Leased, but its bucket had no slot within the admission wait: given back in the same
+    /// transaction, due at `until`, its lane kept, no attempt spent.
+    Released {
+        until: DateTime<Utc>,
+        reason: DeferReason,
+        account: ProviderAccount,
+    },
+    /// Leased, but the fence in the same transaction refused it (it expired or was cancelled
+    /// in the instant between): still leased, never sent; give it back.
+    Unfenced(LeasedDelivery),
+    /// Owed, but its time ran out: settled `expired`, nothing sent.
+    Expired,
+    /// Its reminder was cancelled: settled `cancelled`, nothing sent.
+    Cancelled,
+    /// A duplicate or old message: the delivery moved on (other state or generation).
+    Stale {
+        state: DeliveryState,
+        generation: u64,
+    },
+    NotFound,
+    /// Routed to an account this worker has no configuration for: left `queued`.
+    UnknownAccount(String),
+}
+
+/// A batch's outcomes (in message order), the database time of the lease, and the buckets
+/// its slots came from.
+#[derive(Debug)]
+pub struct LeaseResult {
+    pub outcomes: Vec<LeaseOutcome>,
+    pub leased_at: DateTime<Utc>,
+    pub buckets: Vec<BucketReading>,
+}
+
+/// Why [`Ledger::fence`] refused a send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceRefused {
+    /// The lease is no longer this worker's (reaped, or the delivery moved on).
+    LeaseLost,
+    /// Its time ran out while it waited: settled `expired`.
+    Expired,
+    /// Its reminder was cancelled while it waited: settled `cancelled`.
+    Cancelled,
+    /// The bucket was closed or paused while it waited: give the lease back until then.
+    BucketClosedUntil(DateTime<Utc>),
+    /// A 429 slowed the bucket after the slot was reserved: reserve again.
+    Slowed,
+}
+
+#[derive(sqlx::FromRow)]
+struct LeasedRow {
+    id: uuid::Uuid,
+    reminder_id: uuid::Uuid,
+    tenant_id: uuid::Uuid,
+    channel: String,
+    attempt_count: i32,
+    generation: i64,
+    lane: String,
+    idempotency_key: String,
+    scheduled_at: DateTime<Utc>,
+    expires_at: DateTime<Utc>,
+    lease_owner: Option<String>,
+    lease_expires_at: Option<DateTime<Utc>>,
+    account: String,
+    idempotent: bool,
+    bucketed: bool,
+    subscriber_ref: String,
+    content_ciphertext: Option<Vec<u8>>,
+    destination_ciphertext: Option<Vec<u8>>,
+    db_now: DateTime<Utc>,
+}
+
+impl LeasedRow {
+    fn lease(&self) -> Result<LeasedDelivery, LedgerError> {
+        let corrupt = |e: String| LedgerError::corrupt("deliveries", e);
+        Ok(LeasedDelivery {
+            id: DeliveryId::from_uuid(self.id),
+            reminder_id: ReminderId::from_uuid(self.reminder_id),
+            tenant_id: TenantId::from_uuid(self.tenant_id),
+            channel: parse(&self.channel)?,
+            attempt_number: u32::try_from(self.attempt_count)
+                .map_err(|e| corrupt(e.to_string()))?,
+            generation: to_u64(self.generation)?,
+            lane: parse(&self.lane)?,
+            idempotency_key: IdempotencyKey::parse(&self.idempotency_key)
+                .map_err(|e| corrupt(e.to_string()))?,
+            scheduled_at: self.scheduled_at,
+            expires_at: self.expires_at,
+            lease_owner: self
+                .lease_owner
+                .clone()
+                .ok_or_else(|| corrupt("leased without owner".into()))?,
+            lease_expires_at: self
+                .lease_expires_at
+                .ok_or_else(|| corrupt("leased without expiry".into()))?,
+            provider_account: ProviderAccount::parse(&self.account)
+                .map_err(|e| corrupt(e.to_string()))?,
+            idempotency: IdempotencySupport::from(self.idempotent),
+        })
+    }
+
+    fn material(&self, cipher: &DestinationCipher) -> Result<Material, LedgerError> {
+        let tenant_id = TenantId::from_uuid(self.tenant_id);
+        let channel: Channel = parse(&self.channel)?;
+        let destination = self
+            .destination_ciphertext
+            .as_deref()
+            .map(|sealed| {
+                let plain = cipher.open(
+                    sealed,
+                    &destination_aad(tenant_id, &self.subscriber_ref, channel),
+                )?;
+                String::from_utf8(plain)
+                    .map(Destination::new)
+                    .map_err(|_| LedgerError::Crypto)
+            })
+            .transpose()?;
+        let content = self
+            .content_ciphertext
+            .as_deref()
+            .map(|sealed| {
+                cipher.open(
+                    sealed,
+                    &content_aad(tenant_id, ReminderId::from_uuid(self.reminder_id)),
+                )
+            })
+            .transpose()?;
+        Ok(Material {
+            destination,
+            content,
+        })
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct UnleasedRow {
+    id: uuid::Uuid,
+    state: Option<String>,
+    generation: Option<i64>,
+    expired: bool,
+    cancelled: bool,
+    account: Option<String>,
+}
+
+#[derive(sqlx::FromRow)]
+struct FenceRow {
+    state: String,
+    lease_owner: Option<String>,
+    generation: i64,
+    lease_expires_at: Option<DateTime<Utc>>,
+    expires_at: DateTime<Utc>,
+    cancelled: bool,
+    rate_per_second: Option<f64>,
+    effective_rate: Option<f64>,
+    paused_until: Option<DateTime<Utc>>,
+    last_decrease_at: Option<DateTime<Utc>>,
+    db_now: DateTime<Utc>,
+}
+
+const LEASE: &str = "WITH input AS (
+        SELECT * FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation))
+    UPDATE deliveries d
+    SET state = 'sending', lease_owner = $3,
+        lease_expires_at = COALESCE($8, now()) + $4 * interval '1 millisecond',
+        attempt_count = d.attempt_count + 1,
+        first_attempt_at = COALESCE(d.first_attempt_at, COALESCE($8, now())),
+        last_attempt_at = COALESCE($8, now()),
+        provider_account = a.account,
+        lease_idempotent = a.account = ANY($7::text[]),
+        send_started_at = CASE WHEN a.bucketed THEN NULL ELSE COALESCE($8, now()) END,
+        updated_at = COALESCE($8, now())
+    FROM input i, reminders r,
+         LATERAL (
+             SELECT x.account, EXISTS (
+                        SELECT 1 FROM rate_buckets b
+                        WHERE b.provider_account = x.account AND b.channel = $5) AS bucketed
+             FROM (SELECT COALESCE(
+                       (SELECT tc.provider_account FROM tenant_channels tc
+                        WHERE tc.tenant_id = r.tenant_id AND tc.channel = $5),
+                       $6) AS account) x) a
+    WHERE d.id = i.id AND d.generation = i.generation AND d.state = 'queued' AND d.channel = $5
+      AND r.id = d.reminder_id AND r.cancelled_at IS NULL
+      AND d.next_attempt_at <= COALESCE($8, now()) AND d.expires_at > COALESCE($8, now())
+      AND a.account = ANY($9::text[])
+    RETURNING d.id, d.reminder_id, d.tenant_id, d.channel, d.attempt_count, d.generation, d.lane,
+              d.idempotency_key, d.scheduled_at, d.expires_at, d.lease_owner, d.lease_expires_at,
+              a.account, d.lease_idempotent AS idempotent, a.bucketed, r.subscriber_ref,
+              r.content_ciphertext,
+              (SELECT c.destination_ciphertext FROM contacts c
+               WHERE c.tenant_id = d.tenant_id AND c.subscriber_ref = r.subscriber_ref
+                 AND c.channel = d.channel) AS destination_ciphertext,
+              COALESCE($8, now()) AS db_now";
+
+const EXPLAIN_UNLEASED: &str = "WITH input AS (
+        SELECT * FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation)),
+    expired AS (
+        UPDATE deliveries d
+        SET state = 'expired', settled_at = COALESCE($4, now()), updated_at = COALESCE($4, now()),
+            next_attempt_at = NULL, last_error_reason = 'expired_before_send'
+        FROM input i
+        WHERE d.id = i.id AND d.generation = i.generation
+          AND d.state IN ('scheduled', 'queued', 'retry_wait')
+          AND d.expires_at <= COALESCE($4, now())
+        RETURNING d.id),
+    cancelled AS (
+        UPDATE deliveries d
+        SET state = 'cancelled', settled_at = COALESCE($4, now()),
+            updated_at = COALESCE($4, now()), next_attempt_at = NULL,
+            last_error_reason = 'cancelled_by_client'
+        FROM input i, reminders r
+        WHERE d.id = i.id AND d.generation = i.generation
+          AND d.state IN ('scheduled', 'queued', 'retry_wait')
+          AND d.expires_at > COALESCE($4, now())
+          AND r.id = d.reminder_id AND r.cancelled_at IS NOT NULL
+        RETURNING d.id)
+    SELECT i.id, d.state, d.generation,
+           EXISTS (SELECT 1 FROM expired e WHERE e.id = i.id) AS expired,
+           EXISTS (SELECT 1 FROM cancelled c WHERE c.id = i.id) AS cancelled,
+           COALESCE((SELECT tc.provider_account FROM tenant_channels tc
+                     WHERE tc.tenant_id = d.tenant_id AND tc.channel = d.channel), $3) AS account
+    FROM input i LEFT JOIN deliveries d ON d.id = i.id";
+
+/// Stamps the send start of leases whose slot has come (the fence, inside the admission
+/// transaction) and gives back those without a slot in time.
+const STAMP_AND_RELEASE: &str = "WITH started AS (
+        UPDATE deliveries d
+        SET send_started_at = COALESCE($7, clock_timestamp()),
+            lease_expires_at = COALESCE($7, clock_timestamp()) + $4 * interval '1 millisecond',
+            updated_at = COALESCE($7, clock_timestamp())
+        FROM unnest($1::uuid[], $2::bigint[]) AS s(id, generation), reminders r
+        WHERE d.id = s.id AND d.generation = s.generation AND d.lease_owner = $3
+          AND d.state = 'sending' AND d.send_started_at IS NULL
+          AND d.lease_expires_at > COALESCE($7, clock_timestamp())
+          AND d.expires_at > COALESCE($7, clock_timestamp())
+          AND r.id = d.reminder_id AND r.cancelled_at IS NULL
+        RETURNING d.id, d.lease_expires_at),
+    released AS (
+        UPDATE deliveries d
+        SET state = 'retry_wait', next_attempt_at = u.until, lease_owner = NULL,
+            lease_expires_at = NULL, lease_idempotent = NULL, send_started_at = NULL,
+            attempt_count = d.attempt_count - 1, updated_at = COALESCE($7, clock_timestamp())
+        FROM unnest($5::uuid[], $6::bigint[], $8::timestamptz[]) AS u(id, generation, until)
+        WHERE d.id = u.id AND d.generation = u.generation AND d.lease_owner = $3
+          AND d.state = 'sending' AND d.send_started_at IS NULL
+        RETURNING d.id)
+    SELECT id, lease_expires_at FROM started";
+
+const FENCE: &str = "UPDATE deliveries d
+    SET send_started_at = COALESCE($6, clock_timestamp()),
+        lease_expires_at = COALESCE($6, clock_timestamp()) + $5 * interval '1 millisecond',
+        updated_at = COALESCE($6, clock_timestamp())
+    FROM reminders r
+    WHERE d.id = $1 AND d.lease_owner = $2 AND d.generation = $3 AND d.state = 'sending'
+      AND d.send_started_at IS NULL
+      AND d.lease_expires_at > COALESCE($6, clock_timestamp())
+      AND d.expires_at > COALESCE($6, clock_timestamp())
+      AND r.id = d.reminder_id AND r.cancelled_at IS NULL
+      AND NOT EXISTS (
+          SELECT 1 FROM rate_buckets b
+          WHERE b.provider_account = d.provider_account AND b.channel = d.channel
+            AND (b.rate_per_second <= 0 OR b.effective_rate <= 0
+                 OR b.paused_until > COALESCE($6, clock_timestamp())
+                 OR b.last_decrease_at >= $4))
+    RETURNING d.lease_expires_at";
+
+impl Ledger {
+    /// Leases a batch of messages (`(delivery, generation)` pairs) and takes their send slots,
+    /// in one transaction; see the module's protocol. Outcomes come back in message order.
+    pub async fn lease_batch(
+        &self,
+        batch: &LeaseBatch<'_>,
+        messages: &[(DeliveryId, u64)],
+    ) -> Result<LeaseResult, LedgerError> {
+        let ids: Vec<uuid::Uuid> = messages.iter().map(|(id, _)| id.as_uuid()).collect();
+        let generations: Vec<i64> = messages.iter().map(|(_, g)| to_i64(*g)).collect();
+        let configured: Vec<&str> = batch
+            .routes
+            .accounts
+            .iter()
+            .map(|(a, _)| a.as_str())
+            .collect();
+        let honoured: Vec<&str> = batch
+            .routes
+            .accounts
+            .iter()
+            .filter(|(_, i)| *i == IdempotencySupport::Honoured)
+            .map(|(a, _)| a.as_str())
+            .collect();
+
+        let mut tx = self.pool.begin().await?;
+        let rows: Vec<LeasedRow> = sqlx::query_as(LEASE)
+            .bind(&ids)
+            .bind(&generations)
+            .bind(batch.owner)
+            .bind(millis(batch.lease_for))
+            .bind(batch.channel.as_str())
+            .bind(batch.routes.default.as_str())
+            .bind(&honoured)
+            .bind(batch.at.bind())
+            .bind(&configured)
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut leased_at = rows.first().map(|r| r.db_now);
+
+        let mut by_id: HashMap<uuid::Uuid, LeaseOutcome> = HashMap::with_capacity(messages.len());
+        if rows.len() < messages.len() {
+            let leased: std::collections::HashSet<uuid::Uuid> = rows.iter().map(|r| r.id).collect();
+            let (rest_ids, rest_generations): (Vec<uuid::Uuid>, Vec<i64>) = ids
+                .iter()
+                .zip(&generations)
+                .filter(|(id, _)| !leased.contains(id))
+                .map(|(id, g)| (*id, *g))
+                .unzip();
+            let unleased: Vec<UnleasedRow> = sqlx::query_as(EXPLAIN_UNLEASED)
+                .bind(&rest_ids)
+                .bind(&rest_generations)
+                .bind(batch.routes.default.as_str())
+                .bind(batch.at.bind())
+                .fetch_all(&mut *tx)
+                .await?;
+            for (row, generation) in unleased.into_iter().zip(rest_generations) {
+                let outcome = explain(
+                    row.state.as_deref(),
+                    row.generation,
+                    generation,
+                    &row,
+                    batch,
+                )?;
+                by_id.insert(row.id, outcome);
+            }
+        }
+
+        // Slots for the leases whose account has a bucket, all in this transaction.
+        let bucketed: Vec<&LeasedRow> = rows.iter().filter(|r| r.bucketed).collect();
+        let mut buckets = Vec::new();
+        if !bucketed.is_empty() {
+            let leases = bucketed
+                .iter()
+                .map(|r| r.lease())
+                .collect::<Result<Vec<_>, _>>()?;
+            let requests: Vec<SlotRequest<'_>> = leases
+                .iter()
+                .map(|l| SlotRequest {
+                    account: &l.provider_account,
+                    lane: l.lane,
+                })
+                .collect();
+            let answers =
+                admit_slots(&mut tx, batch.channel, &requests, batch.admission, batch.at).await?;
+            leased_at = Some(answers.decided_at);
+            buckets = answers.readings;
+            let slotted = stamp_or_release(
+                &mut tx,
+                batch,
+                leases.into_iter().zip(answers.admissions).collect(),
+                answers.decided_at,
+            )
+            .await?;
+            for (lease, slot) in slotted {
+                let id = lease.id.as_uuid();
+                let outcome = match slot {
+                    Slotted::Slot(slot, lease) => {
+                        let row = bucketed.iter().find(|r| r.id == id);
+                        LeaseOutcome::Leased {
+                            material: row
+                                .map_or(Err(LedgerError::Crypto), |r| r.material(batch.cipher)),
+                            lease,
+                            slot,
+                        }
+                    }
+                    Slotted::Released { until, reason } => LeaseOutcome::Released {
+                        until,
+                        reason,
+                        account: lease.provider_account.clone(),
+                    },
+                    Slotted::Unfenced => LeaseOutcome::Unfenced(lease),
+                };
+                by_id.insert(id, outcome);
+            }
+        }
+        for row in rows.iter().filter(|r| !r.bucketed) {
+            by_id.insert(
+                row.id,
+                LeaseOutcome::Leased {
+                    lease: row.lease()?,
+                    material: row.material(batch.cipher),
+                    slot: SendSlot::Now,
+                },
+            );
+        }
+        tx.commit().await?;
+
+        let leased_at = match leased_at {
+            Some(at) => at,
+            None => self.clock(batch.at).await?,
+        };
+        let outcomes = ids
+            .iter()
+            .map(|id| by_id.remove(id).unwrap_or(LeaseOutcome::NotFound))
+            .collect();
+        Ok(LeaseResult {
+            outcomes,
+            leased_at,
+            buckets,
+        })
+    }
+
+    /// Takes a new slot for a held, unstamped lease (its bucket slowed while it waited), in
+    /// one transaction: the slot is fenced at once when it has come, returned when it is within
+    /// the admission wait, and the lease is given back when there is none in time.
+    pub async fn readmit(
+        &self,
+        batch: &LeaseBatch<'_>,
+        lease: LeasedDelivery,
+    ) -> Result<Slotted, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let requests = [SlotRequest {
+            account: &lease.provider_account,
+            lane: lease.lane,
+        }];
+        let answers =
+            admit_slots(&mut tx, batch.channel, &requests, batch.admission, batch.at).await?;
+        let mut slotted = stamp_or_release(
+            &mut tx,
+            batch,
+            vec![(lease, answers.admissions[0])],
+            answers.decided_at,
+        )
+        .await?;
+        tx.commit().await?;
+        let (_, slotted) = slotted
+            .pop()
+            .ok_or_else(|| LedgerError::corrupt("deliveries", "readmit lost its lease"))?;
+        Ok(slotted)
+    }
+
+    /// The fence for a send that waited for its slot: one conditional UPDATE, with the
+    /// database's clock, that the lease is still this worker's and not expired, the delivery
+    /// has not expired, its reminder is not cancelled and its bucket is neither closed, paused
+    /// nor slowed since `reserved_at`; it stamps `send_started_at` and renews the lease.
+    /// Returns the renewed lease expiry, or why not: an expired or cancelled delivery is
+    /// settled so here, and nothing may be sent.
+    pub async fn fence(
+        &self,
+        lease: &LeasedDelivery,
+        reserved_at: DateTime<Utc>,
+        lease_for: Duration,
+        closed_recheck: Duration,
+        at: LedgerTime,
+    ) -> Result<Result<DateTime<Utc>, FenceRefused>, LedgerError> {
+        let fenced: Option<DateTime<Utc>> = sqlx::query_scalar(FENCE)
+            .bind(lease.id.as_uuid())
+            .bind(&lease.lease_owner)
+            .bind(to_i64(lease.generation))
+            .bind(reserved_at)
+            .bind(millis(lease_for))
+            .bind(at.bind())
+            .fetch_optional(&self.pool)
+            .await?;
+        if let Some(until) = fenced {
+            return Ok(Ok(until));
+        }
+        let row: Option<FenceRow> = sqlx::query_as(
+            "SELECT d.state, d.lease_owner, d.generation, d.lease_expires_at, d.expires_at,
+                    r.cancelled_at IS NOT NULL AS cancelled, b.rate_per_second, b.effective_rate,
+                    b.paused_until, b.last_decrease_at,
+                    COALESCE($2, clock_timestamp()) AS db_now
+             FROM deliveries d JOIN reminders r ON r.id = d.reminder_id
+             LEFT JOIN rate_buckets b
+                    ON b.provider_account = d.provider_account AND b.channel = d.channel
+             WHERE d.id = $1",
+        )
+        .bind(lease.id.as_uuid())
+        .bind(at.bind())
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else {
+            return Ok(Err(FenceRefused::LeaseLost));
+        };
+        let now = row.db_now;
+        let ours = row.state == "sending"
+            && row.lease_owner.as_deref() == Some(lease.lease_owner.as_str())
+            && row.generation == to_i64(lease.generation)
+            && row.lease_expires_at.is_some_and(|l| l > now);
+        if !ours {
+            return Ok(Err(FenceRefused::LeaseLost));
+        }
+        let settle = if row.expires_at <= now {
+            Some((
+                DeliveryState::Expired,
+                "expired_before_send",
+                FenceRefused::Expired,
+            ))
+        } else if row.cancelled {
+            Some((
+                DeliveryState::Cancelled,
+                "cancelled_by_client",
+                FenceRefused::Cancelled,
+            ))
+        } else {
+            None
+        };
+        if let Some((state, reason, refused)) = settle {
+            DeliveryState::Sending.transition(state)?;
+            let done = sqlx::query(
+                "UPDATE deliveries
+                 SET state = $4, lease_owner = NULL, lease_expires_at = NULL,
+                     lease_idempotent = NULL, send_started_at = NULL, next_attempt_at = NULL,
+                     attempt_count = attempt_count - 1, last_error_reason = $5,
+                     settled_at = COALESCE($6, now()), updated_at = COALESCE($6, now())
+                 WHERE id = $1 AND lease_owner = $2 AND generation = $3 AND state = 'sending'
+                   AND send_started_at IS NULL",
+            )
+            .bind(lease.id.as_uuid())
+            .bind(&lease.lease_owner)
+            .bind(to_i64(lease.generation))
+            .bind(state.as_str())
+            .bind(reason)
+            .bind(at.bind())
+            .execute(&self.pool)
+            .await?;
+            return Ok(Err(if done.rows_affected() == 1 {
+                refused
+            } else {
+                FenceRefused::LeaseLost
+            }));
+        }
+        let closed = row.rate_per_second.is_some_and(|r| r <= 0.0)
+            || row.effective_rate.is_some_and(|r| r <= 0.0);
+        Ok(Err(if closed {
+            FenceRefused::BucketClosedUntil(
+                now + chrono::Duration::from_std(closed_recheck)
+                    .unwrap_or(chrono::Duration::seconds(10)),
+            )
+        } else if let Some(paused) = row.paused_until.filter(|p| *p > now) {
+            FenceRefused::BucketClosedUntil(paused)
+        } else if row.last_decrease_at.is_some_and(|d| d >= reserved_at) {
+            FenceRefused::Slowed
+        } else {
+            // Everything checked out a moment later: a race with a change that has passed.
+            FenceRefused::Slowed
+        }))
+    }
+
+    /// Gives a lease back before its send started (shutdown, the bucket closed while it
+    /// waited): due at `until` (None: at once), its lane kept, the attempt it did not make not
+    /// counted. A lease whose send started is never given back: its outcome decides.
+    pub async fn release(
+        &self,
+        lease: &LeasedDelivery,
+        until: Option<DateTime<Utc>>,
+        at: LedgerTime,
+    ) -> Result<(), LedgerError> {
+        let updated = sqlx::query(
+            "UPDATE deliveries
+             SET state = 'retry_wait', next_attempt_at = COALESCE($4, $5, now()),
+                 lease_owner = NULL, lease_expires_at = NULL, lease_idempotent = NULL,
+                 send_started_at = NULL, attempt_count = attempt_count - 1,
+                 updated_at = COALESCE($5, now())
+             WHERE id = $1 AND state = 'sending' AND lease_owner = $2 AND generation = $3
+               AND send_started_at IS NULL",
+        )
+        .bind(lease.id.as_uuid())
+        .bind(&lease.lease_owner)
+        .bind(to_i64(lease.generation))
+        .bind(until)
+        .bind(at.bind())
+        .execute(&self.pool)
+        .await?;
+        if updated.rows_affected() != 1 {
+            return Err(self.lease_lost(lease.id).await);
+        }
+        Ok(())
+    }
+
+    /// The database's clock (or the fixed time a test set).
+    pub async fn clock(&self, at: LedgerTime) -> Result<DateTime<Utc>, LedgerError> {
+        Ok(sqlx::query_scalar("SELECT COALESCE($1, clock_timestamp())")
+            .bind(at.bind())
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    pub(crate) async fn lease_lost(&self, id: DeliveryId) -> LedgerError {
+        let state: Result<Option<String>, _> =
+            sqlx::query_scalar("SELECT state FROM deliveries WHERE id = $1")
+                .bind(id.as_uuid())
+                .fetch_optional(&self.pool)
+                .await;
+        match state {
+            Ok(Some(state)) => match state.parse() {
+                Ok(state) => LedgerError::LeaseLost {
+                    delivery_id: id.as_uuid(),
+                    state,
+                },
+                Err(e) => LedgerError::corrupt("deliveries", e),
+            },
+            Ok(None) => LedgerError::corrupt("deliveries", "leased delivery vanished"),
+            Err(e) => LedgerError::Database(e),
+        }
+    }
+}
+
+fn explain(
+    state: Option<&str>,
+    current_generation: Option<i64>,
+    generation: i64,
+    row: &UnleasedRow,
+    batch: &LeaseBatch<'_>,
+) -> Result<LeaseOutcome, LedgerError> {
+    if row.expired {
+        return Ok(LeaseOutcome::Expired);
+    }
+    if row.cancelled {
+        return Ok(LeaseOutcome::Cancelled);
+    }
+    let (Some(state), Some(current)) = (state, current_generation) else {
+        return Ok(LeaseOutcome::NotFound);
+    };
+    let state: DeliveryState = parse(state)?;
+    if state == DeliveryState::Queued && current == generation {
+        if let Some(account) = row
+            .account
+            .as_deref()
+            .filter(|a| !batch.routes.accounts.iter().any(|(c, _)| c.as_str() == *a))
+        {
+            return Ok(LeaseOutcome::UnknownAccount(account.to_owned()));
+        }
+    }
+    Ok(LeaseOutcome::Stale {
+        state,
+        generation: to_u64(current)?,
+    })
+}
+
+/// What a new slot for a held lease came to.
+#[derive(Debug)]
+pub enum Slotted {
+    /// A slot, with the lease as it now stands (renewed when fenced).
+    Slot(SendSlot, LeasedDelivery),
+    /// No slot in time: the lease was given back, due at `until`.
+    Released {
+        until: DateTime<Utc>,
+        reason: DeferReason,
+    },
+    /// The fence refused it (expired or cancelled in the instant between): give it back.
+    Unfenced,
+}
+
+/// Fences the leases whose slot has come and gives back those without a slot in time, in one
+/// statement. Returns each lease with what became of it.
+async fn stamp_or_release(
+    conn: &mut sqlx::PgConnection,
+    batch: &LeaseBatch<'_>,
+    leases: Vec<(LeasedDelivery, Admission)>,
+    decided_at: DateTime<Utc>,
+) -> Result<Vec<(LeasedDelivery, Slotted)>, LedgerError> {
+    let mut stamp = (Vec::new(), Vec::new());
+    let mut release = (Vec::new(), Vec::new(), Vec::new());
+    for (lease, admission) in &leases {
+        match admission {
+            Admission::Admitted { send_at } if *send_at <= decided_at => {
+                stamp.0.push(lease.id.as_uuid());
+                stamp.1.push(to_i64(lease.generation));
+            }
+            Admission::Admitted { .. } => {}
+            Admission::Deferred { until, .. } => {
+                release.0.push(lease.id.as_uuid());
+                release.1.push(to_i64(lease.generation));
+                release.2.push(*until);
+            }
+        }
+    }
+    let stamped: Vec<(uuid::Uuid, DateTime<Utc>)> = if stamp.0.is_empty() && release.0.is_empty() {
+        Vec::new()
+    } else {
+        sqlx::query_as(STAMP_AND_RELEASE)
+            .bind(&stamp.0)
+            .bind(&stamp.1)
+            .bind(batch.owner)
+            .bind(millis(batch.lease_for))
+            .bind(&release.0)
+            .bind(&release.1)
+            .bind(batch.at.bind())
+            .bind(&release.2)
+            .fetch_all(&mut *conn)
+            .await?
+    };
+    let stamped: HashMap<uuid::Uuid, DateTime<Utc>> = stamped.into_iter().collect();
+    Ok(leases
+        .into_iter()
+        .map(|(lease, admission)| {
+            let slotted = match admission {
+                Admission::Admitted { send_at } if send_at <= decided_at => {
+                    match stamped.get(&lease.id.as_uuid()) {
+                        Some(until) => {
+                            let mut fenced = lease.clone();
+                            fenced.lease_expires_at = *until;
+                            Slotted::Slot(SendSlot::Now, fenced)
+                        }
+                        None => Slotted::Unfenced,
+                    }
+                }
+                Admission::Admitted { send_at } => Slotted::Slot(
+                    SendSlot::At {
+                        send_at,
+                        reserved_at: decided_at,
+                    },
+                    lease.clone(),
+                ),
+                Admission::Deferred { until, reason } => Slotted::Released { until, reason },
+            };
+            (lease, slotted)
+        })
+        .collect())
+}

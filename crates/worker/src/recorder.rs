@@ -1,0 +1,149 @@
+//! Group commit of outcomes, and holding on to them while the ledger is away.
+//!
+//! Concurrent sends hand their outcome to one recorder task, which writes whatever has
+//! gathered in one statement ([`Ledger::record_outcomes`]), so a busy worker commits once per
+//! group, not once per send. A finished send's outcome is the most valuable thing a worker
+//! holds (a 2xx with the provider's message id): when the write fails (PostgreSQL restarting,
+//! a connection cut), the recorder keeps the outcomes and tries again, backing off, until each
+//! one's lease would end; only then does it give up on it and leave it to the reaper.
+
+use std::time::Duration;
+
+use nudge_domain::Decision;
+use nudge_ledger::{AttemptRecord, LeasedDelivery, Ledger, LedgerTime, OutcomeToRecord, Recorded};
+use tokio::sync::{mpsc, oneshot};
+use tracing::{info, warn};
+
+use crate::clock::LedgerClock;
+
+/// The most outcomes written in one statement.
+const MAX_GROUP: usize = 256;
+/// First and longest pause between two tries of a failed write.
+const RETRY_FIRST: Duration = Duration::from_millis(50);
+const RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// Why an outcome was not recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NotRecorded {
+    /// The ledger could not be written before the lease ended: the reaper decides.
+    #[error("the ledger could not be written before the lease ended")]
+    LeaseEnded,
+    /// The worker is stopping and the recorder is gone.
+    #[error("the recorder stopped")]
+    Stopped,
+}
+
+struct Job {
+    lease: LeasedDelivery,
+    decision: Decision,
+    attempt: AttemptRecord,
+    reply: oneshot::Sender<Result<Recorded, NotRecorded>>,
+}
+
+/// A handle on the recorder task; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Recorder {
+    jobs: mpsc::Sender<Job>,
+}
+
+impl Recorder {
+    /// Starts the recorder task. It ends when every handle is dropped and its queue is empty.
+    pub fn spawn(ledger: Ledger, clock: std::sync::Arc<LedgerClock>) -> Self {
+        let (jobs, rx) = mpsc::channel(4 * MAX_GROUP);
+        tokio::spawn(run(ledger, clock, rx));
+        Self { jobs }
+    }
+
+    /// Records one outcome, in whatever group it joins; waits until it is written (or given up).
+    pub async fn record(
+        &self,
+        lease: LeasedDelivery,
+        decision: Decision,
+        attempt: AttemptRecord,
+    ) -> Result<Recorded, NotRecorded> {
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            lease,
+            decision,
+            attempt,
+            reply,
+        };
+        if self.jobs.send(job).await.is_err() {
+            return Err(NotRecorded::Stopped);
+        }
+        answer.await.unwrap_or(Err(NotRecorded::Stopped))
+    }
+}
+
+async fn run(ledger: Ledger, clock: std::sync::Arc<LedgerClock>, mut rx: mpsc::Receiver<Job>) {
+    let mut group: Vec<Job> = Vec::with_capacity(MAX_GROUP);
+    while let Some(first) = rx.recv().await {
+        group.push(first);
+        while group.len() < MAX_GROUP {
+            match rx.try_recv() {
+                Ok(job) => group.push(job),
+                Err(_) => break,
+            }
+        }
+        write(&ledger, &clock, &mut group).await;
+    }
+}
+
+/// Writes a group, retrying while the ledger fails; replies to every job.
+async fn write(ledger: &Ledger, clock: &LedgerClock, group: &mut Vec<Job>) {
+    let mut delay = RETRY_FIRST;
+    let mut failures = 0u32;
+    loop {
+        let outcomes: Vec<OutcomeToRecord<'_>> = group
+            .iter()
+            .map(|j| OutcomeToRecord {
+                lease: &j.lease,
+                decision: &j.decision,
+                attempt: &j.attempt,
+            })
+            .collect();
+        match ledger
+            .record_outcomes(&outcomes, LedgerTime::Database)
+            .await
+        {
+            Ok(recorded) => {
+                if failures > 0 {
+                    info!(
+                        failures,
+                        outcomes = group.len(),
+                        "outcomes recorded after the ledger came back"
+                    );
+                }
+                for (job, recorded) in group.drain(..).zip(recorded) {
+                    let _ = job.reply.send(Ok(recorded));
+                }
+                return;
+            }
+            Err(e) => {
+                failures += 1;
+                if failures == 1 {
+                    warn!(error.cause_chain = ?e, outcomes = group.len(),
+                          "failed to record outcomes; holding them and trying again");
+                }
+                // Give up on outcomes whose lease will have ended by the next try: the
+                // reaper owns them then, and a write after that would be refused anyway.
+                let next_try = clock.now()
+                    + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
+                let (keep, lapsed): (Vec<Job>, Vec<Job>) = group
+                    .drain(..)
+                    .partition(|j| j.lease.lease_expires_at > next_try);
+                for job in lapsed {
+                    warn!(delivery_id = %job.lease.id,
+                          "lease ended before its outcome could be recorded; the reaper settles it");
+                    let _ = job.reply.send(Err(NotRecorded::LeaseEnded));
+                }
+                *group = keep;
+                if group.is_empty() {
+                    return;
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(RETRY_MAX);
+            }
+        }
+    }
+}

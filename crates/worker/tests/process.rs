@@ -1,0 +1,461 @@
+//! The worker's one step (`Worker::process_batch`) against a real ledger (a fresh database per
+//! test) and the provider stub in-process: what is sent, what is recorded, and what a skewed
+//! clock, a hanging provider or a ledger outage do to it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use nudge_domain::{
+    AdmissionSettings, Channel, DeliveryState, EventId, ProviderAccount, RetryPolicy, SubscriberRef,
+};
+use nudge_ledger::{Destination, DestinationCipher, DueDelivery, Ledger, LedgerTime, NewReminder};
+use nudge_proto::Envelope;
+use nudge_provider::{HttpProvider, HttpProviderConfig};
+use nudge_worker::{LedgerClock, Processed, Providers, Recorder, Worker, WorkerMetrics};
+use serde_json::json;
+use sqlx::PgPool;
+use tokio::net::TcpListener;
+
+const KEY: [u8; 32] = [7; 32];
+
+struct Setup {
+    ledger: Ledger,
+    stub: provider_stub::StubState,
+    base: String,
+}
+
+async fn setup(pool: PgPool) -> Setup {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let stub = provider_stub::StubState::new();
+    tokio::spawn(provider_stub::serve(
+        listener,
+        stub.clone(),
+        std::future::pending(),
+    ));
+    Setup {
+        ledger: Ledger::from_pool(pool),
+        stub,
+        base,
+    }
+}
+
+fn account(name: &str) -> ProviderAccount {
+    ProviderAccount::parse(name).unwrap()
+}
+
+/// A worker on `sms-main`, whose local clock reads `skew` away from the truth.
+fn worker(
+    setup: &Setup,
+    honours_idempotency: bool,
+    timeout_ms: u64,
+    skew: chrono::Duration,
+) -> Worker {
+    let provider = HttpProvider::new(&HttpProviderConfig {
+        account: "sms-main".into(),
+        channel: Channel::Sms,
+        base_url: format!("{}/accounts/sms-main", setup.base),
+        auth_token: None,
+        timeout_ms,
+        connect_timeout_ms: (timeout_ms / 2).min(1_000),
+        honours_idempotency,
+        default_for_channel: true,
+        rate_per_second: None,
+        burst: None,
+    })
+    .unwrap();
+    let clock = Arc::new(LedgerClock::new(Arc::new(move || Utc::now() + skew)));
+    Worker {
+        channel: Channel::Sms,
+        ledger: setup.ledger.clone(),
+        cipher: DestinationCipher::new(&KEY),
+        providers: Providers::new(vec![provider], account("sms-main")),
+        policy: RetryPolicy::default(),
+        lease_for: Duration::from_secs(30),
+        worker_id: format!("test-worker-{}", uuid::Uuid::new_v4().simple()),
+        recorder: Recorder::spawn(setup.ledger.clone(), clock.clone()),
+        clock,
+        admission: AdmissionSettings::default(),
+        metrics: Arc::new(WorkerMetrics::new()),
+        shutdown: tokio_util::sync::CancellationToken::new(),
+    }
+}
+
+fn script(setup: &Setup, v: serde_json::Value) {
+    setup
+        .stub
+        .set_script(account("sms-main"), serde_json::from_value(v).unwrap());
+}
+
+async fn db_now(ledger: &Ledger) -> DateTime<Utc> {
+    ledger.clock(LedgerTime::Database).await.unwrap()
+}
+
+/// An SMS reminder with a destination, due `due_in` from the database's now and expiring
+/// `expires_in` after that; materialised and claimed, as the relay would.
+async fn published(
+    ledger: &Ledger,
+    event: &str,
+    due_in: chrono::Duration,
+    lasts: chrono::Duration,
+) -> DueDelivery {
+    let now = db_now(ledger).await;
+    let tenant = match ledger.tenant_by_name("clinic").await.unwrap() {
+        Some(t) => t,
+        None => ledger.create_tenant("clinic", now).await.unwrap(),
+    };
+    let subscriber = SubscriberRef::parse(&format!("patient-{event}")).unwrap();
+    let cipher = DestinationCipher::new(&KEY);
+    ledger
+        .upsert_contact(
+            tenant.id,
+            &subscriber,
+            Channel::Sms,
+            &Destination::new("+15550100"),
+            &cipher,
+            now,
+        )
+        .await
+        .unwrap();
+    let created = ledger
+        .create_reminder(
+            &NewReminder::new(
+                tenant.id,
+                EventId::parse(event).unwrap(),
+                subscriber,
+                &[Channel::Sms],
+                now + due_in,
+                now + due_in + lasts,
+            )
+            .unwrap(),
+            &cipher,
+            now,
+        )
+        .await
+        .unwrap();
+    ledger
+        .materialise_reminder(tenant.id, created.id, now)
+        .await
+        .unwrap();
+    let mut claimed = ledger
+        .claim_due(Channel::Sms, 100, LedgerTime::Database)
+        .await
+        .unwrap();
+    claimed
+        .iter()
+        .position(|d| d.reminder_id == created.id)
+        .map(|i| claimed.swap_remove(i))
+        .expect("claimed")
+}
+
+fn envelope(d: &DueDelivery) -> Vec<u8> {
+    Envelope {
+        delivery_id: d.id,
+        reminder_id: d.reminder_id,
+        tenant_id: d.tenant_id,
+        channel: d.channel,
+        generation: d.generation,
+        lane: d.lane,
+        correlation_id: "corr".into(),
+        enqueued_at: Utc::now(),
+    }
+    .encode()
+}
+
+async fn state(ledger: &Ledger, d: &DueDelivery) -> DeliveryState {
+    ledger.delivery(d.id).await.unwrap().unwrap().state
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_batch_is_leased_together_sent_and_recorded(pool: PgPool) {
+    let setup = setup(pool).await;
+    let worker = worker(&setup, true, 2_000, chrono::Duration::zero());
+    let mut due = Vec::new();
+    for i in 0..20 {
+        due.push(
+            published(
+                &setup.ledger,
+                &format!("e{i}"),
+                chrono::Duration::seconds(-1),
+                chrono::Duration::hours(1),
+            )
+            .await,
+        );
+    }
+    let payloads: Vec<Vec<u8>> = due.iter().map(envelope).collect();
+    let payloads: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
+
+    let processed = worker.process_batch(&payloads).await;
+
+    assert_eq!(
+        processed,
+        vec![Processed::Attempted(DeliveryState::Delivered); 20]
+    );
+    for d in &due {
+        assert_eq!(state(&setup.ledger, d).await, DeliveryState::Delivered);
+        assert_eq!(setup.ledger.attempts(d.id).await.unwrap().len(), 1);
+    }
+    let stats = setup.stub.stats();
+    assert_eq!((stats.total.requests, stats.total.accepted), (20, 20));
+    // The same messages again are stale: nothing more is sent.
+    let again = worker.process_batch(&payloads).await;
+    assert_eq!(again, vec![Processed::Stale; 20]);
+    assert_eq!(setup.stub.stats().total.requests, 20);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_worker_whose_clock_is_skewed_behaves_as_one_on_time(pool: PgPool) {
+    let setup = setup(pool).await;
+    for (name, skew) in [
+        ("behind", chrono::Duration::seconds(-30)),
+        ("ahead", chrono::Duration::seconds(30)),
+    ] {
+        let worker = worker(&setup, true, 2_000, skew);
+
+        // Due now: a worker behind does not drop it as not yet due.
+        let due_now = published(
+            &setup.ledger,
+            &format!("{name}-due"),
+            chrono::Duration::seconds(-1),
+            chrono::Duration::hours(1),
+        )
+        .await;
+        assert_eq!(
+            worker.process_one(&envelope(&due_now)).await,
+            Processed::Attempted(DeliveryState::Delivered),
+            "{name}"
+        );
+
+        // Expiring in 10 s: a worker ahead does not expire it early.
+        let expiring = published(
+            &setup.ledger,
+            &format!("{name}-soon"),
+            chrono::Duration::seconds(-1),
+            chrono::Duration::seconds(11),
+        )
+        .await;
+        assert_eq!(
+            worker.process_one(&envelope(&expiring)).await,
+            Processed::Attempted(DeliveryState::Delivered),
+            "{name}"
+        );
+
+        // Expired by the database's clock by the time its message is taken: a worker behind
+        // (to which it still looks alive) does not send it.
+        let expired = published(
+            &setup.ledger,
+            &format!("{name}-gone"),
+            chrono::Duration::seconds(-1),
+            chrono::Duration::seconds(2),
+        )
+        .await;
+        let expires_at = setup
+            .ledger
+            .delivery(expired.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .expires_at;
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while db_now(&setup.ledger).await <= expires_at {
+            assert!(std::time::Instant::now() < deadline, "time stood still");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let requests_before = setup.stub.stats().total.requests;
+        assert_eq!(
+            worker.process_one(&envelope(&expired)).await,
+            Processed::Expired,
+            "{name}"
+        );
+        assert_eq!(
+            setup.stub.stats().total.requests,
+            requests_before,
+            "{name}: nothing sent"
+        );
+
+        // A 429 asking for 30 s: the retry is not due before 30 s by the database's clock.
+        script(
+            &setup,
+            json!({"sequence": [{"status": 429, "retry_after": "30"}]}),
+        );
+        let throttled = published(
+            &setup.ledger,
+            &format!("{name}-429"),
+            chrono::Duration::seconds(-1),
+            chrono::Duration::hours(1),
+        )
+        .await;
+        assert_eq!(
+            worker.process_one(&envelope(&throttled)).await,
+            Processed::Attempted(DeliveryState::RetryWait),
+            "{name}"
+        );
+        let record = setup.ledger.delivery(throttled.id).await.unwrap().unwrap();
+        let waits = record.next_attempt_at.unwrap() - db_now(&setup.ledger).await;
+        // Tolerance: the time between the answer and this read (well under a second here).
+        assert!(
+            waits > chrono::Duration::seconds(28) && waits <= chrono::Duration::seconds(30),
+            "{name}: the retry waits {waits} of the 30 s asked"
+        );
+        script(&setup, json!({}));
+    }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_hang_or_a_5xx_without_idempotency_is_held_ambiguous_and_never_resent(pool: PgPool) {
+    let setup = setup(pool).await;
+    let worker = worker(&setup, false, 500, chrono::Duration::zero());
+    script(&setup, json!({"sequence": [{"hang": true}]}));
+    let hung = published(
+        &setup.ledger,
+        "hang",
+        chrono::Duration::seconds(-1),
+        chrono::Duration::hours(1),
+    )
+    .await;
+
+    assert_eq!(
+        worker.process_one(&envelope(&hung)).await,
+        Processed::Attempted(DeliveryState::Ambiguous)
+    );
+
+    for status in [500, 502, 504] {
+        script(&setup, json!({"sequence": [{"status": status}]}));
+        let failed = published(
+            &setup.ledger,
+            &format!("s{status}"),
+            chrono::Duration::seconds(-1),
+            chrono::Duration::hours(1),
+        )
+        .await;
+        assert_eq!(
+            worker.process_one(&envelope(&failed)).await,
+            Processed::Attempted(DeliveryState::Ambiguous),
+            "{status}"
+        );
+        let attempts = setup.ledger.attempts(failed.id).await.unwrap();
+        assert_eq!(
+            attempts[0].reason.as_deref(),
+            Some(format!("maybe_sent: http_{status}").as_str())
+        );
+    }
+    script(
+        &setup,
+        json!({"sequence": [{"status": 503, "retry_after": "5"}]}),
+    );
+    let unavailable = published(
+        &setup.ledger,
+        "s503",
+        chrono::Duration::seconds(-1),
+        chrono::Duration::hours(1),
+    )
+    .await;
+    assert_eq!(
+        worker.process_one(&envelope(&unavailable)).await,
+        Processed::Attempted(DeliveryState::RetryWait),
+        "a 503 with Retry-After was not taken: retryable"
+    );
+    let stats = setup.stub.stats();
+    assert_eq!(stats.total.requests, 5, "one request each, nothing resent");
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_ledger_outage_before_the_lease_sends_nothing_and_spends_no_attempt(pool: PgPool) {
+    let setup = setup(pool.clone()).await;
+    let worker = worker(&setup, false, 2_000, chrono::Duration::zero());
+    let due = published(
+        &setup.ledger,
+        "e",
+        chrono::Duration::seconds(-1),
+        chrono::Duration::hours(1),
+    )
+    .await;
+    pool.close().await;
+
+    let processed = worker.process_one(&envelope(&due)).await;
+
+    assert_eq!(processed, Processed::Dropped("ledger_unavailable"));
+    assert_eq!(setup.stub.stats().total.requests, 0);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_outcome_is_held_through_a_ledger_outage_and_recorded_when_it_returns(pool: PgPool) {
+    let setup = setup(pool.clone()).await;
+    let worker = worker(&setup, false, 5_000, chrono::Duration::zero());
+    let due = published(
+        &setup.ledger,
+        "e",
+        chrono::Duration::seconds(-1),
+        chrono::Duration::hours(1),
+    )
+    .await;
+    // The provider answers a second after the request: the database goes away meanwhile.
+    script(
+        &setup,
+        json!({"sequence": [{"status": 202, "delay_ms": 1500}]}),
+    );
+    let name = pool.connect_options().get_database().unwrap().to_owned();
+    let admin = sqlx::PgPool::connect(&std::env::var("DATABASE_URL").unwrap())
+        .await
+        .unwrap();
+    let worker = Arc::new(worker);
+    let task = {
+        let worker = worker.clone();
+        let payload = envelope(&due);
+        tokio::spawn(async move { worker.process_one(&payload).await })
+    };
+    // Wait (bounded) until the request is at the provider, then cut the database off.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while setup.stub.stats().total.requests == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the send never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS false"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1")
+        .bind(&name)
+        .execute(&admin)
+        .await
+        .unwrap();
+    // The outage lasts until the provider has answered, and two seconds more.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while setup.stub.stats().total.accepted == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the provider never answered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!task.is_finished(), "the outcome is held, not given up");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS true"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+
+    let processed = tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .unwrap()
+        .unwrap();
+
+    assert_eq!(processed, Processed::Attempted(DeliveryState::Delivered));
+    let ledger = Ledger::from_pool(
+        sqlx::PgPool::connect_with((*pool.connect_options()).clone())
+            .await
+            .unwrap(),
+    );
+    assert_eq!(state(&ledger, &due).await, DeliveryState::Delivered);
+    assert_eq!(ledger.attempts(due.id).await.unwrap().len(), 1);
+    assert_eq!(setup.stub.stats().total.requests, 1, "sent once");
+}
