@@ -27,14 +27,18 @@ mod tenants;
 
 pub use audit::AuditEntry;
 pub use buckets::{BucketAdmission, BucketCheck, Feedback, RateBucket};
-pub use crypto::{Destination, DestinationCipher};
+pub use contacts::SubscriberConversion;
+pub use crypto::{Destination, DestinationCipher, SubscriberKey};
 pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{
     Attempt, AttemptRecord, DeliveryRecord, DueDelivery, LeaseOutcome, LeasedDelivery,
 };
 pub use error::LedgerError;
 pub use estimate::{Backlog, OwedDelivery};
-pub use reminders::{CreatedReminder, NewReminder, WindowOutcome};
+pub use reminders::{
+    CreatedReminder, ImportOutcome, ImportReminder, MAX_CONTENT_BYTES, MAX_DESTINATION_BYTES,
+    NewReminder, WindowOutcome,
+};
 pub use schedules::Schedule;
 pub use status::ChannelStatus;
 pub use tenants::Tenant;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
 use nudge_domain::{Channel, EventId, ReminderId, SubscriberRef, TenantId};
-use nudge_ledger::{DestinationCipher, Ledger, NewReminder, Tenant};
+use nudge_ledger::{DestinationCipher, Ledger, NewReminder, SubscriberKey, Tenant};
 
 pub fn t0() -> DateTime<Utc> {
     Utc.with_ymd_and_hms(2026, 11, 29, 9, 0, 0).unwrap()
@@ -19,7 +19,7 @@ pub fn secs(n: i64) -> chrono::Duration {
 pub const LEASE: Duration = Duration::from_secs(60);
 
 pub fn cipher() -> DestinationCipher {
-    DestinationCipher::new(&[42u8; 32])
+    DestinationCipher::new(&[42u8; 32]).with_subscriber_key(SubscriberKey::new(&[43u8; 32]))
 }
 
 pub async fn tenant(ledger: &Ledger) -> Tenant {
