@@ -141,6 +141,7 @@ log_format = "json"
 [crypto]
 # A fresh key for this run only.
 destination_key = "$(head -c 32 /dev/urandom | base64)"
+subscriber_key = "$(head -c 32 /dev/urandom | base64)"
 
 [producer]
 relay_interval_ms = 100

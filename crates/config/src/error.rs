@@ -27,6 +27,18 @@ pub enum ConfigError {
     #[error("invalid configuration{}", figment_key(.0).map(|k| format!(": {k}")).unwrap_or_default())]
     Figment(#[source] Box<figment::Error>),
 
+    /// A `NUDGE_` environment variable that is no configuration key and not one of the listed
+    /// variables read elsewhere ([`crate::NOT_CONFIG_VARIABLES`]), most likely a misspelt key.
+    #[error(
+        "unknown environment variable {name}: a key is NUDGE_<SECTION>__<KEY>, with two \
+         underscores between levels (e.g. NUDGE_DATABASE__URL), for a section of \
+         nudge's configuration; unset it or fix its name"
+    )]
+    UnknownVariable {
+        /// The variable's name; its value is never kept.
+        name: String,
+    },
+
     /// The configuration file named by `--config` or `NUDGE_CONFIG` could not be read.
     #[error("cannot read configuration file {}", path.display())]
     File {
@@ -52,7 +64,7 @@ impl ConfigError {
         match self {
             Self::Invalid { key, .. } => Some(key.clone()),
             Self::Figment(e) => figment_key(e),
-            Self::File { .. } => None,
+            Self::File { .. } | Self::UnknownVariable { .. } => None,
         }
     }
 }

@@ -30,12 +30,15 @@
 //! | `telemetry.otlp_endpoint` | unset (no export) | `http://` or `https://` URL |
 //! | `telemetry.metrics_addr` | unset (no listener) | socket address, e.g. `"0.0.0.0:9464"` |
 //! | `crypto.destination_key` (secret) | unset | standard base64 of exactly 32 bytes |
+//! | `crypto.subscriber_key` (secret) | unset | standard base64 of exactly 32 bytes; writers only |
 //! | `retry.base_delay_ms` | `1000` | >= 1 |
 //! | `retry.max_delay_ms` | `300000` | >= `retry.base_delay_ms` |
 //! | `retry.max_attempts` | `8` | >= 1 |
 //! | `retry.max_retry_after_s` | `3600` | > 0 |
 //!
-//! `NUDGE_CONFIG` is the file path, never a key.
+//! `NUDGE_CONFIG` is the file path, never a key. Any other `NUDGE_` variable that is not a key
+//! of a known section (`NUDGE_<SECTION>__<KEY>`) stops the binary naming it, unless it is one
+//! of the variables read elsewhere ([`NOT_CONFIG_VARIABLES`], [`NOT_CONFIG_PREFIXES`]).
 //!
 //! # Example
 //!
@@ -70,7 +73,10 @@ mod secret;
 mod sections;
 
 pub use error::ConfigError;
-pub use load::{CONFIG_FILE_ENV, ENV_NESTING, ENV_PREFIX, KNOWN_SECTIONS, Validate, load};
+pub use load::{
+    CONFIG_FILE_ENV, ENV_NESTING, ENV_PREFIX, KNOWN_SECTIONS, NOT_CONFIG_PREFIXES,
+    NOT_CONFIG_VARIABLES, Validate, load,
+};
 pub use secret::Secret;
 pub use sections::{
     AmqpConfig, CryptoConfig, DatabaseConfig, LogFormat, RetryConfig, TelemetryConfig,

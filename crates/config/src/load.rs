@@ -1,3 +1,4 @@
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use figment::Figment;
@@ -38,6 +39,11 @@ pub trait Validate {
 /// start-up. A misspelt key *inside* a listed section (`NUDGE_DATABASE__URLL`) is still an error.
 /// `NUDGE_CONFIG` is never a key, so `config` cannot be a section name.
 ///
+/// Every other `NUDGE_` variable must be `NUDGE_<SECTION>__<KEY>` for a section in
+/// [`KNOWN_SECTIONS`], or be listed in [`NOT_CONFIG_VARIABLES`] (or start with one of
+/// [`NOT_CONFIG_PREFIXES`]): anything else stops the load naming the variable, so that a
+/// misspelt name (`NUDGE_DATABASE_URL`, one underscore) cannot leave a default in force.
+///
 /// The file may hold sections of other nudge binaries ([`KNOWN_SECTIONS`]): they are ignored.
 ///
 /// A file that was asked for but cannot be read is an error naming the path; when neither
@@ -52,6 +58,8 @@ where
             "reserved for the NUDGE_CONFIG file path; choose another section name",
         ));
     }
+
+    check_environment(std::env::vars_os().map(|(name, _)| name))?;
 
     let mut figment = Figment::from(Serialized::defaults(T::default()));
     if let Some(path) = config_file
@@ -92,6 +100,50 @@ pub const KNOWN_SECTIONS: &[&str] = &[
     "admission",
     "intake",
 ];
+
+/// `NUDGE_` variables that are not configuration keys, read by name elsewhere: the file path
+/// (`NUDGE_CONFIG`), `nudgectl`'s `--actor` (`NUDGE_ACTOR`), and the variables of the compose
+/// file, the container build and the test harness (`deploy/README.md`, `scripts/`, `tests/`).
+pub const NOT_CONFIG_VARIABLES: &[&str] = &[
+    CONFIG_FILE_ENV,
+    "NUDGE_ACTOR",
+    "NUDGE_BIN_DIR",
+    "NUDGE_DOCKERFILE",
+    "NUDGE_IMAGE",
+    "NUDGE_POSTGRES_PORT",
+    "NUDGE_RABBITMQ_PORT",
+    "NUDGE_RABBITMQ_UI_PORT",
+    "NUDGE_STUB_PORT",
+];
+
+/// Prefixes of `NUDGE_` variables that are not configuration keys: the benchmarks' and the
+/// tests' own settings (`NUDGE_BENCH_*`, `NUDGE_TEST_*`, e.g. `NUDGE_TEST_AMQP_URL`).
+pub const NOT_CONFIG_PREFIXES: &[&str] = &["NUDGE_BENCH_", "NUDGE_TEST_"];
+
+/// Refuses a `NUDGE_` variable that is neither a key of a known section nor a listed
+/// non-configuration variable (see [`load`]). Names the variable, never its value.
+fn check_environment(names: impl Iterator<Item = OsString>) -> Result<(), ConfigError> {
+    let mut unknown: Vec<String> = names
+        .filter_map(|name| {
+            let name = name.to_string_lossy().into_owned();
+            let rest = name.strip_prefix(ENV_PREFIX)?;
+            if NOT_CONFIG_VARIABLES.contains(&name.as_str())
+                || NOT_CONFIG_PREFIXES.iter().any(|p| name.starts_with(p))
+            {
+                return None;
+            }
+            let known = rest.split_once(ENV_NESTING).is_some_and(|(top, key)| {
+                !key.is_empty() && KNOWN_SECTIONS.iter().any(|s| s.eq_ignore_ascii_case(top))
+            });
+            (!known).then_some(name)
+        })
+        .collect();
+    unknown.sort();
+    match unknown.first() {
+        None => Ok(()),
+        Some(name) => Err(ConfigError::UnknownVariable { name: name.clone() }),
+    }
+}
 
 /// The TOML file, less the known sections this binary does not have.
 struct SectionsOf {

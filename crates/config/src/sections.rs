@@ -276,12 +276,23 @@ impl Validate for TelemetryConfig {
 pub struct CryptoConfig {
     /// Standard base64 of exactly 32 bytes: the key that encrypts destinations in the ledger.
     pub destination_key: Option<Secret>,
+    /// Standard base64 of exactly 32 bytes: the key of the keyed hash (HMAC-SHA256) that
+    /// subscriber references are stored as. Needed only by writers (`nudgectl reminders load`,
+    /// `nudgectl migrate` to convert rows written before); never by a worker.
+    pub subscriber_key: Option<Secret>,
 }
 
 impl CryptoConfig {
     /// Checks the section as it sits under `prefix` (usually `"crypto"`).
     pub fn validate_at(&self, prefix: &str) -> Result<(), ConfigError> {
-        self.decode_destination_key(prefix).map(|_| ())
+        self.decode_destination_key(prefix)?;
+        decode_key(self.subscriber_key.as_ref(), &key(prefix, "subscriber_key")).map(|_| ())
+    }
+
+    /// The decoded subscriber key, `None` when not configured. Errors name
+    /// `crypto.subscriber_key`, never the value.
+    pub fn subscriber_key_bytes(&self) -> Result<Option<[u8; 32]>, ConfigError> {
+        decode_key(self.subscriber_key.as_ref(), "crypto.subscriber_key")
     }
 
     /// The decoded destination key, `None` when not configured.
@@ -293,23 +304,31 @@ impl CryptoConfig {
     }
 
     fn decode_destination_key(&self, prefix: &str) -> Result<Option<[u8; 32]>, ConfigError> {
-        let Some(encoded) = &self.destination_key else {
-            return Ok(None);
-        };
-        let invalid = |message: &str| ConfigError::invalid(key(prefix, "destination_key"), message);
-        // The decode error is dropped: base64's messages quote offending bytes of the secret.
-        let mut decoded = STANDARD
-            .decode(encoded.expose().trim())
-            .map_err(|_| invalid("expected standard base64 (the value is not shown)"))?;
-        let bytes = <[u8; 32]>::try_from(decoded.as_slice()).map_err(|_| {
-            invalid(&format!(
-                "expected base64 of exactly 32 bytes, got {} bytes",
-                decoded.len()
-            ))
-        });
-        decoded.zeroize();
-        bytes.map(Some)
+        decode_key(
+            self.destination_key.as_ref(),
+            &key(prefix, "destination_key"),
+        )
     }
+}
+
+/// A 32-byte key given as standard base64; errors name `name`, never the value.
+fn decode_key(encoded: Option<&Secret>, name: &str) -> Result<Option<[u8; 32]>, ConfigError> {
+    let Some(encoded) = encoded else {
+        return Ok(None);
+    };
+    let invalid = |message: &str| ConfigError::invalid(name, message);
+    // The decode error is dropped: base64's messages quote offending bytes of the secret.
+    let mut decoded = STANDARD
+        .decode(encoded.expose().trim())
+        .map_err(|_| invalid("expected standard base64 (the value is not shown)"))?;
+    let bytes = <[u8; 32]>::try_from(decoded.as_slice()).map_err(|_| {
+        invalid(&format!(
+            "expected base64 of exactly 32 bytes, got {} bytes",
+            decoded.len()
+        ))
+    });
+    decoded.zeroize();
+    bytes.map(Some)
 }
 
 impl Validate for CryptoConfig {
@@ -410,6 +429,7 @@ mod tests {
     fn a_32_byte_base64_destination_key_decodes() {
         let crypto = CryptoConfig {
             destination_key: Some(Secret::new(STANDARD.encode([7u8; 32]))),
+            subscriber_key: None,
         };
         assert!(crypto.validate().is_ok());
         assert_eq!(
@@ -427,6 +447,7 @@ mod tests {
         for value in [STANDARD.encode([7u8; 16]), "not base64 !!".to_owned()] {
             let crypto = CryptoConfig {
                 destination_key: Some(Secret::new(value.clone())),
+                subscriber_key: None,
             };
             let message = crypto
                 .validate()

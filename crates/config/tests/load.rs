@@ -281,11 +281,77 @@ fn a_missing_file_named_by_nudge_config_is_an_error_naming_the_path() {
 fn environment_for_sections_this_binary_lacks_is_ignored() {
     Jail::expect_with(|jail| {
         jail.clear_env();
-        jail.set_env("NUDGE_OTHER__X", "1");
         jail.set_env("NUDGE_AMQP__URL", "amqp://guest:guest@mq:5672/%2f");
-        jail.set_env("NUDGE_UNRELATED", "yes");
+        jail.set_env("NUDGE_WORKER__LEASE_SECONDS", "30");
         let config = load_test(None).map_err(|e| chain(&e))?;
         assert_eq!(config.database.max_connections, 10);
+        Ok(())
+    });
+}
+
+#[test]
+fn a_variable_with_one_underscore_between_levels_stops_the_load_naming_it() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.set_env(
+            "NUDGE_DATABASE_URL",
+            "postgres://nudge:s3cr3t@prod-db/nudge",
+        );
+        let err = load_test(None)
+            .err()
+            .ok_or("a misspelt variable was ignored")?;
+        assert!(
+            matches!(&err, ConfigError::UnknownVariable { name } if name == "NUDGE_DATABASE_URL"),
+            "{err:?}"
+        );
+        let message = chain(&err);
+        assert!(
+            message.starts_with("unknown environment variable NUDGE_DATABASE_URL: "),
+            "{message}"
+        );
+        assert!(message.contains("NUDGE_DATABASE__URL"), "{message}");
+        assert!(!message.contains("s3cr3t"), "{message}");
+        Ok(())
+    });
+}
+
+#[test]
+fn a_variable_for_no_section_of_any_binary_is_refused() {
+    for name in [
+        "NUDGE_DATABSE__URL",
+        "NUDGE_UNRELATED",
+        "NUDGE_DATABASE",
+        "NUDGE_AMQP__",
+    ] {
+        Jail::expect_with(|jail| {
+            jail.clear_env();
+            jail.set_env(name, "1");
+            let err = load_test(None).err().ok_or(format!("{name} was ignored"))?;
+            assert!(chain(&err).contains(name), "{}", chain(&err));
+            Ok(())
+        });
+    }
+}
+
+#[test]
+fn variables_read_elsewhere_are_not_taken_for_keys() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("nudge.toml", "[database]\nmax_connections = 3\n")?;
+        jail.set_env("NUDGE_CONFIG", "nudge.toml");
+        for name in nudge_config::NOT_CONFIG_VARIABLES {
+            if *name != "NUDGE_CONFIG" {
+                jail.set_env(name, "x");
+            }
+        }
+        jail.set_env(
+            "NUDGE_TEST_AMQP_URL",
+            "amqp://guest:guest@127.0.0.1:5672/%2f",
+        );
+        jail.set_env("NUDGE_BENCH_REMINDERS", "20000");
+        let config = load_test(None).map_err(|e| chain(&e))?;
+        assert_eq!(config.database.max_connections, 3);
+        assert!(nudge_config::NOT_CONFIG_VARIABLES.contains(&"NUDGE_ACTOR"));
         Ok(())
     });
 }

@@ -1,3 +1,7 @@
+//! Contacts: a subscriber's destination per channel, encrypted, keyed by the *stored*
+//! subscriber reference (see `crypto`). Also what a send needs just before it, and the
+//! conversion of rows written before subscriber references were stored as a keyed hash.
+
 use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, SubscriberRef, TenantId};
 
@@ -6,44 +10,43 @@ use crate::deliveries::LeasedDelivery;
 use crate::reminders::content_aad;
 use crate::{Ledger, LedgerError};
 
-pub(crate) fn destination_aad(
-    tenant_id: TenantId,
-    subscriber_ref: &str,
-    channel: Channel,
-) -> Vec<u8> {
-    format!("destination:{tenant_id}:{channel}:{subscriber_ref}").into_bytes()
+/// A destination's associated data: its row's identity, with the subscriber reference in
+/// the form the row stores, so that a reader opens it without the subscriber key.
+pub(crate) fn destination_aad(tenant_id: TenantId, stored_ref: &str, channel: Channel) -> Vec<u8> {
+    format!("destination:{tenant_id}:{channel}:{stored_ref}").into_bytes()
 }
 
-pub(crate) async fn upsert_contact(
+/// Inserts or replaces sealed destinations `(tenant, stored subscriber ref, channel,
+/// ciphertext)` in one statement. The caller gives each key once, sealed under
+/// [`destination_aad`] of that key.
+pub(crate) async fn upsert_contacts(
     conn: &mut sqlx::PgConnection,
-    tenant_id: TenantId,
-    subscriber_ref: &SubscriberRef,
-    channel: Channel,
-    destination: &Destination,
-    cipher: &DestinationCipher,
+    sealed: &[(uuid::Uuid, String, Channel, Vec<u8>)],
     now: DateTime<Utc>,
 ) -> Result<(), LedgerError> {
-    let sealed = cipher.seal(
-        destination.expose().as_bytes(),
-        &destination_aad(tenant_id, subscriber_ref.as_str(), channel),
-    )?;
+    if sealed.is_empty() {
+        return Ok(());
+    }
     sqlx::query(
-        "INSERT INTO contacts (tenant_id, subscriber_ref, channel, destination_ciphertext, updated_at)
-         VALUES ($1, $2, $3, $4, $5)
+        "INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
+                               destination_ciphertext, updated_at)
+         SELECT c.tenant_id, c.subscriber_ref, true, c.channel, c.ciphertext, $5
+         FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bytea[])
+              AS c(tenant_id, subscriber_ref, channel, ciphertext)
          ON CONFLICT (tenant_id, subscriber_ref, channel)
          DO UPDATE SET destination_ciphertext = EXCLUDED.destination_ciphertext,
                        updated_at = EXCLUDED.updated_at",
     )
-    .bind(tenant_id.as_uuid())
-    .bind(subscriber_ref.as_str())
-    .bind(channel.as_str())
-    .bind(sealed)
+    .bind(sealed.iter().map(|c| c.0).collect::<Vec<_>>())
+    .bind(sealed.iter().map(|c| c.1.as_str()).collect::<Vec<_>>())
+    .bind(sealed.iter().map(|c| c.2.as_str()).collect::<Vec<_>>())
+    .bind(sealed.iter().map(|c| c.3.as_slice()).collect::<Vec<_>>())
     .bind(now)
     .execute(&mut *conn)
     .await
     .map_err(|e| match &e {
         sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
-            LedgerError::UnknownTenant(tenant_id.as_uuid())
+            LedgerError::InvalidInput("a contact names an unknown tenant")
         }
         _ => LedgerError::Database(e),
     })?;
@@ -58,7 +61,8 @@ struct MaterialRow {
 }
 
 impl Ledger {
-    /// Stores (or replaces) a subscriber's destination for one channel, encrypted.
+    /// Stores (or replaces) a subscriber's destination for one channel, encrypted. Needs the
+    /// cipher's subscriber key.
     pub async fn upsert_contact(
         &self,
         tenant_id: TenantId,
@@ -68,17 +72,22 @@ impl Ledger {
         cipher: &DestinationCipher,
         now: DateTime<Utc>,
     ) -> Result<(), LedgerError> {
+        let stored_ref = cipher.stored_ref(tenant_id, subscriber_ref)?;
+        let sealed = cipher.seal(
+            destination.expose().as_bytes(),
+            &destination_aad(tenant_id, &stored_ref, channel),
+        )?;
         let mut conn = self.pool.acquire().await?;
-        upsert_contact(
+        upsert_contacts(
             &mut conn,
-            tenant_id,
-            subscriber_ref,
-            channel,
-            destination,
-            cipher,
+            &[(tenant_id.as_uuid(), stored_ref, channel, sealed)],
             now,
         )
         .await
+        .map_err(|e| match e {
+            LedgerError::InvalidInput(_) => LedgerError::UnknownTenant(tenant_id.as_uuid()),
+            other => other,
+        })
     }
 
     /// What a send needs, in one round trip, just before it: the decrypted destination (None
@@ -122,5 +131,162 @@ impl Ledger {
             .map(|sealed| cipher.open(&sealed, &content_aad(lease.tenant_id, lease.reminder_id)))
             .transpose()?;
         Ok((destination, content))
+    }
+}
+
+/// What one pass of [`Ledger::convert_plaintext_subscribers`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SubscriberConversion {
+    /// Subscribers (tenant + reference) converted; 0 when none is left.
+    pub subscribers: u64,
+    pub contacts: u64,
+    pub reminders: u64,
+}
+
+#[derive(sqlx::FromRow)]
+struct PlaintextContact {
+    tenant_id: uuid::Uuid,
+    subscriber_ref: String,
+    channel: String,
+    destination_ciphertext: Vec<u8>,
+    updated_at: DateTime<Utc>,
+}
+
+/// Serialises conversions: two `nudgectl migrate` at once take turns, batch by batch.
+const CONVERSION_LOCK: i64 = 0x6e75_6467_6501;
+
+impl Ledger {
+    /// Converts up to `batch` subscribers still stored in plaintext (rows written before
+    /// the keyed hash) to their stored form, in one transaction: each one's contacts are
+    /// opened under the old associated data and sealed again under the new one, and its
+    /// reminders are rewritten with them, so a send's join of reminder and contact sees both
+    /// sides converted or neither. Where a contact was written again since (in the new form),
+    /// the more recently updated destination is kept. Call until it converts none.
+    pub async fn convert_plaintext_subscribers(
+        &self,
+        cipher: &DestinationCipher,
+        batch: u32,
+    ) -> Result<SubscriberConversion, LedgerError> {
+        let key = cipher.subscriber_key()?;
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(CONVERSION_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        let subscribers: Vec<(uuid::Uuid, String)> = sqlx::query_as(
+            "SELECT tenant_id, subscriber_ref FROM (
+                 SELECT tenant_id, subscriber_ref FROM contacts WHERE NOT subscriber_ref_keyed
+                 UNION
+                 SELECT tenant_id, subscriber_ref FROM reminders WHERE NOT subscriber_ref_keyed
+             ) s LIMIT $1",
+        )
+        .bind(i64::from(batch.max(1)))
+        .fetch_all(&mut *tx)
+        .await?;
+        if subscribers.is_empty() {
+            return Ok(SubscriberConversion::default());
+        }
+        let tenants: Vec<uuid::Uuid> = subscribers.iter().map(|s| s.0).collect();
+        let plain: Vec<&str> = subscribers.iter().map(|s| s.1.as_str()).collect();
+        let stored: Vec<String> = subscribers
+            .iter()
+            .map(|(tenant, r)| key.stored_ref(TenantId::from_uuid(*tenant), r))
+            .collect();
+        let stored_of: std::collections::HashMap<(uuid::Uuid, &str), &str> = subscribers
+            .iter()
+            .zip(&stored)
+            .map(|((tenant, r), s)| ((*tenant, r.as_str()), s.as_str()))
+            .collect();
+
+        let old: Vec<PlaintextContact> = sqlx::query_as(
+            "DELETE FROM contacts c USING UNNEST($1::uuid[], $2::text[]) AS k(tenant_id, subscriber_ref)
+             WHERE c.tenant_id = k.tenant_id AND c.subscriber_ref = k.subscriber_ref
+               AND NOT c.subscriber_ref_keyed
+             RETURNING c.tenant_id, c.subscriber_ref, c.channel, c.destination_ciphertext,
+                       c.updated_at",
+        )
+        .bind(&tenants)
+        .bind(&plain)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut sealed = Vec::with_capacity(old.len());
+        for contact in &old {
+            let tenant_id = TenantId::from_uuid(contact.tenant_id);
+            let channel: Channel = contact
+                .channel
+                .parse()
+                .map_err(|e| LedgerError::corrupt("contacts", e))?;
+            let destination = cipher.open(
+                &contact.destination_ciphertext,
+                &destination_aad(tenant_id, &contact.subscriber_ref, channel),
+            )?;
+            let stored_ref = stored_of
+                .get(&(contact.tenant_id, contact.subscriber_ref.as_str()))
+                .copied()
+                .ok_or_else(|| LedgerError::corrupt("contacts", "subscriber not in the batch"))?;
+            let resealed = cipher.seal(
+                &destination,
+                &destination_aad(tenant_id, stored_ref, channel),
+            )?;
+            sealed.push((
+                contact.tenant_id,
+                stored_ref,
+                channel,
+                resealed,
+                contact.updated_at,
+            ));
+        }
+        if !sealed.is_empty() {
+            sqlx::query(
+                "INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
+                                       destination_ciphertext, updated_at)
+                 SELECT c.tenant_id, c.subscriber_ref, true, c.channel, c.ciphertext, c.updated_at
+                 FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::timestamptz[])
+                      AS c(tenant_id, subscriber_ref, channel, ciphertext, updated_at)
+                 ON CONFLICT (tenant_id, subscriber_ref, channel)
+                 DO UPDATE SET destination_ciphertext = EXCLUDED.destination_ciphertext,
+                               updated_at = EXCLUDED.updated_at
+                 WHERE contacts.updated_at < EXCLUDED.updated_at",
+            )
+            .bind(sealed.iter().map(|c| c.0).collect::<Vec<_>>())
+            .bind(sealed.iter().map(|c| c.1).collect::<Vec<_>>())
+            .bind(sealed.iter().map(|c| c.2.as_str()).collect::<Vec<_>>())
+            .bind(sealed.iter().map(|c| c.3.as_slice()).collect::<Vec<_>>())
+            .bind(sealed.iter().map(|c| c.4).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await?;
+        }
+        let reminders = sqlx::query(
+            "UPDATE reminders r SET subscriber_ref = k.stored, subscriber_ref_keyed = true
+             FROM UNNEST($1::uuid[], $2::text[], $3::text[]) AS k(tenant_id, plain, stored)
+             WHERE r.tenant_id = k.tenant_id AND r.subscriber_ref = k.plain
+               AND NOT r.subscriber_ref_keyed",
+        )
+        .bind(&tenants)
+        .bind(&plain)
+        .bind(&stored)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        tx.commit().await?;
+        Ok(SubscriberConversion {
+            subscribers: subscribers.len() as u64,
+            contacts: old.len() as u64,
+            reminders,
+        })
+    }
+
+    /// Subscribers (tenant + reference) still stored in plaintext.
+    pub async fn plaintext_subscribers(&self) -> Result<u64, LedgerError> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM (
+                 SELECT tenant_id, subscriber_ref FROM contacts WHERE NOT subscriber_ref_keyed
+                 UNION
+                 SELECT tenant_id, subscriber_ref FROM reminders WHERE NOT subscriber_ref_keyed
+             ) s",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 }

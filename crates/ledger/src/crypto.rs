@@ -1,18 +1,70 @@
-//! Destinations and message content at rest: XChaCha20-Poly1305 with a key that lives
+//! PHI at rest. Destinations and message content: XChaCha20-Poly1305 with a key that lives
 //! outside the database. The associated data binds each ciphertext to its row's identity,
 //! so a ciphertext copied onto another subscriber's row fails to open.
+//!
+//! Subscriber references: stored as a keyed hash, HMAC-SHA256 under `crypto.subscriber_key`
+//! over the tenant and the reference, written as 64 lowercase hex digits (the column
+//! `subscriber_ref_keyed` says which rows hold one). The same reference of the same tenant
+//! always gives the same stored value, so reminders still join their contacts on equality,
+//! and a destination's associated data is computed from the *stored* value: whoever opens a
+//! destination (the worker) needs no subscriber key. Only writers hold that key, so a
+//! process that only sends cannot test guesses of references against the database.
 
 use chacha20poly1305::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
 use chacha20poly1305::{XChaCha20Poly1305, XNonce};
+use hmac::{Hmac, Mac};
+use nudge_domain::{SubscriberRef, TenantId};
+use sha2::Sha256;
 
 use crate::LedgerError;
 
 const NONCE_LEN: usize = 24;
 
-/// Seals and opens destinations. `Debug` never shows the key.
+/// The key that turns a subscriber reference into its stored form. `Debug` never shows it.
+#[derive(Clone)]
+pub struct SubscriberKey {
+    mac: Hmac<Sha256>,
+}
+
+impl std::fmt::Debug for SubscriberKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SubscriberKey(<redacted>)")
+    }
+}
+
+impl SubscriberKey {
+    pub fn new(key: &[u8; 32]) -> Self {
+        Self {
+            mac: <Hmac<Sha256> as Mac>::new_from_slice(key)
+                .unwrap_or_else(|_| unreachable!("HMAC takes a key of any length")),
+        }
+    }
+
+    /// The stored form of `subscriber_ref` for `tenant_id`: 64 lowercase hex digits.
+    pub(crate) fn stored_ref(&self, tenant_id: TenantId, subscriber_ref: &str) -> String {
+        let mut mac = self.mac.clone();
+        mac.update(b"nudge subscriber_ref v1\0");
+        mac.update(tenant_id.as_uuid().as_bytes());
+        mac.update(subscriber_ref.as_bytes());
+        let digest = mac.finalize().into_bytes();
+        let mut hex = String::with_capacity(64);
+        for byte in digest {
+            hex.push(char::from(HEX[usize::from(byte >> 4)]));
+            hex.push(char::from(HEX[usize::from(byte & 0x0f)]));
+        }
+        hex
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// Seals and opens destinations and content; with a [`SubscriberKey`], also writes
+/// subscriber references in their stored form (only writers need one). `Debug` never shows
+/// a key.
 #[derive(Clone)]
 pub struct DestinationCipher {
     aead: XChaCha20Poly1305,
+    subscriber: Option<SubscriberKey>,
 }
 
 impl std::fmt::Debug for DestinationCipher {
@@ -25,7 +77,35 @@ impl DestinationCipher {
     pub fn new(key: &[u8; 32]) -> Self {
         Self {
             aead: XChaCha20Poly1305::new(key.into()),
+            subscriber: None,
         }
+    }
+
+    /// Adds the key for subscriber references, which every write of a reminder or contact
+    /// needs ([`LedgerError::SubscriberKeyMissing`] without it).
+    pub fn with_subscriber_key(mut self, key: SubscriberKey) -> Self {
+        self.subscriber = Some(key);
+        self
+    }
+
+    pub fn has_subscriber_key(&self) -> bool {
+        self.subscriber.is_some()
+    }
+
+    /// The stored form of a subscriber reference (see the module documentation).
+    pub(crate) fn stored_ref(
+        &self,
+        tenant_id: TenantId,
+        subscriber_ref: &SubscriberRef,
+    ) -> Result<String, LedgerError> {
+        self.subscriber_key()
+            .map(|key| key.stored_ref(tenant_id, subscriber_ref.as_str()))
+    }
+
+    pub(crate) fn subscriber_key(&self) -> Result<&SubscriberKey, LedgerError> {
+        self.subscriber
+            .as_ref()
+            .ok_or(LedgerError::SubscriberKeyMissing)
     }
 
     /// Returns `nonce || ciphertext`.
@@ -123,6 +203,39 @@ mod tests {
                 .open(&sealed, b"r")
                 .is_err()
         );
+    }
+
+    #[test]
+    fn a_stored_subscriber_ref_is_a_keyed_hash_stable_per_tenant() {
+        let key = SubscriberKey::new(&[9u8; 32]);
+        let (a, b) = (TenantId::new(), TenantId::new());
+        let stored = key.stored_ref(a, "patient-42");
+        assert_eq!(stored.len(), 64);
+        assert!(
+            stored
+                .bytes()
+                .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+        );
+        assert!(!stored.contains("patient"));
+        assert_eq!(stored, key.stored_ref(a, "patient-42"));
+        assert_ne!(stored, key.stored_ref(b, "patient-42"));
+        assert_ne!(stored, key.stored_ref(a, "patient-43"));
+        assert_ne!(
+            stored,
+            SubscriberKey::new(&[8u8; 32]).stored_ref(a, "patient-42")
+        );
+    }
+
+    #[test]
+    fn writing_a_subscriber_ref_needs_the_subscriber_key() {
+        let subscriber = SubscriberRef::parse("patient-42").unwrap();
+        assert!(matches!(
+            cipher().stored_ref(TenantId::new(), &subscriber),
+            Err(LedgerError::SubscriberKeyMissing)
+        ));
+        let keyed = cipher().with_subscriber_key(SubscriberKey::new(&[9u8; 32]));
+        assert!(keyed.stored_ref(TenantId::new(), &subscriber).is_ok());
+        assert!(!format!("{keyed:?}").contains('9'));
     }
 
     #[test]

@@ -37,6 +37,11 @@ pub enum LedgerError {
 
     #[error("destination encryption failed")]
     Crypto,
+
+    /// A reminder or contact was to be written without `crypto.subscriber_key`: subscriber
+    /// references are stored only as a keyed hash.
+    #[error("writing a subscriber reference needs the subscriber key (crypto.subscriber_key)")]
+    SubscriberKeyMissing,
 }
 
 impl LedgerError {

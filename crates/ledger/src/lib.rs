@@ -29,7 +29,8 @@ mod tenants;
 
 pub use audit::AuditEntry;
 pub use buckets::{BucketReading, Feedback, FeedbackApplied, RateBucket};
-pub use crypto::{Destination, DestinationCipher};
+pub use contacts::SubscriberConversion;
+pub use crypto::{Destination, DestinationCipher, SubscriberKey};
 pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{
     Attempt, AttemptRecord, DeliveryRecord, DueDelivery, FenceRefused, LeaseBatch, LeaseOutcome,
@@ -38,7 +39,10 @@ pub use deliveries::{
 };
 pub use error::LedgerError;
 pub use estimate::{Backlog, OwedDelivery};
-pub use reminders::{CreatedReminder, NewReminder, WindowOutcome};
+pub use reminders::{
+    CreatedReminder, ImportOutcome, ImportReminder, MAX_CONTENT_BYTES, MAX_DESTINATION_BYTES,
+    NewReminder, WindowOutcome,
+};
 pub use schedules::Schedule;
 pub use status::ChannelStatus;
 pub use tenants::Tenant;

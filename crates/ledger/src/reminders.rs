@@ -1,12 +1,28 @@
+//! Reminders: creation (one at a time or imported in batches, one path for both), the
+//! producer's windows, cancellation and the orphan watchdog.
+//!
+//! Creating a reminder and running its window are serialised on the tenant row: a creation
+//! (or a whole import batch) holds its tenants `FOR SHARE` until it commits, a window takes
+//! its tenant `FOR UPDATE` (see [`Ledger::materialise_window`]). A reminder whose window has
+//! already run, or whose time has come, gets its deliveries in its own create transaction.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
 use chrono::{DateTime, Utc};
 use nudge_domain::{
     Channel, DeliveryId, EventId, IdempotencyKey, ReminderId, SubscriberRef, TenantId,
 };
 use sqlx::PgConnection;
 
-use crate::contacts::upsert_contact;
+use crate::contacts::{destination_aad, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher};
 use crate::{Ledger, LedgerError};
+
+/// The largest message content accepted, in bytes of its JSON text.
+pub const MAX_CONTENT_BYTES: usize = 16 * 1024;
+
+/// The largest destination accepted (phone number, email address, push token), in bytes.
+pub const MAX_DESTINATION_BYTES: usize = 1024;
 
 /// A reminder as the clinic app describes it, checked: at least one channel, no channel
 /// twice, and an expiry after its schedule. Construct with [`NewReminder::new`].
@@ -57,10 +73,25 @@ impl NewReminder {
         })
     }
 
-    /// Message content (template parameters). Stored encrypted; never logged.
-    pub fn with_content(mut self, content: Vec<u8>) -> Self {
+    /// Message content (template parameters): a JSON object of at most
+    /// [`MAX_CONTENT_BYTES`], refused otherwise (a worker sends it as the message's
+    /// parameters). Stored encrypted; never logged, and never quoted in an error.
+    pub fn with_content(mut self, content: Vec<u8>) -> Result<Self, LedgerError> {
+        if content.len() > MAX_CONTENT_BYTES {
+            return Err(LedgerError::InvalidInput(
+                "content is larger than 16384 bytes",
+            ));
+        }
+        match serde_json::from_slice::<serde_json::Value>(&content) {
+            Ok(serde_json::Value::Object(_)) => {}
+            _ => return Err(LedgerError::InvalidInput("content must be a JSON object")),
+        }
         self.content = Some(content);
-        self
+        Ok(self)
+    }
+
+    pub fn event_id(&self) -> &EventId {
+        &self.event_id
     }
 
     pub fn tenant_id(&self) -> TenantId {
@@ -74,6 +105,31 @@ impl NewReminder {
     pub fn subscriber_ref(&self) -> &SubscriberRef {
         &self.subscriber_ref
     }
+}
+
+/// One reminder to import, with its subscriber's destinations (encrypted on the way in).
+#[derive(Debug, Clone)]
+pub struct ImportReminder {
+    pub reminder: NewReminder,
+    pub contacts: Vec<(Channel, Destination)>,
+}
+
+/// What importing one reminder of a batch did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImportOutcome {
+    /// Written now, with this many deliveries (its window had run, or its time had come).
+    Created {
+        id: ReminderId,
+        deliveries_created: u64,
+    },
+    /// The same event was imported before (or earlier in the batch): its destinations are
+    /// updated, nothing else changes.
+    AlreadyPresent {
+        id: ReminderId,
+    },
+    /// The event id is already used for a different reminder: nothing of this one is written.
+    EventConflict,
+    UnknownTenant,
 }
 
 /// The answer to a create: the same event posted twice gets the same id, `created: false`.
@@ -112,18 +168,32 @@ struct WindowReminder {
 #[derive(sqlx::FromRow)]
 struct ExistingReminder {
     id: uuid::Uuid,
+    tenant_id: uuid::Uuid,
+    event_id: String,
     subscriber_ref: String,
+    subscriber_ref_keyed: bool,
     channels: Vec<String>,
     scheduled_at: DateTime<Utc>,
     expires_at: DateTime<Utc>,
 }
 
-fn unknown_tenant(tenant_id: TenantId) -> impl FnOnce(sqlx::Error) -> LedgerError {
-    move |e| match &e {
-        sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
-            LedgerError::UnknownTenant(tenant_id.as_uuid())
-        }
-        _ => LedgerError::Database(e),
+impl ExistingReminder {
+    /// The same reminder posted again: same subscriber (compared in the form the row holds:
+    /// its keyed hash, or the reference itself on a row not converted yet), channels and times.
+    fn is_same(&self, reminder: &NewReminder, stored_ref: &str) -> bool {
+        let subscriber = if self.subscriber_ref_keyed {
+            stored_ref
+        } else {
+            reminder.subscriber_ref.as_str()
+        };
+        let mut channels = self.channels.clone();
+        channels.sort();
+        let mut wanted: Vec<&str> = reminder.channels.iter().map(|c| c.as_str()).collect();
+        wanted.sort_unstable();
+        self.subscriber_ref == subscriber
+            && channels == wanted
+            && self.scheduled_at == reminder.scheduled_at
+            && self.expires_at == reminder.expires_at
     }
 }
 
@@ -154,22 +224,66 @@ impl Ledger {
         cipher: &DestinationCipher,
         now: DateTime<Utc>,
     ) -> Result<CreatedReminder, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        for (channel, destination) in contacts {
-            upsert_contact(
-                &mut tx,
-                reminder.tenant_id,
-                &reminder.subscriber_ref,
-                *channel,
-                destination,
-                cipher,
-                now,
-            )
+        let item = ImportReminder {
+            reminder: reminder.clone(),
+            contacts: contacts.to_vec(),
+        };
+        let outcome = self
+            .import_reminders(std::slice::from_ref(&item), cipher, now)
             .await?;
+        match outcome.first() {
+            Some(ImportOutcome::Created {
+                id,
+                deliveries_created,
+            }) => Ok(CreatedReminder {
+                id: *id,
+                created: true,
+                deliveries_created: *deliveries_created,
+            }),
+            Some(ImportOutcome::AlreadyPresent { id }) => Ok(CreatedReminder {
+                id: *id,
+                created: false,
+                deliveries_created: 0,
+            }),
+            Some(ImportOutcome::EventConflict) => Err(LedgerError::EventConflict {
+                tenant_id: reminder.tenant_id.as_uuid(),
+            }),
+            Some(ImportOutcome::UnknownTenant) | None => {
+                Err(LedgerError::UnknownTenant(reminder.tenant_id.as_uuid()))
+            }
         }
-        let created = create_reminder_in(&mut tx, reminder, cipher, now).await?;
+    }
+
+    /// Imports a batch of reminders in one transaction, with a few statements whatever its
+    /// size, and answers for each in order. Each one is idempotent on `(tenant, event_id)`
+    /// as in [`create_reminder`](Self::create_reminder), within the batch too (the first
+    /// occurrence wins); a conflict or an unknown tenant writes nothing of that reminder and
+    /// does not stop the others. Destinations of the same subscriber and channel given twice:
+    /// the later one is kept. Any other error writes nothing of the batch.
+    pub async fn import_reminders(
+        &self,
+        items: &[ImportReminder],
+        cipher: &DestinationCipher,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<ImportOutcome>, LedgerError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        for item in items {
+            if item
+                .contacts
+                .iter()
+                .any(|(_, d)| d.expose().len() > MAX_DESTINATION_BYTES)
+            {
+                return Err(LedgerError::InvalidInput(
+                    "a destination is larger than 1024 bytes",
+                ));
+            }
+        }
+        let mut tx = self.pool.begin().await?;
+        let outcomes = import_in(&mut tx, items, cipher, now).await?;
         tx.commit().await?;
-        Ok(created)
+        Ok(outcomes)
     }
 
     /// Marks a reminder cancelled and settles its owed deliveries as `cancelled`. A delivery
@@ -357,106 +471,285 @@ impl Ledger {
     }
 }
 
-async fn create_reminder_in(
+/// A reminder as it is about to be written: its id, stored subscriber reference and sealed
+/// content, computed before the insert (the content's associated data names the id).
+struct Prepared<'a> {
+    item: &'a ImportReminder,
+    id: ReminderId,
+    stored_ref: String,
+    channels: String,
+    content: Option<Vec<u8>>,
+}
+
+async fn import_in(
     tx: &mut PgConnection,
-    reminder: &NewReminder,
+    items: &[ImportReminder],
     cipher: &DestinationCipher,
     now: DateTime<Utc>,
-) -> Result<CreatedReminder, LedgerError> {
+) -> Result<Vec<ImportOutcome>, LedgerError> {
     // Shared with other creations, exclusive with a producer window: see materialise_window.
-    let known: Option<bool> =
-        sqlx::query_scalar("SELECT true FROM tenants WHERE id = $1 FOR SHARE")
-            .bind(reminder.tenant_id.as_uuid())
-            .fetch_optional(&mut *tx)
-            .await?;
-    if known.is_none() {
-        return Err(LedgerError::UnknownTenant(reminder.tenant_id.as_uuid()));
+    // Locked in id order so that two batches and a window never wait on each other in a cycle.
+    let mut tenant_ids: Vec<uuid::Uuid> = items
+        .iter()
+        .map(|i| i.reminder.tenant_id.as_uuid())
+        .collect();
+    tenant_ids.sort_unstable();
+    tenant_ids.dedup();
+    let known: HashSet<uuid::Uuid> =
+        sqlx::query_scalar("SELECT id FROM tenants WHERE id = ANY($1) ORDER BY id FOR SHARE")
+            .bind(&tenant_ids)
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .collect();
+
+    let mut prepared: Vec<Option<Prepared<'_>>> = Vec::with_capacity(items.len());
+    for item in items {
+        let reminder = &item.reminder;
+        if !known.contains(&reminder.tenant_id.as_uuid()) {
+            prepared.push(None);
+            continue;
+        }
+        let id = ReminderId::new();
+        let content = reminder
+            .content
+            .as_deref()
+            .map(|c| cipher.seal(c, &content_aad(reminder.tenant_id, id)))
+            .transpose()?;
+        let channels: Vec<&str> = reminder.channels.iter().map(|c| c.as_str()).collect();
+        prepared.push(Some(Prepared {
+            item,
+            id,
+            stored_ref: cipher.stored_ref(reminder.tenant_id, &reminder.subscriber_ref)?,
+            channels: channels.join(","),
+            content,
+        }));
     }
-    let id = ReminderId::new();
-    let content = reminder
-        .content
-        .as_deref()
-        .map(|c| cipher.seal(c, &content_aad(reminder.tenant_id, id)))
-        .transpose()?;
-    let channels: Vec<&str> = reminder.channels.iter().map(|c| c.as_str()).collect();
-    let inserted: Option<uuid::Uuid> = sqlx::query_scalar(
-        "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels,
-                                content_ciphertext, scheduled_at, expires_at, created_at)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+    let rows: Vec<&Prepared<'_>> = prepared.iter().flatten().collect();
+
+    // Inserted in (tenant, event) order, the first occurrence in the batch first, so that
+    // concurrent imports of overlapping batches take the unique index in one order.
+    let created: HashSet<uuid::Uuid> = sqlx::query_scalar(
+        "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, subscriber_ref_keyed,
+                                channels, content_ciphertext, scheduled_at, expires_at, created_at)
+         SELECT r.id, r.tenant_id, r.event_id, r.subscriber_ref, true,
+                string_to_array(r.channels, ','), r.content, r.scheduled_at, r.expires_at, $9
+         FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bytea[],
+                     $7::timestamptz[], $8::timestamptz[])
+              WITH ORDINALITY AS r(id, tenant_id, event_id, subscriber_ref, channels, content,
+                                   scheduled_at, expires_at, ord)
+         ORDER BY r.tenant_id, r.event_id, r.ord
          ON CONFLICT (tenant_id, event_id) DO NOTHING
          RETURNING id",
     )
-    .bind(id.as_uuid())
-    .bind(reminder.tenant_id.as_uuid())
-    .bind(reminder.event_id.as_str())
-    .bind(reminder.subscriber_ref.as_str())
-    .bind(&channels)
-    .bind(content)
-    .bind(reminder.scheduled_at)
-    .bind(reminder.expires_at)
+    .bind(rows.iter().map(|r| r.id.as_uuid()).collect::<Vec<_>>())
+    .bind(
+        rows.iter()
+            .map(|r| r.item.reminder.tenant_id.as_uuid())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        rows.iter()
+            .map(|r| r.item.reminder.event_id.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        rows.iter()
+            .map(|r| r.stored_ref.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(rows.iter().map(|r| r.channels.as_str()).collect::<Vec<_>>())
+    .bind(
+        rows.iter()
+            .map(|r| r.content.as_deref())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        rows.iter()
+            .map(|r| r.item.reminder.scheduled_at)
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        rows.iter()
+            .map(|r| r.item.reminder.expires_at)
+            .collect::<Vec<_>>(),
+    )
     .bind(now)
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(unknown_tenant(reminder.tenant_id))?;
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .collect();
 
-    if inserted.is_some() {
-        // Would a producer window still pick it up? If not, materialise it now.
-        let materialise_now: bool = sqlx::query_scalar(
-            "SELECT NOT t.intake_paused AND ($2 <= $3 OR EXISTS (
-                 SELECT 1 FROM run_intents ri
-                 WHERE ri.tenant_id = t.id AND ri.window_start <= $2 AND ri.window_end > $2))
-             FROM tenants t WHERE t.id = $1",
+    // The rest were there before (or earlier in this batch): the same reminder, or a conflict.
+    let others: Vec<&Prepared<'_>> = rows
+        .iter()
+        .copied()
+        .filter(|r| !created.contains(&r.id.as_uuid()))
+        .collect();
+    let existing: HashMap<(uuid::Uuid, String), ExistingReminder> = if others.is_empty() {
+        HashMap::new()
+    } else {
+        sqlx::query_as::<_, ExistingReminder>(
+            "SELECT r.id, r.tenant_id, r.event_id, r.subscriber_ref, r.subscriber_ref_keyed,
+                    r.channels, r.scheduled_at, r.expires_at
+             FROM reminders r
+             JOIN UNNEST($1::uuid[], $2::text[]) AS k(tenant_id, event_id)
+               ON r.tenant_id = k.tenant_id AND r.event_id = k.event_id",
         )
-        .bind(reminder.tenant_id.as_uuid())
-        .bind(reminder.scheduled_at)
-        .bind(now)
-        .fetch_one(&mut *tx)
-        .await?;
-        let deliveries_created = if materialise_now {
-            let row = WindowReminder {
-                id: id.as_uuid(),
-                channels: channels.iter().map(|c| (*c).to_owned()).collect(),
+        .bind(
+            others
+                .iter()
+                .map(|r| r.item.reminder.tenant_id.as_uuid())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            others
+                .iter()
+                .map(|r| r.item.reminder.event_id.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|e| ((e.tenant_id, e.event_id.clone()), e))
+        .collect()
+    };
+
+    let mut outcomes = Vec::with_capacity(items.len());
+    let mut contacts: BTreeMap<(uuid::Uuid, String, Channel), &Destination> = BTreeMap::new();
+    let mut materialise: Vec<&Prepared<'_>> = Vec::new();
+    for row in &prepared {
+        let Some(row) = row else {
+            outcomes.push(ImportOutcome::UnknownTenant);
+            continue;
+        };
+        let reminder = &row.item.reminder;
+        let outcome = if created.contains(&row.id.as_uuid()) {
+            materialise.push(row);
+            ImportOutcome::Created {
+                id: row.id,
+                deliveries_created: 0,
+            }
+        } else {
+            let key = (
+                reminder.tenant_id.as_uuid(),
+                reminder.event_id.as_str().to_owned(),
+            );
+            match existing.get(&key) {
+                Some(existing) if existing.is_same(reminder, &row.stored_ref) => {
+                    ImportOutcome::AlreadyPresent {
+                        id: ReminderId::from_uuid(existing.id),
+                    }
+                }
+                Some(_) => ImportOutcome::EventConflict,
+                // Inserted and deleted again between the two statements: rare enough to let
+                // the caller import it again.
+                None => {
+                    return Err(LedgerError::InvalidInput(
+                        "a reminder of this batch changed while it was imported; import it again",
+                    ));
+                }
+            }
+        };
+        if !matches!(outcome, ImportOutcome::EventConflict) {
+            for (channel, destination) in &row.item.contacts {
+                contacts.insert(
+                    (
+                        reminder.tenant_id.as_uuid(),
+                        row.stored_ref.clone(),
+                        *channel,
+                    ),
+                    destination,
+                );
+            }
+        }
+        outcomes.push(outcome);
+    }
+
+    let mut sealed = Vec::with_capacity(contacts.len());
+    for ((tenant_id, stored_ref, channel), destination) in contacts {
+        let aad = destination_aad(TenantId::from_uuid(tenant_id), &stored_ref, channel);
+        let ciphertext = cipher.seal(destination.expose().as_bytes(), &aad)?;
+        sealed.push((tenant_id, stored_ref, channel, ciphertext));
+    }
+    upsert_contacts(tx, &sealed, now).await?;
+
+    let counts = materialise_created(tx, &materialise, now).await?;
+    for outcome in &mut outcomes {
+        if let ImportOutcome::Created {
+            id,
+            deliveries_created,
+        } = outcome
+        {
+            *deliveries_created = counts.get(&id.as_uuid()).copied().unwrap_or(0);
+        }
+    }
+    Ok(outcomes)
+}
+
+/// The newly created reminders that the producer's windows would not pick up any more (the
+/// tenant is not paused, and their time has come or a run intent already covers it) get
+/// their deliveries now. Returns the deliveries created per reminder.
+async fn materialise_created(
+    tx: &mut PgConnection,
+    created: &[&Prepared<'_>],
+    now: DateTime<Utc>,
+) -> Result<HashMap<uuid::Uuid, u64>, LedgerError> {
+    if created.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let due: HashSet<uuid::Uuid> = sqlx::query_scalar(
+        "SELECT k.id
+         FROM UNNEST($1::uuid[], $2::uuid[], $3::timestamptz[]) AS k(id, tenant_id, scheduled_at)
+         JOIN tenants t ON t.id = k.tenant_id
+         WHERE NOT t.intake_paused AND (k.scheduled_at <= $4 OR EXISTS (
+               SELECT 1 FROM run_intents ri
+               WHERE ri.tenant_id = k.tenant_id
+                 AND ri.window_start <= k.scheduled_at AND ri.window_end > k.scheduled_at))",
+    )
+    .bind(created.iter().map(|r| r.id.as_uuid()).collect::<Vec<_>>())
+    .bind(
+        created
+            .iter()
+            .map(|r| r.item.reminder.tenant_id.as_uuid())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        created
+            .iter()
+            .map(|r| r.item.reminder.scheduled_at)
+            .collect::<Vec<_>>(),
+    )
+    .bind(now)
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .collect();
+
+    let mut by_tenant: BTreeMap<uuid::Uuid, Vec<WindowReminder>> = BTreeMap::new();
+    let mut counts = HashMap::new();
+    for row in created.iter().filter(|r| due.contains(&r.id.as_uuid())) {
+        let reminder = &row.item.reminder;
+        by_tenant
+            .entry(reminder.tenant_id.as_uuid())
+            .or_default()
+            .push(WindowReminder {
+                id: row.id.as_uuid(),
+                channels: reminder
+                    .channels
+                    .iter()
+                    .map(|c| c.as_str().to_owned())
+                    .collect(),
                 scheduled_at: reminder.scheduled_at,
                 expires_at: reminder.expires_at,
-            };
-            insert_deliveries(tx, reminder.tenant_id, &[row], now).await?
-        } else {
-            0
-        };
-        return Ok(CreatedReminder {
-            id,
-            created: true,
-            deliveries_created,
-        });
+            });
+        // A reminder created in this transaction has no delivery yet: one per channel.
+        counts.insert(row.id.as_uuid(), reminder.channels.len() as u64);
     }
-
-    let existing: ExistingReminder = sqlx::query_as(
-        "SELECT id, subscriber_ref, channels, scheduled_at, expires_at
-         FROM reminders WHERE tenant_id = $1 AND event_id = $2",
-    )
-    .bind(reminder.tenant_id.as_uuid())
-    .bind(reminder.event_id.as_str())
-    .fetch_one(&mut *tx)
-    .await?;
-    let mut existing_channels = existing.channels.clone();
-    existing_channels.sort();
-    let mut wanted: Vec<String> = channels.iter().map(|c| (*c).to_owned()).collect();
-    wanted.sort();
-    let same = existing.subscriber_ref == reminder.subscriber_ref.as_str()
-        && existing_channels == wanted
-        && existing.scheduled_at == reminder.scheduled_at
-        && existing.expires_at == reminder.expires_at;
-    if same {
-        Ok(CreatedReminder {
-            id: ReminderId::from_uuid(existing.id),
-            created: false,
-            deliveries_created: 0,
-        })
-    } else {
-        Err(LedgerError::EventConflict {
-            tenant_id: reminder.tenant_id.as_uuid(),
-        })
+    for (tenant_id, reminders) in by_tenant {
+        insert_deliveries(tx, TenantId::from_uuid(tenant_id), &reminders, now).await?;
     }
+    Ok(counts)
 }
 
 /// On resume: the reminders created while the tenant was paused whose window already ran (or

@@ -7,6 +7,9 @@
 //! - `crypto.destination_key` (secret): the key the workers decrypt destinations and content
 //!   with. Only `reminders load` needs it, and fails naming the key when it is unset; when it
 //!   is set but malformed, every command fails at start-up like any other bad value.
+//! - `crypto.subscriber_key` (secret, unset by default): the key of the keyed hash subscriber
+//!   references are stored as. `reminders load` needs it; `migrate` uses it (with the
+//!   destination key) to convert rows written before.
 
 use nudge_config::{ConfigError, CryptoConfig, DatabaseConfig, TelemetryConfig, Validate};
 use serde::{Deserialize, Serialize};

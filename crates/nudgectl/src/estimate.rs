@@ -515,6 +515,7 @@ mod tests {
             burst: 1,
             effective_rate: effective,
             paused_until: None,
+            pause_cause: None,
             reserve_new: 0.2,
             reserve_recovery: 0.1,
             changed_by: "ops".into(),

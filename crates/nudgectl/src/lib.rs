@@ -284,10 +284,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     })
     .await
     .context("failed to connect to the database (database.url)")?;
-    let cipher = config
-        .crypto
-        .destination_key_bytes()?
-        .map(|key| DestinationCipher::new(&key));
+    let subscriber_key = config.crypto.subscriber_key_bytes()?;
+    let cipher = match config.crypto.destination_key_bytes()? {
+        Some(key) => Some(match subscriber_key {
+            Some(subscriber) => DestinationCipher::new(&key)
+                .with_subscriber_key(nudge_ledger::SubscriberKey::new(&subscriber)),
+            None => DestinationCipher::new(&key),
+        }),
+        None if subscriber_key.is_some() => bail!(
+            "crypto.subscriber_key is set without crypto.destination_key: writing or \
+             converting subscriber references needs both"
+        ),
+        None => None,
+    };
     let mut out = std::io::stdout().lock();
     // Unlocked: log lines may share stderr, and a load can take a while.
     let mut err = std::io::stderr();
@@ -300,6 +309,60 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         &mut err,
     )
     .await
+}
+
+/// Subscribers converted per transaction by `migrate`.
+const CONVERSION_BATCH: u32 = 500;
+
+/// After the schema: converts subscriber references still stored in plaintext (rows written
+/// before the keyed hash), batch by batch, when both keys are configured; otherwise says how
+/// many remain and what converts them.
+async fn convert_subscribers(
+    ledger: &Ledger,
+    cipher: Option<&DestinationCipher>,
+    out: &mut impl Write,
+    err: &mut impl Write,
+) -> anyhow::Result<()> {
+    let Some(cipher) = cipher.filter(|c| c.has_subscriber_key()) else {
+        let remaining = ledger
+            .plaintext_subscribers()
+            .await
+            .context("failed to count plaintext subscriber references")?;
+        if remaining > 0 {
+            writeln!(
+                err,
+                "{remaining} subscribers are still stored in plaintext: run `nudgectl migrate` \
+                 again with crypto.destination_key and crypto.subscriber_key set to convert them"
+            )?;
+        }
+        return Ok(());
+    };
+    let (mut subscribers, mut contacts, mut reminders) = (0, 0, 0);
+    loop {
+        let pass = ledger
+            .convert_plaintext_subscribers(cipher, CONVERSION_BATCH)
+            .await
+            .with_context(|| {
+                format!(
+                    "failed to convert subscriber references after {subscribers} subscribers \
+                     (running migrate again resumes)"
+                )
+            })?;
+        if pass.subscribers == 0 {
+            break;
+        }
+        subscribers += pass.subscribers;
+        contacts += pass.contacts;
+        reminders += pass.reminders;
+    }
+    if subscribers > 0 {
+        writeln!(
+            out,
+            "subscriber references converted to their keyed hash: {subscribers} subscribers \
+             ({contacts} contacts re-encrypted, {reminders} reminders)"
+        )?;
+    }
+    Ok(())
 }
 
 /// Executes a command against a ledger, writing operator output to `out` and per-item
@@ -322,6 +385,7 @@ pub async fn execute(
                 .await
                 .context("failed to apply migrations")?;
             writeln!(out, "migrations applied")?;
+            convert_subscribers(ledger, cipher, out, err).await?;
         }
         Command::Tenant(TenantCommand::Create { name }) => {
             let tenant = ledger
@@ -375,6 +439,12 @@ pub async fn execute(
                      destinations and content are stored encrypted with the key the workers use"
                 );
             };
+            if !cipher.has_subscriber_key() {
+                bail!(
+                    "reminders load needs crypto.subscriber_key (NUDGE_CRYPTO__SUBSCRIBER_KEY): \
+                     subscriber references are stored as a keyed hash"
+                );
+            }
             let options = load::LoadOptions {
                 dry_run,
                 json,

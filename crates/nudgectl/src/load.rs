@@ -1,9 +1,13 @@
 //! `reminders load`: the bulk import a clinic uses to move from another system.
 //!
-//! The input is JSON Lines, one reminder per line. Each line is parsed here into a
-//! [`ReminderLine`] and imported in its own ledger transaction (reminder and encrypted
-//! destinations together), so a bad line never half-writes and the good lines still load.
-//! Loading the same file again is safe: lines already loaded count as already present.
+//! The input is JSON Lines, one reminder per line, of at most [`MAX_LINE_BYTES`] (a longer
+//! line is skipped without being held in memory, and rejected by number). Each line is parsed
+//! here into a [`ReminderLine`]; good lines are imported [`CHUNK_LINES`] input lines at a time,
+//! one ledger transaction per chunk (`Ledger::import_reminders`: a few multi-row statements,
+//! reminders with their encrypted destinations). A bad line is rejected on its own, never
+//! half-written, and the rest still load; a database failure stops the load at the first line
+//! of the chunk it hit, the chunks before it committed. Loading the same file again is safe:
+//! lines already loaded count as already present.
 //!
 //! Must never: print a destination, subscriber reference or content. Rejections name the line
 //! and the field; the only values they quote are tenant names, event ids and timestamps.
@@ -16,7 +20,10 @@ use std::path::Path;
 use anyhow::Context;
 use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, EventId, IdError, SubscriberRef, TenantId};
-use nudge_ledger::{AuditEntry, Destination, DestinationCipher, Ledger, LedgerError, NewReminder};
+use nudge_ledger::{
+    AuditEntry, Destination, DestinationCipher, ImportOutcome, ImportReminder, Ledger, LedgerError,
+    MAX_CONTENT_BYTES, MAX_DESTINATION_BYTES, NewReminder,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::error::Category;
@@ -24,6 +31,13 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader};
 
 /// A progress line goes to the error stream after every this many input lines.
 const PROGRESS_EVERY: u64 = 1000;
+
+/// The longest input line accepted, in bytes (without its line end).
+pub const MAX_LINE_BYTES: usize = 64 * 1024;
+
+/// Input lines per ledger transaction. Divides [`PROGRESS_EVERY`], so progress lines report
+/// committed work.
+pub const CHUNK_LINES: u64 = 500;
 
 /// What the operator asked for, besides the input.
 #[derive(Debug)]
@@ -79,6 +93,7 @@ pub(crate) async fn load(
         dry_run: options.dry_run,
         tenants: HashMap::new(),
         loaded_per_tenant: BTreeMap::new(),
+        pending: Vec::new(),
         summary: LoadSummary {
             file: name,
             dry_run: options.dry_run,
@@ -183,6 +198,19 @@ struct Loader<'a> {
     tenants: HashMap<String, Option<TenantId>>,
     loaded_per_tenant: BTreeMap<String, u64>,
     summary: LoadSummary,
+    /// Lines read since the last chunk was written, in order.
+    pending: Vec<(u64, Pending)>,
+}
+
+/// A line read and checked, waiting for its chunk to be written.
+enum Pending {
+    Rejected(LineError),
+    /// Every check passed (dry run: nothing to write).
+    Valid,
+    Import {
+        tenant: String,
+        item: ImportReminder,
+    },
 }
 
 /// What one good line did.
@@ -195,15 +223,58 @@ enum Loaded {
     Valid,
 }
 
-/// Why one line did not load: the line is bad, or the load cannot go on.
-enum LineFailure {
-    Rejected(LineError),
-    Fatal(anyhow::Error),
+/// One line of input: its bytes, or how long it was when over [`MAX_LINE_BYTES`].
+enum Line {
+    End,
+    Bytes,
+    TooLong,
 }
 
-impl From<LineError> for LineFailure {
-    fn from(e: LineError) -> Self {
-        Self::Rejected(e)
+/// Reads one line into `buf` (without its `\n`), holding at most `max` bytes of it: the rest
+/// of a longer line is read and dropped.
+async fn read_line(
+    input: &mut (impl AsyncBufRead + Unpin),
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<Line> {
+    buf.clear();
+    let mut too_long = false;
+    let mut read_any = false;
+    loop {
+        let available = input.fill_buf().await?;
+        if available.is_empty() {
+            return Ok(match (read_any, too_long) {
+                (false, _) => Line::End,
+                (true, true) => Line::TooLong,
+                (true, false) => Line::Bytes,
+            });
+        }
+        read_any = true;
+        let (chunk, found_end) = match available.iter().position(|b| *b == b'\n') {
+            Some(i) => (&available[..i], true),
+            None => (available, false),
+        };
+        if !too_long {
+            if buf.len() + chunk.len() > max + 1 {
+                // One byte over is allowed for a `\r` that is stripped below.
+                too_long = true;
+                buf.clear();
+            } else {
+                buf.extend_from_slice(chunk);
+            }
+        }
+        let used = chunk.len() + usize::from(found_end);
+        input.consume(used);
+        if found_end {
+            if !too_long && buf.last() == Some(&b'\r') {
+                buf.pop();
+            }
+            if buf.len() > max {
+                too_long = true;
+                buf.clear();
+            }
+            return Ok(if too_long { Line::TooLong } else { Line::Bytes });
+        }
     }
 }
 
@@ -218,11 +289,14 @@ impl Loader<'_> {
         let mut buf = Vec::new();
         let mut line_no: u64 = 0;
         loop {
-            buf.clear();
-            match input.read_until(b'\n', &mut buf).await {
-                Ok(0) => return Ok(None),
-                Ok(_) => {}
+            let read = read_line(&mut input, &mut buf, MAX_LINE_BYTES).await;
+            let line_kind = match read {
+                Ok(Line::End) => break,
+                Ok(kind) => kind,
                 Err(e) => {
+                    if let Some(stopped) = self.flush(err).await? {
+                        return Ok(Some(stopped));
+                    }
                     self.summary.stopped_at_line = Some(line_no + 1);
                     return Ok(Some(anyhow::Error::new(e).context(format!(
                         "failed to read {} at line {}",
@@ -230,41 +304,30 @@ impl Loader<'_> {
                         line_no + 1
                     ))));
                 }
-            }
+            };
             line_no += 1;
-            let mut line = buf.strip_suffix(b"\n").unwrap_or(&buf);
-            line = line.strip_suffix(b"\r").unwrap_or(line);
+            let mut line = buf.as_slice();
             if line_no == 1 {
                 line = line.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(line);
             }
-            if !line.iter().all(u8::is_ascii_whitespace) {
-                match self.load_line(line).await {
-                    Ok(loaded) => {
-                        self.summary.lines += 1;
-                        self.summary.valid += 1;
-                        match loaded {
-                            Loaded::New { deliveries_created } => {
-                                self.summary.loaded += 1;
-                                self.summary.deliveries_created += deliveries_created;
-                            }
-                            Loaded::AlreadyPresent => self.summary.already_present += 1,
-                            Loaded::Valid => {}
-                        }
+            match line_kind {
+                Line::TooLong => self
+                    .pending
+                    .push((line_no, Pending::Rejected(LineError::LineTooLong))),
+                _ if line.iter().all(u8::is_ascii_whitespace) => {}
+                _ => match self.check_line(line).await {
+                    Ok(pending) => self.pending.push((line_no, pending)),
+                    Err(e) => {
+                        let first = self.pending.first().map_or(line_no, |(n, _)| *n);
+                        self.summary.stopped_at_line = Some(first);
+                        return Ok(Some(stopped_at(e, first)));
                     }
-                    Err(LineFailure::Rejected(reason)) => {
-                        self.summary.lines += 1;
-                        self.summary.rejected += 1;
-                        self.summary.rejected_lines.push(line_no);
-                        writeln!(err, "line {line_no}: {reason}")?;
-                    }
-                    Err(LineFailure::Fatal(e)) => {
-                        self.summary.stopped_at_line = Some(line_no);
-                        return Ok(Some(e.context(format!(
-                            "load stopped at line {line_no}; the lines before it were \
-                             processed (see the summary) and loading the file again is safe"
-                        ))));
-                    }
-                }
+                },
+            }
+            if line_no.is_multiple_of(CHUNK_LINES)
+                && let Some(stopped) = self.flush(err).await?
+            {
+                return Ok(Some(stopped));
             }
             if line_no.is_multiple_of(PROGRESS_EVERY) {
                 let s = &self.summary;
@@ -275,42 +338,122 @@ impl Loader<'_> {
                 )?;
             }
         }
+        self.flush(err).await
     }
 
-    async fn load_line(&mut self, bytes: &[u8]) -> Result<Loaded, LineFailure> {
-        let line = ReminderLine::parse(bytes)?;
-        let tenant_id = self
-            .tenant_id(&line.tenant)
-            .await
-            .map_err(LineFailure::Fatal)?
-            .ok_or_else(|| LineError::UnknownTenant(line.tenant.clone()))?;
-        let mut reminder = NewReminder::new(
+    /// Parses a line and resolves its tenant; `Err` only when the tenant lookup failed.
+    async fn check_line(&mut self, bytes: &[u8]) -> anyhow::Result<Pending> {
+        let line = match ReminderLine::parse(bytes) {
+            Ok(line) => line,
+            Err(e) => return Ok(Pending::Rejected(e)),
+        };
+        let Some(tenant_id) = self.tenant_id(&line.tenant).await? else {
+            return Ok(Pending::Rejected(LineError::UnknownTenant(line.tenant)));
+        };
+        let mut reminder = match NewReminder::new(
             tenant_id,
             line.event_id.clone(),
             line.subscriber_ref,
             &line.channels,
             line.scheduled_at,
             line.expires_at,
-        )
-        .map_err(|e| ledger_failure(e, &line.tenant, &line.event_id))?;
+        ) {
+            Ok(reminder) => reminder,
+            Err(e) => return Ok(Pending::Rejected(refused(e))),
+        };
         if let Some(content) = line.content {
-            reminder = reminder.with_content(content);
+            reminder = match reminder.with_content(content) {
+                Ok(reminder) => reminder,
+                Err(e) => return Ok(Pending::Rejected(refused(e))),
+            };
         }
         if self.dry_run {
-            return Ok(Loaded::Valid);
+            return Ok(Pending::Valid);
         }
-        let created = self
-            .ledger
-            .import_reminder(&reminder, &line.destinations, self.cipher, Utc::now())
-            .await
-            .map_err(|e| ledger_failure(e, &line.tenant, &line.event_id))?;
-        if !created.created {
-            return Ok(Loaded::AlreadyPresent);
-        }
-        *self.loaded_per_tenant.entry(line.tenant).or_default() += 1;
-        Ok(Loaded::New {
-            deliveries_created: created.deliveries_created,
+        Ok(Pending::Import {
+            tenant: line.tenant,
+            item: ImportReminder {
+                reminder,
+                contacts: line.destinations,
+            },
         })
+    }
+
+    /// Writes the pending chunk in one transaction and reports its lines in order.
+    /// `Ok(Some(error))` when the database failed: nothing of the chunk was written.
+    async fn flush(&mut self, err: &mut impl Write) -> anyhow::Result<Option<anyhow::Error>> {
+        if self.pending.is_empty() {
+            return Ok(None);
+        }
+        let items: Vec<ImportReminder> = self
+            .pending
+            .iter()
+            .filter_map(|(_, p)| match p {
+                Pending::Import { item, .. } => Some(item.clone()),
+                _ => None,
+            })
+            .collect();
+        let mut outcomes = if items.is_empty() {
+            Vec::new()
+        } else {
+            match self
+                .ledger
+                .import_reminders(&items, self.cipher, Utc::now())
+                .await
+            {
+                Ok(outcomes) => outcomes,
+                Err(e) => {
+                    let first = self.pending[0].0;
+                    self.summary.stopped_at_line = Some(first);
+                    self.pending.clear();
+                    let e = anyhow::Error::new(e).context("failed to import");
+                    return Ok(Some(stopped_at(e, first)));
+                }
+            }
+        }
+        .into_iter();
+        for (line_no, pending) in std::mem::take(&mut self.pending) {
+            let result = match pending {
+                Pending::Rejected(reason) => Err(reason),
+                Pending::Valid => Ok(Loaded::Valid),
+                Pending::Import { tenant, item } => match outcomes.next() {
+                    Some(ImportOutcome::Created {
+                        deliveries_created, ..
+                    }) => {
+                        *self.loaded_per_tenant.entry(tenant).or_default() += 1;
+                        Ok(Loaded::New { deliveries_created })
+                    }
+                    Some(ImportOutcome::AlreadyPresent { .. }) => Ok(Loaded::AlreadyPresent),
+                    Some(ImportOutcome::EventConflict) => Err(LineError::EventConflict {
+                        tenant,
+                        event_id: item.reminder.event_id().as_str().to_owned(),
+                    }),
+                    Some(ImportOutcome::UnknownTenant) | None => {
+                        Err(LineError::UnknownTenant(tenant))
+                    }
+                },
+            };
+            self.summary.lines += 1;
+            match result {
+                Ok(loaded) => {
+                    self.summary.valid += 1;
+                    match loaded {
+                        Loaded::New { deliveries_created } => {
+                            self.summary.loaded += 1;
+                            self.summary.deliveries_created += deliveries_created;
+                        }
+                        Loaded::AlreadyPresent => self.summary.already_present += 1,
+                        Loaded::Valid => {}
+                    }
+                }
+                Err(reason) => {
+                    self.summary.rejected += 1;
+                    self.summary.rejected_lines.push(line_no);
+                    writeln!(err, "line {line_no}: {reason}")?;
+                }
+            }
+        }
+        Ok(None)
     }
 
     async fn tenant_id(&mut self, name: &str) -> anyhow::Result<Option<TenantId>> {
@@ -328,17 +471,20 @@ impl Loader<'_> {
     }
 }
 
-/// A ledger refusal of this line is a rejection; anything else stops the load.
-fn ledger_failure(error: LedgerError, tenant: &str, event_id: &EventId) -> LineFailure {
+/// The load stopped at `line`: the lines before it were processed.
+fn stopped_at(error: anyhow::Error, line: u64) -> anyhow::Error {
+    error.context(format!(
+        "load stopped at line {line}; the lines before it were processed (see the summary) \
+         and loading the file again is safe"
+    ))
+}
+
+/// The ledger's refusal of a value this module already checks (kept as a rejection, in
+/// case the ledger's rules are ever stricter).
+fn refused(error: LedgerError) -> LineError {
     match error {
-        LedgerError::EventConflict { .. } => LineError::EventConflict {
-            tenant: tenant.to_owned(),
-            event_id: event_id.as_str().to_owned(),
-        }
-        .into(),
-        LedgerError::UnknownTenant(_) => LineError::UnknownTenant(tenant.to_owned()).into(),
-        LedgerError::InvalidInput(reason) => LineError::Refused(reason).into(),
-        other => LineFailure::Fatal(anyhow::Error::new(other).context("failed to import")),
+        LedgerError::InvalidInput(reason) => LineError::Refused(reason),
+        _ => LineError::Refused("not accepted by the ledger"),
     }
 }
 
@@ -346,6 +492,12 @@ fn ledger_failure(error: LedgerError, tenant: &str, event_id: &EventId) -> LineF
 /// reference or content.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 enum LineError {
+    #[error("line is longer than {MAX_LINE_BYTES} bytes")]
+    LineTooLong,
+    #[error("destinations.{0} is longer than {MAX_DESTINATION_BYTES} bytes")]
+    DestinationTooLong(Channel),
+    #[error("content is longer than {MAX_CONTENT_BYTES} bytes (as JSON text)")]
+    ContentTooLong,
     #[error("invalid JSON at column {column}: {problem}")]
     Syntax { column: usize, problem: String },
     #[error("expected a JSON object")]
@@ -504,7 +656,13 @@ impl ReminderLine {
         let destinations = destinations(&raw.destinations, &channels)?;
         let content = match raw.content {
             None | Some(Value::Null) => None,
-            Some(content @ Value::Object(_)) => Some(content.to_string().into_bytes()),
+            Some(content @ Value::Object(_)) => {
+                let content = content.to_string().into_bytes();
+                if content.len() > MAX_CONTENT_BYTES {
+                    return Err(LineError::ContentTooLong);
+                }
+                Some(content)
+            }
             Some(_) => return Err(LineError::wrong_type("content", "a JSON object")),
         };
         Ok(Self {
@@ -571,6 +729,9 @@ fn destinations(
             .ok_or_else(|| LineError::wrong_type(format!("destinations.{channel}"), "a string"))?;
         if text.trim().is_empty() {
             return Err(LineError::EmptyDestination(channel));
+        }
+        if text.len() > MAX_DESTINATION_BYTES {
+            return Err(LineError::DestinationTooLong(channel));
         }
         destinations.push((channel, Destination::new(text)));
     }

@@ -334,7 +334,12 @@ async fn reminder(
     )
     .unwrap();
     ledger
-        .create_reminder(&reminder, &DestinationCipher::new(&KEY), Utc::now())
+        .create_reminder(
+            &reminder,
+            &DestinationCipher::new(&KEY)
+                .with_subscriber_key(nudge_ledger::SubscriberKey::new(&KEY)),
+            Utc::now(),
+        )
         .await
         .unwrap();
 }

@@ -6,15 +6,17 @@
 use std::path::PathBuf;
 use std::process::{Command as Process, Stdio};
 
-use nudge_ledger::{DestinationCipher, Ledger};
+use nudge_ledger::{DestinationCipher, Ledger, SubscriberKey};
 use nudgectl::{Command, RemindersCommand, TenantCommand, execute};
 use sqlx::{ConnectOptions, PgPool};
 
-/// base64 of the 32 bytes `[7; 32]`, the key of [`cipher`].
+/// base64 of the 32 bytes `[7; 32]`, the destination key of [`cipher`].
 const KEY_BASE64: &str = "BwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwc=";
+/// base64 of the 32 bytes `[8; 32]`, the subscriber key of [`cipher`].
+const SUBSCRIBER_KEY_BASE64: &str = "CAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAg=";
 
 fn cipher() -> DestinationCipher {
-    DestinationCipher::new(&[7u8; 32])
+    DestinationCipher::new(&[7u8; 32]).with_subscriber_key(SubscriberKey::new(&[8u8; 32]))
 }
 
 /// Every destination, subscriber reference and content value the files below use.
@@ -162,16 +164,18 @@ async fn good_lines_load_and_bad_lines_are_reported_by_number_without_writing(po
         count(
             &pool,
             "SELECT count(*) FROM reminders WHERE event_id IN ('appt-1', 'appt-2') \
-             AND subscriber_ref IN ('patient-1', 'patient-2')"
+             AND subscriber_ref_keyed AND subscriber_ref NOT LIKE 'patient-%'"
         )
         .await,
-        2
+        2,
+        "subscriber references are stored as a keyed hash"
     );
     assert_eq!(count(&pool, "SELECT count(*) FROM contacts").await, 3);
     assert_eq!(
         count(
             &pool,
-            "SELECT count(*) FROM contacts WHERE subscriber_ref NOT IN ('patient-1', 'patient-2')"
+            "SELECT count(*) FROM contacts c WHERE NOT EXISTS \
+             (SELECT 1 FROM reminders r WHERE r.subscriber_ref = c.subscriber_ref)"
         )
         .await,
         0,
@@ -321,6 +325,7 @@ async fn the_binary_reads_stdin_and_exits_non_zero_when_a_line_is_rejected(pool:
         .args(["--actor", "ops@clinic", "reminders", "load", "-"])
         .env("NUDGE_DATABASE__URL", url)
         .env("NUDGE_CRYPTO__DESTINATION_KEY", KEY_BASE64)
+        .env("NUDGE_CRYPTO__SUBSCRIBER_KEY", SUBSCRIBER_KEY_BASE64)
         .env_remove("NUDGE_CONFIG")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -371,4 +376,106 @@ async fn a_database_failure_stops_the_load_and_says_at_which_line(pool: PgPool) 
     );
     assert_eq!(outcome.err, "");
     assert_nothing_sensitive(&outcome.everything_shown());
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_oversized_line_destination_or_content_is_rejected_by_line_and_field_and_the_rest_loads(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool.clone());
+    create_tenants(&ledger, &["clinic-a"]).await;
+    let good = |i: u32, destination: &str, content: &str| {
+        format!(
+            "{{\"tenant\": \"clinic-a\", \"event_id\": \"e-{i}\", \"subscriber_ref\": \"patient-{i}\", \
+             \"channels\": [\"sms\"], \"scheduled_at\": \"2099-01-01T00:00:00Z\", \
+             \"expires_at\": \"2099-01-02T00:00:00Z\", \"destinations\": {{\"sms\": \"{destination}\"}}, \
+             \"content\": {{\"note\": \"{content}\"}}}}\n"
+        )
+    };
+    // Line 2 is 10 MB of one line, read without holding it whole.
+    let huge_line = format!("{{\"tenant\": \"{}\"}}\n", "9".repeat(10_000_000));
+    let input = [
+        good(1, "+15550101", "appointment-reminder"),
+        huge_line,
+        good(3, &"5".repeat(2_000), "x"),
+        good(4, "+15550106", &"7".repeat(20_000)),
+        good(5, "+15550105", "y"),
+    ]
+    .concat();
+
+    let outcome = load(&ledger, input_file("oversized", &input), false, false).await;
+
+    assert!(outcome.result.is_err());
+    assert_eq!(
+        outcome.err,
+        "line 2: line is longer than 65536 bytes\n\
+         line 3: destinations.sms is longer than 1024 bytes\n\
+         line 4: content is longer than 16384 bytes (as JSON text)\n"
+    );
+    assert!(
+        outcome
+            .out
+            .starts_with("loaded 2 new, 0 already present, 3 rejected (of 5 lines)")
+    );
+    assert!(!outcome.everything_shown().contains("5555555555"));
+    assert!(!outcome.everything_shown().contains("7777777777"));
+    assert_eq!(count(&pool, "SELECT count(*) FROM reminders").await, 2);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_load_without_the_subscriber_key_fails_naming_it(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    create_tenants(&ledger, &["clinic-a", "clinic-b"]).await;
+    let command = Command::Reminders(RemindersCommand::Load {
+        file: input_file("no-subscriber-key", MIXED),
+        dry_run: false,
+        json: false,
+        reason: None,
+    });
+
+    let result = execute(
+        &ledger,
+        "ops@clinic",
+        Some(&DestinationCipher::new(&[7u8; 32])),
+        command,
+        &mut Vec::new(),
+        &mut Vec::new(),
+    )
+    .await;
+
+    let error = result.unwrap_err().to_string();
+    assert!(error.contains("crypto.subscriber_key"), "{error}");
+    assert_eq!(count(&pool, "SELECT count(*) FROM reminders").await, 0);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_file_of_many_chunks_loads_every_line_once_and_again_as_already_present(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    create_tenants(&ledger, &["clinic-a"]).await;
+    // 1,201 lines: three chunks, the last partial; a few reminders already due.
+    let lines: String = (0..1201)
+        .map(|i| {
+            let at = if i % 400 == 0 { "2020-01-01T00:00:00Z" } else { "2099-01-01T00:00:00Z" };
+            format!(
+                "{{\"tenant\": \"clinic-a\", \"event_id\": \"e-{i}\", \"subscriber_ref\": \"p-{}\", \
+                 \"channels\": [\"sms\"], \"scheduled_at\": \"{at}\", \
+                 \"expires_at\": \"2099-01-02T00:00:00Z\", \"destinations\": {{\"sms\": \"+1555{i:04}\"}}}}\n",
+                i % 700
+            )
+        })
+        .collect();
+    let file = input_file("chunks", &lines);
+
+    let first = load(&ledger, file.clone(), false, true).await;
+    let again = load(&ledger, file, false, true).await;
+
+    assert!(first.result.is_ok(), "{:?} {}", first.result, first.err);
+    let first: serde_json::Value = serde_json::from_str(&first.out).unwrap();
+    assert_eq!(first["loaded"], 1201);
+    assert_eq!(first["deliveries_created"], 4);
+    let again: serde_json::Value = serde_json::from_str(&again.out).unwrap();
+    assert_eq!(again["already_present"], 1201);
+    assert_eq!(count(&pool, "SELECT count(*) FROM reminders").await, 1201);
+    assert_eq!(count(&pool, "SELECT count(*) FROM contacts").await, 700);
+    assert_eq!(count(&pool, "SELECT count(*) FROM deliveries").await, 4);
 }

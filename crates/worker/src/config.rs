@@ -4,7 +4,9 @@
 //! `telemetry.*`, `crypto.destination_key`, required here; when `telemetry.metrics_addr` is set
 //! the worker serves Prometheus `GET /metrics` there, see `WorkerMetrics`):
 //! - `worker.lease_seconds` (default 60): how long a leased delivery is held before the
-//!   janitor's reaper may settle it; must exceed the longest provider timeout.
+//!   janitor's reaper may settle it. It must outlive a send and its wait: for every provider
+//!   account, `lease_seconds * 1000 >= timeout_ms + admission.max_wait_ms +`
+//!   [`LEASE_MARGIN_MS`] (the ledger round trips around the send); checked at start-up.
 //! - `worker.shutdown_grace_ms` (default 20000): how long in-flight sends may finish after
 //!   SIGTERM before the worker exits (their leases then expire and are reaped).
 //! - `worker.batch_size` (default 64, 1..=1000): the most messages leased in one transaction;
@@ -101,6 +103,41 @@ impl Validate for WorkerConfig {
         for (i, provider) in self.providers.iter().enumerate() {
             provider.validate(&format!("providers[{i}]"))?;
         }
+        self.check_lease_outlives_a_send()
+    }
+}
+
+/// What a lease must hold beyond a provider's timeout and the admission wait: the ledger's
+/// round trips between the lease and the request, and the record after the answer.
+pub const LEASE_MARGIN_MS: u64 = 1_000;
+
+impl WorkerConfig {
+    /// A lease shorter than a send lets the reaper settle a delivery whose request is still
+    /// in flight, and a second worker send it again.
+    fn check_lease_outlives_a_send(&self) -> Result<(), ConfigError> {
+        let lease_ms = self.worker.lease_seconds.saturating_mul(1000);
+        for provider in &self.providers {
+            let needed_ms = provider
+                .timeout_ms
+                .saturating_add(self.admission.max_wait_ms)
+                .saturating_add(LEASE_MARGIN_MS);
+            if lease_ms < needed_ms {
+                return Err(ConfigError::invalid(
+                    "worker.lease_seconds",
+                    format!(
+                        "must cover a send and its wait: provider account {} needs at least \
+                         {} s (its timeout_ms {} + admission.max_wait_ms {} + {} ms margin), \
+                         got {} s",
+                        provider.account,
+                        needed_ms.div_ceil(1000),
+                        provider.timeout_ms,
+                        self.admission.max_wait_ms,
+                        LEASE_MARGIN_MS,
+                        self.worker.lease_seconds
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -189,5 +226,57 @@ impl AdmissionSection {
             max_pause: Duration::from_secs(self.max_pause_s),
             ..nudge_domain::AdmissionSettings::default()
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn with_account(timeout_ms: u64, lease_seconds: u64) -> WorkerConfig {
+        let mut config = WorkerConfig::default();
+        let mut account = HttpProviderConfig::new("sms-main", Channel::Sms, "http://127.0.0.1:1");
+        account.timeout_ms = timeout_ms;
+        account.connect_timeout_ms = 1_000;
+        account.default_for_channel = true;
+        config.providers.push(account);
+        config.worker.lease_seconds = lease_seconds;
+        config
+    }
+
+    fn invalid_key(config: &WorkerConfig) -> Option<String> {
+        config
+            .validate_for(Channel::Sms)
+            .err()
+            .and_then(|e| e.key())
+    }
+
+    #[test]
+    fn a_lease_shorter_than_a_send_and_its_wait_is_refused_naming_the_key() {
+        // 10 s timeout + 1.5 s wait + 1 s margin: 12.5 s.
+        let config = with_account(10_000, 12);
+        let error = config.validate().unwrap_err();
+        assert_eq!(error.key().as_deref(), Some("worker.lease_seconds"));
+        let message = error.to_string();
+        assert!(
+            message.contains("sms-main needs at least 13 s"),
+            "{message}"
+        );
+        assert!(message.contains("got 12 s"), "{message}");
+    }
+
+    #[test]
+    fn a_lease_that_outlives_the_slowest_send_and_its_wait_is_accepted() {
+        let mut config = with_account(10_000, 13);
+        config.crypto.destination_key = Some(nudge_config::Secret::new(
+            "BwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwc=",
+        ));
+        assert_eq!(invalid_key(&config), None);
+        config.admission.max_wait_ms = 2_100;
+        assert_eq!(
+            invalid_key(&config).as_deref(),
+            Some("worker.lease_seconds")
+        );
     }
 }

@@ -107,7 +107,7 @@ async fn published(
         None => ledger.create_tenant("clinic", now).await.unwrap(),
     };
     let subscriber = SubscriberRef::parse(&format!("patient-{event}")).unwrap();
-    let cipher = DestinationCipher::new(&KEY);
+    let cipher = DestinationCipher::new(&KEY).with_subscriber_key(SubscriberKey::new(&[9; 32]));
     ledger
         .upsert_contact(
             tenant.id,

@@ -230,7 +230,8 @@ impl TestEnv {
             db_name,
             db_url,
             ledger,
-            cipher: DestinationCipher::new(&key),
+            cipher: DestinationCipher::new(&key)
+                .with_subscriber_key(nudge_ledger::SubscriberKey::new(&[5u8; 32])),
             key_b64,
             stub_url: String::new(),
             stub: None,
@@ -521,7 +522,7 @@ log_filter = "info"
             scheduled_at,
             expires_at,
         )?
-        .with_content(br#"{"template":"appointment"}"#.to_vec());
+        .with_content(br#"{"template":"appointment"}"#.to_vec())?;
         let contacts: Vec<(Channel, nudge_ledger::Destination)> = channels
             .iter()
             .map(|c| {

@@ -50,6 +50,8 @@ async fn run_with_a_killed_worker(
     let mut options = WorkerOptions::for_channel(Channel::Sms);
     options.accounts = vec![("sms-main".into(), honours_idempotency, true)];
     options.lease_seconds = 5;
+    // The lease must cover a send and its wait (timeout + admission wait + margin).
+    options.provider_timeout_ms = 2_000;
     options.prefetch = 8;
     env.start_producer("producer").unwrap();
     env.start_janitor(200, 1_000).unwrap();

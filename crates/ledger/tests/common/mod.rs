@@ -11,7 +11,8 @@ use nudge_domain::{
 };
 use nudge_ledger::{
     AttemptRecord, DestinationCipher, DueDelivery, LeaseBatch, LeaseOutcome, LeasedDelivery,
-    Ledger, LedgerTime, NewReminder, OutcomeToRecord, Recorded, Tenant, WorkerRoutes,
+    Ledger, LedgerTime, NewReminder, OutcomeToRecord, Recorded, SubscriberKey, Tenant,
+    WorkerRoutes,
 };
 
 pub fn t0() -> DateTime<Utc> {
@@ -25,7 +26,7 @@ pub fn secs(n: i64) -> chrono::Duration {
 pub const LEASE: Duration = Duration::from_secs(60);
 
 pub fn cipher() -> DestinationCipher {
-    DestinationCipher::new(&[42u8; 32])
+    DestinationCipher::new(&[42u8; 32]).with_subscriber_key(SubscriberKey::new(&[43u8; 32]))
 }
 
 pub async fn tenant(ledger: &Ledger) -> Tenant {
