@@ -10,7 +10,9 @@ use chrono::{DateTime, Utc};
 use nudge_domain::{
     AdmissionSettings, Channel, DeliveryState, EventId, ProviderAccount, RetryPolicy, SubscriberRef,
 };
-use nudge_ledger::{Destination, DestinationCipher, DueDelivery, Ledger, LedgerTime, NewReminder};
+use nudge_ledger::{
+    Destination, DestinationCipher, DueDelivery, Ledger, LedgerTime, NewReminder, SubscriberKey,
+};
 use nudge_proto::Envelope;
 use nudge_provider::{HttpProvider, HttpProviderConfig};
 use nudge_worker::{LedgerClock, Processed, Providers, Recorder, Worker, WorkerMetrics};

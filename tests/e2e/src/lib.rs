@@ -171,6 +171,8 @@ pub struct WorkerOptions {
     pub rate: Option<(f64, u32)>,
     pub max_wait_ms: u64,
     pub closed_recheck_ms: u64,
+    /// The longest one provider answer may pause a bucket (`admission.max_pause_s`).
+    pub max_pause_s: u64,
     /// Where the worker serves `GET /metrics`, if anywhere.
     pub metrics_port: Option<u16>,
 }
@@ -188,6 +190,7 @@ impl WorkerOptions {
             rate: None,
             max_wait_ms: 1_500,
             closed_recheck_ms: 1_000,
+            max_pause_s: 60,
             metrics_port: None,
         }
     }
@@ -399,7 +402,7 @@ log_filter = "info"
             );
         }
         body.push_str(&format!(
-            "\n[crypto]\ndestination_key = \"{key}\"\n\n[worker]\nlease_seconds = {lease}\nshutdown_grace_ms = 5000\n\n[retry]\nbase_delay_ms = {base}\nmax_delay_ms = {max}\nmax_attempts = {attempts}\nmax_retry_after_s = 60\n\n[admission]\nmax_wait_ms = {max_wait}\nclosed_recheck_ms = {recheck}\n",
+            "\n[crypto]\ndestination_key = \"{key}\"\n\n[worker]\nlease_seconds = {lease}\nshutdown_grace_ms = 5000\n\n[retry]\nbase_delay_ms = {base}\nmax_delay_ms = {max}\nmax_attempts = {attempts}\nmax_retry_after_s = 60\n\n[admission]\nmax_wait_ms = {max_wait}\nclosed_recheck_ms = {recheck}\nmax_pause_s = {max_pause}\n",
             key = self.key_b64,
             lease = options.lease_seconds,
             base = options.retry_base_ms,
@@ -407,6 +410,7 @@ log_filter = "info"
             attempts = options.max_attempts,
             max_wait = options.max_wait_ms,
             recheck = options.closed_recheck_ms,
+            max_pause = options.max_pause_s,
         ));
         for (account, idem, default) in &options.accounts {
             body.push_str(&format!(
