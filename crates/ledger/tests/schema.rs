@@ -367,8 +367,8 @@ async fn a_destination_is_stored_only_encrypted_and_opens_for_the_leased_deliver
     }
 }
 
-/// The relay's "what is due now" must stay an index scan however much settled history
-/// and future work the table holds.
+/// The relay's "what is due now", per channel, must stay an index scan however much settled
+/// history, future work and other channels' backlog the table holds.
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn finding_due_work_uses_the_partial_index_on_a_large_ledger(pool: PgPool) {
     let ledger = Ledger::from_pool(pool.clone());
@@ -394,6 +394,19 @@ async fn finding_due_work_uses_the_partial_index_on_a_large_ledger(pool: PgPool)
                 r.scheduled_at + interval '1 day',
                 CASE WHEN n % 4 = 0 THEN NULL ELSE r.scheduled_at END, r.created_at, r.created_at
          FROM (SELECT *, row_number() OVER () AS n FROM reminders WHERE event_id LIKE 'bulk-%') r",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // And a backlog of 20,000 emails due an hour ago: claiming SMS must not walk through it.
+    sqlx::query(
+        "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
+             scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
+         SELECT gen_random_uuid(), r.id, r.tenant_id, 'email', 'scheduled',
+                'bulk-email-' || n, r.scheduled_at - interval '1 hour', r.expires_at,
+                r.scheduled_at - interval '1 hour', r.created_at, r.created_at
+         FROM (SELECT *, row_number() OVER () AS n FROM reminders WHERE event_id LIKE 'bulk-%') r
+         WHERE n % 4 = 1",
     )
     .execute(&pool)
     .await
@@ -424,6 +437,9 @@ async fn finding_due_work_uses_the_partial_index_on_a_large_ledger(pool: PgPool)
     let oldest = oldest.join("\n");
     assert!(oldest.contains("deliveries_eligible_idx"), "{oldest}");
 
-    let claimed = claim_all(&ledger, t0()).await;
-    assert_eq!(claimed.len(), 1, "only the one due delivery of {reminder}");
+    let claimed = ledger
+        .claim_due(Channel::Sms, 100, at(t0()))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1, "only the one due SMS delivery of {reminder}");
 }
