@@ -215,18 +215,18 @@ impl Ledger {
 
     /// Sets a bucket's configured rate (0 stops sending on it) and burst (None keeps the
     /// current one, or `max(1, ceil(rate))` for a new bucket), creating it if absent. The
-    /// effective rate becomes the new rate; a provider's pause (Retry-After) is kept.
-    #[allow(clippy::too_many_arguments)]
+    /// effective rate becomes the new rate; a provider's pause (Retry-After) is kept. Audited
+    /// (`rate_set`, with the rate and burst it replaced) in the same transaction; the bucket
+    /// also remembers who changed it and why.
     pub async fn set_rate(
         &self,
         account: &ProviderAccount,
         channel: Channel,
         rate_per_second: f64,
         burst: Option<u32>,
-        actor: &str,
-        reason: &str,
-        now: DateTime<Utc>,
+        by: &crate::Operator,
     ) -> Result<RateBucket, LedgerError> {
+        let now = by.at();
         if !rate_per_second.is_finite() || rate_per_second < 0.0 {
             return Err(LedgerError::InvalidInput(
                 "the rate must be a finite number >= 0",
@@ -265,17 +265,37 @@ impl Ledger {
         .bind(channel.as_str())
         .bind(rate_per_second)
         .bind(i32::try_from(burst).unwrap_or(i32::MAX))
-        .bind(actor)
+        .bind(by.actor())
         .bind(now)
-        .bind(reason)
+        .bind(by.reason())
         .execute(&mut *tx)
         .await?;
         store(&mut tx, account, channel, &state).await?;
-        let row = lock(&mut tx, account, channel)
+        let bucket = lock(&mut tx, account, channel)
             .await?
-            .ok_or_else(|| LedgerError::corrupt("rate_buckets", "bucket vanished"))?;
+            .ok_or_else(|| LedgerError::corrupt("rate_buckets", "bucket vanished"))?
+            .bucket()?;
+        crate::audit::insert(
+            &mut tx,
+            &by.entry(
+                "rate_set",
+                format!("bucket:{account}/{channel}"),
+                serde_json::json!({
+                    "account": account.as_str(),
+                    "channel": channel,
+                    "rate_per_second": bucket.rate_per_second,
+                    "burst": bucket.burst,
+                    "previous": existing.as_ref().map(|p| serde_json::json!({
+                        "rate_per_second": p.rate_per_second,
+                        "burst": p.burst,
+                        "effective_rate": p.effective_rate,
+                    })),
+                }),
+            ),
+        )
+        .await?;
         tx.commit().await?;
-        row.bucket()
+        Ok(bucket)
     }
 
     /// What a send that reserved its slot at `reserved_at` should do now that its slot has

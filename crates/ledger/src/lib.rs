@@ -25,7 +25,7 @@ mod schedules;
 mod status;
 mod tenants;
 
-pub use audit::AuditEntry;
+pub use audit::{AuditEntry, Operator};
 pub use buckets::{BucketAdmission, BucketCheck, Feedback, RateBucket};
 pub use crypto::{Destination, DestinationCipher};
 pub use dead_letters::{DeadLetter, DeadLetterAction};

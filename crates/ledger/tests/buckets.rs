@@ -216,7 +216,7 @@ async fn a_rate_of_zero_closes_the_bucket_and_raising_it_reopens(pool: PgPool) {
         .unwrap();
 
     ledger
-        .set_rate(&account(), Channel::Sms, 0.0, None, "ops", "incident", t0())
+        .set_rate(&account(), Channel::Sms, 0.0, None, &ops(t0()))
         .await
         .unwrap();
     let closed = ledger
@@ -241,7 +241,7 @@ async fn a_rate_of_zero_closes_the_bucket_and_raising_it_reopens(pool: PgPool) {
         .unwrap();
     let channel_rate = ledger.channel_rate(Channel::Sms, t0()).await.unwrap();
     ledger
-        .set_rate(&account(), Channel::Sms, 20.0, None, "ops", "over", t0())
+        .set_rate(&account(), Channel::Sms, 20.0, None, &ops(t0()))
         .await
         .unwrap();
     let reopened = ledger
@@ -280,15 +280,7 @@ async fn a_bucket_changed_at_run_time_keeps_its_rate_when_workers_restart(pool: 
         .await
         .unwrap();
     ledger
-        .set_rate(
-            &account(),
-            Channel::Sms,
-            12.0,
-            Some(3),
-            "ops",
-            "provider asked",
-            t0(),
-        )
+        .set_rate(&account(), Channel::Sms, 12.0, Some(3), &ops(t0()))
         .await
         .unwrap();
 
@@ -302,5 +294,5 @@ async fn a_bucket_changed_at_run_time_keeps_its_rate_when_workers_restart(pool: 
         (bucket.rate_per_second, bucket.burst, bucket.effective_rate),
         (12.0, 3, 12.0)
     );
-    assert_eq!(bucket.changed_by, "ops");
+    assert_eq!(bucket.changed_by, "ops@clinic");
 }

@@ -15,7 +15,7 @@ async fn insert_in_state(
     state: &str,
     n: usize,
 ) -> Result<uuid::Uuid, sqlx::Error> {
-    let tenant = ledger.create_tenant("schema", t0()).await.unwrap();
+    let tenant = ledger.create_tenant("schema", &ops(t0())).await.unwrap();
     // A bare reminder: its deliveries are the rows under test, not materialised ones.
     let reminder: uuid::Uuid = sqlx::query_scalar(
         "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels, scheduled_at,
@@ -429,7 +429,7 @@ async fn retention_may_delete_attempts_inside_its_own_transaction_only(pool: PgP
 }
 
 async fn one_attempt_in_new_tenant(ledger: &Ledger, pool: &PgPool) -> Result<u64, sqlx::Error> {
-    let tenant = ledger.create_tenant("another", t0()).await.unwrap();
+    let tenant = ledger.create_tenant("another", &ops(t0())).await.unwrap();
     owed(ledger, tenant.id, "e2", &[Channel::Sms], t0()).await;
     sqlx::query("INSERT INTO attempts (delivery_id, attempt_number, generation, lane, started_at, finished_at, outcome_class, next_state)
                  SELECT id, 1, 0, 'new', $1, $1, 'retryable', 'retry_wait' FROM deliveries WHERE tenant_id = $2")

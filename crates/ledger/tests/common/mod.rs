@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
 use nudge_domain::{Channel, EventId, ReminderId, SubscriberRef, TenantId};
-use nudge_ledger::{DestinationCipher, Ledger, NewReminder, Tenant};
+use nudge_ledger::{DestinationCipher, Ledger, NewReminder, Operator, Tenant};
 
 pub fn t0() -> DateTime<Utc> {
     Utc.with_ymd_and_hms(2026, 11, 29, 9, 0, 0).unwrap()
@@ -22,8 +22,13 @@ pub fn cipher() -> DestinationCipher {
     DestinationCipher::new(&[42u8; 32])
 }
 
+/// The operator behind the tests' changes, acting at `at`.
+pub fn ops(at: DateTime<Utc>) -> Operator {
+    Operator::new("ops@clinic", Some("test"), at).unwrap()
+}
+
 pub async fn tenant(ledger: &Ledger) -> Tenant {
-    ledger.create_tenant("clinic-a", t0()).await.unwrap()
+    ledger.create_tenant("clinic-a", &ops(t0())).await.unwrap()
 }
 
 pub fn reminder(
