@@ -2,8 +2,8 @@
 # The whole system on this machine, without Docker: a fresh database `nudge_demo`, the provider
 # stub on 127.0.0.1, the producer, the janitor and the three channel workers, then about 300
 # reminders due over the next 10 s (scripts/demo-run.sh), watched until nothing is owed.
-# Every process it starts is stopped on exit, Ctrl-C included; exit status 0 when the provider
-# stub accepted every delivery in time (120 s).
+# Every process it starts is stopped on exit, Ctrl-C and a closed output pipe (`| head`)
+# included; exit status 0 when the provider stub accepted every delivery in time (120 s).
 #
 # Needs: PostgreSQL and RabbitMQ on 127.0.0.1 (scripts/services.sh starts them, installing
 # them when missing and run as root), psql, curl, jq, and the binaries (built in debug with
@@ -16,6 +16,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
+# NUDGE_BIN_DIR chooses the binaries; it is read before every NUDGE_* variable is unset.
+bin_dir_wanted=${NUDGE_BIN_DIR:-}
 # The configuration is the file written below; NUDGE_* variables would override it.
 while read -r var; do unset "$var"; done < <(compgen -e | grep '^NUDGE_' || true)
 
@@ -40,7 +42,11 @@ pids=() names=() run_pid=
 
 stop_all() {
   local status=$?
-  trap - EXIT INT TERM
+  trap - EXIT INT TERM PIPE
+  # Output may be a closed pipe (`scripts/demo.sh | head`): a write must fail, not kill the
+  # cleanup half-way, and what is left to say goes to stderr.
+  trap '' PIPE
+  ((status == 141)) && exec >&2
   set +e
   [[ -n $run_pid ]] && kill -TERM "$run_pid" 2>/dev/null && wait "$run_pid" 2>/dev/null
   if ((${#pids[@]})); then
@@ -65,7 +71,7 @@ stop_all() {
   if ((status == 0)); then
     rm -rf "$work"
     say "done in $((SECONDS - started_at))s"
-  elif ((status == 130 || status == 143)); then
+  elif ((status == 130 || status == 141 || status == 143)); then
     say "interrupted after $((SECONDS - started_at))s; logs kept in $work" >&2
   else
     for i in "${!names[@]}"; do
@@ -80,6 +86,9 @@ stop_all() {
 trap stop_all EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
+# Whoever reads the output went away (SIGPIPE; an EPIPE write error fails the step under
+# set -e): stop everything all the same.
+trap 'exit 141' PIPE
 
 start() { # name, binary, args...
   local name=$1 binary=$2
@@ -92,8 +101,8 @@ start() { # name, binary, args...
 scripts/services.sh
 
 BINARIES=(nudgectl nudge-producer nudge-janitor nudge-push nudge-email nudge-sms provider-stub)
-if [[ -n ${NUDGE_BIN_DIR:-} ]]; then
-  BIN_DIR=$(cd "$NUDGE_BIN_DIR" && pwd)
+if [[ -n $bin_dir_wanted ]]; then
+  BIN_DIR=$(cd "$bin_dir_wanted" 2>/dev/null && pwd) || die "NUDGE_BIN_DIR=$bin_dir_wanted is not a directory"
 else
   BIN_DIR=${CARGO_TARGET_DIR:-$ROOT/target}/debug
   for b in "${BINARIES[@]}"; do

@@ -252,12 +252,12 @@ async fn sweep_loop(
                 );
             }
             Ok(_) => {}
-            Err(e) => error!(error.cause_chain = ?e, "sweep failed; retrying"),
+            Err(e) => error!(error.cause_chain = %format!("{e:#}"), "sweep failed; retrying"),
         }
         if last_orphan_watch.is_none_or(|at| at.elapsed() >= ORPHAN_EVERY) {
             last_orphan_watch = Some(std::time::Instant::now());
             if let Err(e) = watch_orphans_once(ledger, batch_size).await {
-                error!(error.cause_chain = ?e, "orphan watchdog failed; retrying");
+                error!(error.cause_chain = %format!("{e:#}"), "orphan watchdog failed; retrying");
             }
         }
         tokio::select! {

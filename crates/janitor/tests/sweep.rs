@@ -30,7 +30,13 @@ fn cipher() -> DestinationCipher {
 
 /// SMS deliveries for `events`, due at t0 (expiring an hour later), claimed at t0.
 async fn claimed(ledger: &Ledger, events: &[&str]) -> Vec<DueDelivery> {
-    let tenant = ledger.create_tenant("clinic", t0()).await.unwrap();
+    let tenant = ledger
+        .create_tenant(
+            "clinic",
+            &nudge_ledger::Operator::new("ops", Some("test"), t0()).unwrap(),
+        )
+        .await
+        .unwrap();
     let mut ids = Vec::new();
     for event in events {
         let created = ledger
@@ -61,7 +67,13 @@ async fn claimed(ledger: &Ledger, events: &[&str]) -> Vec<DueDelivery> {
         .unwrap();
     // In the order of `events`.
     ids.iter()
-        .map(|id| claimed.iter().find(|d| d.reminder_id == *id).unwrap().clone())
+        .map(|id| {
+            claimed
+                .iter()
+                .find(|d| d.reminder_id == *id)
+                .unwrap()
+                .clone()
+        })
         .collect()
 }
 
@@ -93,7 +105,10 @@ async fn a_sweep_expires_owed_work_returns_unsent_leases_and_decides_sent_ones(p
     let result = ledger
         .lease_batch(
             &batch,
-            &[(due[0].id, due[0].generation), (due[1].id, due[1].generation)],
+            &[
+                (due[0].id, due[0].generation),
+                (due[1].id, due[1].generation),
+            ],
         )
         .await
         .unwrap();
@@ -120,7 +135,11 @@ async fn a_sweep_expires_owed_work_returns_unsent_leases_and_decides_sent_ones(p
         .await
         .unwrap();
 
-    assert_eq!(early, SweepReport::default(), "nothing is due for the sweep yet");
+    assert_eq!(
+        early,
+        SweepReport::default(),
+        "nothing is due for the sweep yet"
+    );
     assert_eq!(
         lapsed,
         SweepReport {
@@ -135,12 +154,24 @@ async fn a_sweep_expires_owed_work_returns_unsent_leases_and_decides_sent_ones(p
         async move { ledger.delivery(id).await.unwrap().unwrap() }
     };
     let sent = delivery(0).await;
-    assert_eq!(sent.state, DeliveryState::RetryWait, "sent, idempotent: retried");
+    assert_eq!(
+        sent.state,
+        DeliveryState::RetryWait,
+        "sent, idempotent: retried"
+    );
     assert_eq!(sent.attempt_count, 1);
     let waiting = delivery(1).await;
-    assert_eq!(waiting.state, DeliveryState::RetryWait, "never sent: due again");
+    assert_eq!(
+        waiting.state,
+        DeliveryState::RetryWait,
+        "never sent: due again"
+    );
     assert_eq!(waiting.attempt_count, 0);
-    assert_eq!(delivery(2).await.state, DeliveryState::Queued, "not leased: left alone");
+    assert_eq!(
+        delivery(2).await.state,
+        DeliveryState::Queued,
+        "not leased: left alone"
+    );
 
     // An hour on, what is still owed has expired.
     let late = sweep_once(&ledger, &policy, 100, LedgerTime::Fixed(t0() + secs(3601)))

@@ -255,18 +255,18 @@ impl Ledger {
 
     /// Sets a bucket's configured rate (0 stops sending on it) and burst (None keeps the
     /// current one, or `max(1, ceil(rate))` for a new bucket), creating it if absent. The
-    /// effective rate becomes the new rate; a provider's pause (Retry-After) is kept.
-    #[allow(clippy::too_many_arguments)]
+    /// effective rate becomes the new rate; a provider's pause (Retry-After) is kept. Audited
+    /// (`rate_set`, with the rate and burst it replaced) in the same transaction; the bucket
+    /// also remembers who changed it and why.
     pub async fn set_rate(
         &self,
         account: &ProviderAccount,
         channel: Channel,
         rate_per_second: f64,
         burst: Option<u32>,
-        actor: &str,
-        reason: &str,
-        now: DateTime<Utc>,
+        by: &crate::Operator,
     ) -> Result<RateBucket, LedgerError> {
+        let now = by.at();
         if !rate_per_second.is_finite() || rate_per_second < 0.0 {
             return Err(LedgerError::InvalidInput(
                 "the rate must be a finite number >= 0",
@@ -305,17 +305,37 @@ impl Ledger {
         .bind(channel.as_str())
         .bind(rate_per_second)
         .bind(i32::try_from(burst).unwrap_or(i32::MAX))
-        .bind(actor)
+        .bind(by.actor())
         .bind(now)
-        .bind(reason)
+        .bind(by.reason())
         .execute(&mut *tx)
         .await?;
         store(&mut tx, account, channel, &state).await?;
-        let row = lock(&mut tx, account, channel)
+        let bucket = lock(&mut tx, account, channel)
             .await?
-            .ok_or_else(|| LedgerError::corrupt("rate_buckets", "bucket vanished"))?;
+            .ok_or_else(|| LedgerError::corrupt("rate_buckets", "bucket vanished"))?
+            .bucket()?;
+        crate::audit::insert(
+            &mut tx,
+            &by.entry(
+                "rate_set",
+                format!("bucket:{account}/{channel}"),
+                serde_json::json!({
+                    "account": account.as_str(),
+                    "channel": channel,
+                    "rate_per_second": bucket.rate_per_second,
+                    "burst": bucket.burst,
+                    "previous": existing.as_ref().map(|p| serde_json::json!({
+                        "rate_per_second": p.rate_per_second,
+                        "burst": p.burst,
+                        "effective_rate": p.effective_rate,
+                    })),
+                }),
+            ),
+        )
+        .await?;
         tx.commit().await?;
-        row.bucket()
+        Ok(bucket)
     }
 
     /// What a channel's buckets admit together right now: the sum of their effective rates,
@@ -423,7 +443,7 @@ impl Ledger {
         &self,
         account: &ProviderAccount,
         channel: Channel,
-        audit: &crate::AuditEntry,
+        by: &crate::Operator,
     ) -> Result<Option<RateBucket>, LedgerError> {
         let mut tx = self.pool.begin().await?;
         let Some(row) = lock(&mut tx, account, channel).await? else {
@@ -437,14 +457,16 @@ impl Ledger {
         .bind(channel.as_str())
         .execute(&mut *tx)
         .await?;
-        let mut entry = audit.clone();
-        if let serde_json::Value::Object(details) = &mut entry.details {
-            details.insert(
-                "paused_until".into(),
-                serde_json::json!(row.paused_until.map(|p| p.to_rfc3339())),
-            );
-            details.insert("pause_cause".into(), serde_json::json!(row.pause_cause));
-        }
+        let entry = by.entry(
+            "rate_resume",
+            format!("bucket:{account}/{channel}"),
+            serde_json::json!({
+                "account": account.as_str(),
+                "channel": channel,
+                "paused_until": row.paused_until.map(|p| p.to_rfc3339()),
+                "pause_cause": row.pause_cause,
+            }),
+        );
         crate::audit::insert(&mut tx, &entry).await?;
         let row = lock(&mut tx, account, channel)
             .await?

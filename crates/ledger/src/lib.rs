@@ -27,7 +27,7 @@ mod schedules;
 mod status;
 mod tenants;
 
-pub use audit::AuditEntry;
+pub use audit::{AuditEntry, Operator};
 pub use buckets::{BucketReading, Feedback, FeedbackApplied, RateBucket};
 pub use contacts::SubscriberConversion;
 pub use crypto::{Destination, DestinationCipher, SubscriberKey};

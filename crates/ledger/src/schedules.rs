@@ -1,6 +1,6 @@
-use chrono::{DateTime, Utc};
 use nudge_domain::TenantId;
 
+use crate::audit::{self, Operator};
 use crate::{Ledger, LedgerError};
 
 /// When the producer materialises a tenant's reminders: a cron expression (validated by the
@@ -20,13 +20,14 @@ struct ScheduleRow {
 }
 
 impl Ledger {
-    /// Sets a tenant's schedule (one per tenant: replacing is the common operation).
+    /// Sets a tenant's schedule (one per tenant: replacing is the common operation), audited
+    /// (`schedule_set`, with the schedule it replaced) in the same transaction.
     pub async fn set_schedule(
         &self,
         tenant_id: TenantId,
         cron: &str,
         window_seconds: u32,
-        now: DateTime<Utc>,
+        by: &Operator,
     ) -> Result<(), LedgerError> {
         if cron.trim().is_empty() || cron.len() > 200 {
             return Err(LedgerError::InvalidInput(
@@ -39,20 +40,23 @@ impl Ledger {
             .ok_or(LedgerError::InvalidInput(
                 "a window must be 1 s to 7 days long",
             ))?;
+        let cron = cron.trim();
         let mut tx = self.pool.begin().await?;
-        sqlx::query("DELETE FROM schedules WHERE tenant_id = $1")
-            .bind(tenant_id.as_uuid())
-            .execute(&mut *tx)
-            .await?;
+        let previous: Option<(String, i32)> = sqlx::query_as(
+            "DELETE FROM schedules WHERE tenant_id = $1 RETURNING cron, window_seconds",
+        )
+        .bind(tenant_id.as_uuid())
+        .fetch_optional(&mut *tx)
+        .await?;
         sqlx::query(
             "INSERT INTO schedules (id, tenant_id, cron, window_seconds, enabled, created_at)
              VALUES ($1, $2, $3, $4, true, $5)",
         )
         .bind(uuid::Uuid::now_v7())
         .bind(tenant_id.as_uuid())
-        .bind(cron.trim())
+        .bind(cron)
         .bind(window)
-        .bind(now)
+        .bind(by.at())
         .execute(&mut *tx)
         .await
         .map_err(|e| match &e {
@@ -61,6 +65,22 @@ impl Ledger {
             }
             _ => LedgerError::Database(e),
         })?;
+        audit::insert(
+            &mut tx,
+            &by.entry(
+                "schedule_set",
+                format!("tenant:{tenant_id}"),
+                serde_json::json!({
+                    "cron": cron,
+                    "window_seconds": window_seconds,
+                    "previous": previous.map(|(cron, window_seconds)| serde_json::json!({
+                        "cron": cron,
+                        "window_seconds": window_seconds,
+                    })),
+                }),
+            ),
+        )
+        .await?;
         tx.commit().await?;
         Ok(())
     }

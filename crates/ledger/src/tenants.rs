@@ -1,6 +1,7 @@
 use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, ProviderAccount, TenantId};
 
+use crate::audit::{self, Operator};
 use crate::{Ledger, LedgerError};
 
 /// A tenant and its operator flags.
@@ -20,6 +21,13 @@ struct TenantRow {
     draining: bool,
 }
 
+#[derive(sqlx::FromRow)]
+struct CreatedTenantRow {
+    #[sqlx(flatten)]
+    tenant: TenantRow,
+    created: bool,
+}
+
 impl From<TenantRow> for Tenant {
     fn from(row: TenantRow) -> Self {
         Self {
@@ -32,28 +40,39 @@ impl From<TenantRow> for Tenant {
 }
 
 impl Ledger {
-    /// Creates a tenant, or returns the existing one of that name.
-    pub async fn create_tenant(
-        &self,
-        name: &str,
-        now: DateTime<Utc>,
-    ) -> Result<Tenant, LedgerError> {
+    /// Creates a tenant, or returns the existing one of that name; audited (`tenant_create`,
+    /// with whether it was created) in the same transaction.
+    pub async fn create_tenant(&self, name: &str, by: &Operator) -> Result<Tenant, LedgerError> {
         if name.is_empty() || name.len() > 200 {
             return Err(LedgerError::InvalidInput(
                 "tenant name must be 1 to 200 bytes",
             ));
         }
-        let row: TenantRow = sqlx::query_as(
+        let mut tx = self.pool.begin().await?;
+        // `xmax = 0` only on the row version this statement inserted.
+        let row: CreatedTenantRow = sqlx::query_as(
             "INSERT INTO tenants (id, name, created_at, updated_at) VALUES ($1, $2, $3, $3)
              ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name
-             RETURNING id, name, intake_paused, draining",
+             RETURNING id, name, intake_paused, draining, (xmax = 0) AS created",
         )
         .bind(TenantId::new().as_uuid())
         .bind(name)
-        .bind(now)
-        .fetch_one(&self.pool)
+        .bind(by.at())
+        .fetch_one(&mut *tx)
         .await?;
-        Ok(row.into())
+        let created = row.created;
+        let tenant = Tenant::from(row.tenant);
+        audit::insert(
+            &mut tx,
+            &by.entry(
+                "tenant_create",
+                format!("tenant:{}", tenant.id),
+                serde_json::json!({ "name": tenant.name, "created": created }),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(tenant)
     }
 
     pub async fn tenant(&self, id: TenantId) -> Result<Option<Tenant>, LedgerError> {
@@ -74,15 +93,17 @@ impl Ledger {
         Ok(row.map(Tenant::from))
     }
 
-    /// Sets the intake-pause flag; returns false when the tenant does not exist. Resuming
-    /// materialises, in the same transaction, the reminders created during the pause whose
-    /// window already ran, so nothing created while paused is left behind.
+    /// Sets the intake-pause flag, audited (`intake_pause` / `intake_resume`) in the same
+    /// transaction; returns false (and changes and audits nothing) when the tenant does not
+    /// exist. Resuming materialises, in the same transaction, the reminders created during the
+    /// pause whose window already ran, so nothing created while paused is left behind.
     pub async fn set_intake_paused(
         &self,
         id: TenantId,
         paused: bool,
-        now: DateTime<Utc>,
+        by: &Operator,
     ) -> Result<bool, LedgerError> {
+        let now = by.at();
         let mut tx = self.pool.begin().await?;
         let current: Option<(bool, Option<DateTime<Utc>>)> = sqlx::query_as(
             "SELECT intake_paused, intake_paused_at FROM tenants WHERE id = $1 FOR UPDATE",
@@ -103,23 +124,53 @@ impl Ledger {
         .bind(now)
         .execute(&mut *tx)
         .await?;
+        let mut materialised = 0;
         if was_paused && !paused {
             // A tenant paused before this column existed resumes everything not yet materialised.
             let since = paused_at.unwrap_or(DateTime::<Utc>::MIN_UTC);
-            crate::reminders::materialise_paused_backlog(&mut tx, id, since, now).await?;
+            materialised =
+                crate::reminders::materialise_paused_backlog(&mut tx, id, since, now).await?;
         }
+        let action = if paused {
+            "intake_pause"
+        } else {
+            "intake_resume"
+        };
+        audit::insert(
+            &mut tx,
+            &by.entry(
+                action,
+                format!("tenant:{id}"),
+                serde_json::json!({
+                    "intake_paused": paused,
+                    "previous": was_paused,
+                    "deliveries_materialised": materialised,
+                }),
+            ),
+        )
+        .await?;
         tx.commit().await?;
         Ok(true)
     }
 
-    /// Routes a tenant's channel to a provider account (None = the channel's default account).
+    /// Routes a tenant's channel to a provider account (None = the channel's default account),
+    /// audited (`tenant_route`, with the account it replaced) in the same transaction.
     pub async fn set_tenant_channel_account(
         &self,
         id: TenantId,
         channel: Channel,
         account: Option<&ProviderAccount>,
-        now: DateTime<Utc>,
+        by: &Operator,
     ) -> Result<(), LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let previous: Option<Option<String>> = sqlx::query_scalar(
+            "SELECT provider_account FROM tenant_channels
+             WHERE tenant_id = $1 AND channel = $2 FOR UPDATE",
+        )
+        .bind(id.as_uuid())
+        .bind(channel.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
         sqlx::query(
             "INSERT INTO tenant_channels (tenant_id, channel, provider_account, updated_at)
              VALUES ($1, $2, $3, $4)
@@ -129,8 +180,8 @@ impl Ledger {
         .bind(id.as_uuid())
         .bind(channel.as_str())
         .bind(account.map(|a| a.as_str()))
-        .bind(now)
-        .execute(&self.pool)
+        .bind(by.at())
+        .execute(&mut *tx)
         .await
         .map_err(|e| match &e {
             sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
@@ -138,6 +189,20 @@ impl Ledger {
             }
             _ => LedgerError::Database(e),
         })?;
+        audit::insert(
+            &mut tx,
+            &by.entry(
+                "tenant_route",
+                format!("tenant:{id}"),
+                serde_json::json!({
+                    "channel": channel,
+                    "account": account.map(ProviderAccount::as_str),
+                    "previous": previous.flatten(),
+                }),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
         Ok(())
     }
 

@@ -592,7 +592,12 @@ async fn one_batch_lease_explains_every_message_it_did_not_lease(pool: PgPool) {
         .await
         .unwrap();
     ledger
-        .set_tenant_channel_account(tenant.id, Channel::Sms, Some(&account("nowhere")), t0())
+        .set_tenant_channel_account(
+            tenant.id,
+            Channel::Sms,
+            Some(&account("nowhere")),
+            &ops(t0()),
+        )
         .await
         .unwrap();
     let settings = settings();
@@ -628,7 +633,7 @@ async fn one_batch_lease_explains_every_message_it_did_not_lease(pool: PgPool) {
 
     // Routed back to the default, the two still owed are leased in one statement.
     ledger
-        .set_tenant_channel_account(tenant.id, Channel::Sms, None, t0())
+        .set_tenant_channel_account(tenant.id, Channel::Sms, None, &ops(t0()))
         .await
         .unwrap();
     let result = ledger

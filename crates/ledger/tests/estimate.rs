@@ -171,7 +171,7 @@ async fn deliveries_due_at_the_same_time_are_ordered_by_id(pool: PgPool) {
 async fn arrivals_count_later_deliveries_and_reminders_not_yet_materialised(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
     let tenant = tenant(&ledger).await;
-    let other = ledger.create_tenant("clinic-b", t0()).await.unwrap();
+    let other = ledger.create_tenant("clinic-b", &ops(t0())).await.unwrap();
     let now = t0() + secs(60);
     // Already owed at `now`: the backlog, not an arrival.
     owed(&ledger, tenant.id, "owed", &[Channel::Sms], now).await;

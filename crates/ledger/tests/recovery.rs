@@ -16,7 +16,7 @@ async fn leased_via(
     event: &str,
     idem: Option<IdempotencySupport>,
 ) -> nudge_domain::DeliveryId {
-    let tenant = ledger.create_tenant(event, t0()).await.unwrap();
+    let tenant = ledger.create_tenant(event, &ops(t0())).await.unwrap();
     owed(ledger, tenant.id, event, &[Channel::Sms], t0()).await;
     let due = ledger
         .claim_due(Channel::Sms, 10, at(t0()))
@@ -240,11 +240,11 @@ async fn a_schedule_is_replaced_not_duplicated(pool: PgPool) {
     let tenant = tenant(&ledger).await;
 
     ledger
-        .set_schedule(tenant.id, "0 * * * * *", 60, t0())
+        .set_schedule(tenant.id, "0 * * * * *", 60, &ops(t0()))
         .await
         .unwrap();
     ledger
-        .set_schedule(tenant.id, "*/5 * * * * *", 5, t0())
+        .set_schedule(tenant.id, "*/5 * * * * *", 5, &ops(t0()))
         .await
         .unwrap();
 
@@ -252,10 +252,15 @@ async fn a_schedule_is_replaced_not_duplicated(pool: PgPool) {
     assert_eq!(schedules.len(), 1);
     assert_eq!(schedules[0].cron, "*/5 * * * * *");
     assert_eq!(schedules[0].window_seconds, 5);
-    assert!(ledger.set_schedule(tenant.id, " ", 5, t0()).await.is_err());
     assert!(
         ledger
-            .set_schedule(tenant.id, "* * * * * *", 0, t0())
+            .set_schedule(tenant.id, " ", 5, &ops(t0()))
+            .await
+            .is_err()
+    );
+    assert!(
+        ledger
+            .set_schedule(tenant.id, "* * * * * *", 0, &ops(t0()))
             .await
             .is_err()
     );

@@ -312,7 +312,7 @@ async fn a_paused_tenant_flag_is_stored_and_read_back(pool: PgPool) {
 
     assert!(
         ledger
-            .set_intake_paused(tenant.id, true, t0())
+            .set_intake_paused(tenant.id, true, &ops(t0()))
             .await
             .unwrap()
     );
@@ -326,7 +326,7 @@ async fn a_paused_tenant_flag_is_stored_and_read_back(pool: PgPool) {
     );
     assert!(
         !ledger
-            .set_intake_paused(TenantId::new(), true, t0())
+            .set_intake_paused(TenantId::new(), true, &ops(t0()))
             .await
             .unwrap()
     );
@@ -412,7 +412,7 @@ async fn a_paused_tenant_gets_no_run_intent_and_its_window_runs_after_resume(poo
         .await
         .unwrap();
     ledger
-        .set_intake_paused(tenant.id, true, t0())
+        .set_intake_paused(tenant.id, true, &ops(t0()))
         .await
         .unwrap();
     let late = ledger
@@ -429,7 +429,7 @@ async fn a_paused_tenant_gets_no_run_intent_and_its_window_runs_after_resume(poo
         .await
         .unwrap();
     ledger
-        .set_intake_paused(tenant.id, false, t0())
+        .set_intake_paused(tenant.id, false, &ops(t0()))
         .await
         .unwrap();
     let resumed = ledger
@@ -568,7 +568,7 @@ async fn a_reminder_created_during_a_pause_for_a_window_that_already_ran_is_mate
         .await
         .unwrap();
     ledger
-        .set_intake_paused(tenant.id, true, t0() + secs(1))
+        .set_intake_paused(tenant.id, true, &ops(t0() + secs(1)))
         .await
         .unwrap();
     let during = ledger
@@ -598,7 +598,7 @@ async fn a_reminder_created_during_a_pause_for_a_window_that_already_ran_is_mate
     );
 
     ledger
-        .set_intake_paused(tenant.id, false, t0() + secs(10))
+        .set_intake_paused(tenant.id, false, &ops(t0() + secs(10)))
         .await
         .unwrap();
 
@@ -624,9 +624,12 @@ async fn a_reminder_created_during_a_pause_for_a_window_that_already_ran_is_mate
 async fn the_watchdog_gives_deliveries_to_reminders_whose_time_came_without_any(pool: PgPool) {
     let ledger = Ledger::from_pool(pool.clone());
     let tenant = tenant(&ledger).await;
-    let paused = ledger.create_tenant("paused-clinic", t0()).await.unwrap();
+    let paused = ledger
+        .create_tenant("paused-clinic", &ops(t0()))
+        .await
+        .unwrap();
     ledger
-        .set_intake_paused(paused.id, true, t0())
+        .set_intake_paused(paused.id, true, &ops(t0()))
         .await
         .unwrap();
     // Rows written straight into the table, as a materialisation bug would leave them.

@@ -7,38 +7,40 @@ use nudge_domain::{Channel, DeliveryState, Lane, OutcomeClass, SubscriberRef};
 use nudge_ledger::{AuditEntry, Destination, DestinationCipher, LeaseOutcome, Ledger, LedgerError};
 use sqlx::PgPool;
 
-/// Inserts a bare delivery row in the given state, satisfying the other constraints.
+/// Inserts a bare delivery row in the given state, satisfying the other constraints, under a
+/// reminder of its own; returns the delivery's id.
 async fn insert_in_state(
     pool: &PgPool,
     ledger: &Ledger,
     state: &str,
     n: usize,
-) -> Result<(), sqlx::Error> {
-    let tenant = ledger.create_tenant("schema", t0()).await.unwrap();
-    let reminder = owed(
-        ledger,
-        tenant.id,
-        &format!("schema-{n}"),
-        &[Channel::Sms],
-        t0(),
+) -> Result<uuid::Uuid, sqlx::Error> {
+    let tenant = ledger.create_tenant("schema", &ops(t0())).await.unwrap();
+    // A bare reminder: its deliveries are the rows under test, not materialised ones.
+    let reminder: uuid::Uuid = sqlx::query_scalar(
+        "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels, scheduled_at,
+             expires_at, created_at)
+         VALUES (gen_random_uuid(), $1, $2, 'p', ARRAY['sms'], $3, $3 + interval '1 hour', $3)
+         RETURNING id",
     )
-    .await;
-    sqlx::query("DELETE FROM deliveries WHERE reminder_id = $1")
-        .bind(reminder.as_uuid())
-        .execute(pool)
-        .await?;
+    .bind(tenant.id.as_uuid())
+    .bind(format!("schema-{n}"))
+    .bind(t0())
+    .fetch_one(pool)
+    .await?;
     let settled = matches!(
         state,
         "delivered" | "dead_lettered" | "expired" | "cancelled" | "ambiguous"
     );
     let leased = state == "sending";
-    sqlx::query(
+    sqlx::query_scalar(
         "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
              scheduled_at, expires_at, next_attempt_at, lease_owner, lease_expires_at, settled_at,
              created_at, updated_at)
-         VALUES (gen_random_uuid(), $1, $2, 'sms', $3, $4, $5, $6, $5, $7, $8, $9, $5, $5)",
+         VALUES (gen_random_uuid(), $1, $2, 'sms', $3, $4, $5, $6, $5, $7, $8, $9, $5, $5)
+         RETURNING id",
     )
-    .bind(reminder.as_uuid())
+    .bind(reminder)
     .bind(tenant.id.as_uuid())
     .bind(state)
     .bind(format!("key-{n}"))
@@ -47,9 +49,8 @@ async fn insert_in_state(
     .bind(leased.then_some("w"))
     .bind(leased.then(|| t0() + secs(60)))
     .bind(settled.then(t0))
-    .execute(pool)
+    .fetch_one(pool)
     .await
-    .map(|_| ())
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -66,6 +67,199 @@ async fn the_schema_accepts_exactly_the_domain_states(pool: PgPool) {
             .await
             .is_err()
     );
+}
+
+/// Deletes one delivery as retention does: inside a transaction that set `nudge.retention`,
+/// which lets the attempts' history go with its delivery.
+async fn delete_as_retention(pool: &PgPool, id: uuid::Uuid) -> Result<u64, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET LOCAL nudge.retention = 'on'")
+        .execute(&mut *tx)
+        .await?;
+    let deleted = sqlx::query("DELETE FROM deliveries WHERE id = $1")
+        .bind(id)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    tx.commit().await?;
+    Ok(deleted)
+}
+
+async fn count(pool: &PgPool, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn only_a_settled_delivery_can_be_deleted_even_inside_retention(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    for (n, state) in DeliveryState::ALL.iter().enumerate() {
+        let id = insert_in_state(&pool, &ledger, state.as_str(), n)
+            .await
+            .unwrap();
+
+        let as_retention = delete_as_retention(&pool, id).await;
+        let plain = sqlx::query("DELETE FROM deliveries WHERE id = $1")
+            .bind(id)
+            .execute(&pool)
+            .await;
+
+        if state.is_retention_deletable() {
+            assert_eq!(as_retention.unwrap(), 1, "{state} is settled history");
+        } else {
+            for refused in [as_retention.map(|_| ()), plain.map(|_| ())] {
+                let err = refused.unwrap_err();
+                assert!(
+                    err.to_string()
+                        .contains(&format!("is {state}: only delivered")),
+                    "{state}: {err}"
+                );
+            }
+        }
+    }
+    let left: Vec<String> =
+        sqlx::query_scalar("SELECT state FROM deliveries ORDER BY created_at, state")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let mut left: Vec<&str> = left.iter().map(String::as_str).collect();
+    left.sort_unstable();
+    assert_eq!(
+        left,
+        ["ambiguous", "queued", "retry_wait", "scheduled", "sending"],
+        "owed and held work stays"
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn deliveries_cannot_be_truncated_directly_or_through_a_cascade(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    insert_in_state(&pool, &ledger, "delivered", 1)
+        .await
+        .unwrap();
+    insert_in_state(&pool, &ledger, "queued", 2).await.unwrap();
+
+    // Named with the attempts it cascades to, or through a table that cascades to it.
+    for statement in [
+        "TRUNCATE deliveries, attempts",
+        "TRUNCATE deliveries CASCADE",
+        "TRUNCATE reminders CASCADE",
+        "TRUNCATE tenants CASCADE",
+    ] {
+        let err = sqlx::query(statement).execute(&pool).await.unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("deliveries may lose owed work: TRUNCATE refused"),
+            "{statement}: {err}"
+        );
+    }
+    assert_eq!(count(&pool, "SELECT count(*) FROM deliveries").await, 2);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn deleting_a_tenant_or_reminder_with_owed_or_held_work_fails_and_keeps_it(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    let owed_reminder = owed(&ledger, tenant.id, "owed", &[Channel::Sms], t0()).await;
+    let held = insert_in_state(&pool, &ledger, "ambiguous", 1)
+        .await
+        .unwrap();
+    let held_reminder: uuid::Uuid =
+        sqlx::query_scalar("SELECT reminder_id FROM deliveries WHERE id = $1")
+            .bind(held)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    // Not materialised yet: scheduled tomorrow, so only the reminder row stands for it.
+    ledger
+        .create_reminder(
+            &reminder(tenant.id, "tomorrow", &[Channel::Sms], t0() + secs(86_400)),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+    let before = (
+        count(&pool, "SELECT count(*) FROM deliveries").await,
+        count(&pool, "SELECT count(*) FROM reminders").await,
+        count(&pool, "SELECT count(*) FROM tenants").await,
+    );
+    assert_eq!(before, (2, 3, 2));
+
+    for (sql, id) in [
+        (
+            "DELETE FROM reminders WHERE id = $1",
+            owed_reminder.as_uuid(),
+        ),
+        ("DELETE FROM reminders WHERE id = $1", held_reminder),
+        ("DELETE FROM tenants WHERE id = $1", tenant.id.as_uuid()),
+        ("DELETE FROM tenants WHERE id <> $1", uuid::Uuid::nil()),
+    ] {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("SET LOCAL nudge.retention = 'on'")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let err = sqlx::query(sql)
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .unwrap_err();
+        assert!(
+            err.as_database_error()
+                .is_some_and(|e| e.is_foreign_key_violation()),
+            "{sql}: {err}"
+        );
+    }
+
+    let after = (
+        count(&pool, "SELECT count(*) FROM deliveries").await,
+        count(&pool, "SELECT count(*) FROM reminders").await,
+        count(&pool, "SELECT count(*) FROM tenants").await,
+    );
+    assert_eq!(after, before, "nothing cascaded");
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn settled_history_goes_delivery_first_then_its_reminder_then_the_tenant(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let delivery = one_attempt(&ledger).await;
+    let (reminder, tenant): (uuid::Uuid, uuid::Uuid) =
+        sqlx::query_as("SELECT reminder_id, tenant_id FROM deliveries WHERE id = $1")
+            .bind(delivery.as_uuid())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+
+    let early = sqlx::query("DELETE FROM reminders WHERE id = $1")
+        .bind(reminder)
+        .execute(&pool)
+        .await
+        .unwrap_err();
+    assert!(
+        early
+            .as_database_error()
+            .is_some_and(|e| e.is_foreign_key_violation()),
+        "a reminder does not take its settled deliveries with it: {early}"
+    );
+
+    assert_eq!(
+        delete_as_retention(&pool, delivery.as_uuid())
+            .await
+            .unwrap(),
+        1
+    );
+    sqlx::query("DELETE FROM reminders WHERE id = $1")
+        .bind(reminder)
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM tenants WHERE id = $1")
+        .bind(tenant)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count(&pool, "SELECT count(*) FROM attempts").await, 0);
+    assert_eq!(count(&pool, "SELECT count(*) FROM tenants").await, 0);
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -232,7 +426,7 @@ async fn retention_may_delete_attempts_inside_its_own_transaction_only(pool: PgP
 }
 
 async fn one_attempt_in_new_tenant(ledger: &Ledger, pool: &PgPool) -> Result<u64, sqlx::Error> {
-    let tenant = ledger.create_tenant("another", t0()).await.unwrap();
+    let tenant = ledger.create_tenant("another", &ops(t0())).await.unwrap();
     owed(ledger, tenant.id, "e2", &[Channel::Sms], t0()).await;
     sqlx::query("INSERT INTO attempts (delivery_id, attempt_number, generation, lane, started_at, finished_at, outcome_class, next_state)
                  SELECT id, 1, 0, 'new', $1, $1, 'retryable', 'retry_wait' FROM deliveries WHERE tenant_id = $2")
@@ -437,9 +631,10 @@ async fn finding_due_work_uses_the_partial_index_on_a_large_ledger(pool: PgPool)
     let oldest = oldest.join("\n");
     assert!(oldest.contains("deliveries_eligible_idx"), "{oldest}");
 
-    let claimed = ledger
-        .claim_due(Channel::Sms, 100, at(t0()))
-        .await
-        .unwrap();
-    assert_eq!(claimed.len(), 1, "only the one due SMS delivery of {reminder}");
+    let claimed = ledger.claim_due(Channel::Sms, 100, at(t0())).await.unwrap();
+    assert_eq!(
+        claimed.len(),
+        1,
+        "only the one due SMS delivery of {reminder}"
+    );
 }

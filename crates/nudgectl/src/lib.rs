@@ -19,7 +19,7 @@ use anyhow::{Context, bail};
 use chrono::Utc;
 use clap::{Parser, Subcommand};
 use nudge_domain::{Channel, ProviderAccount};
-use nudge_ledger::{AuditEntry, ChannelStatus, DestinationCipher, Ledger, Tenant};
+use nudge_ledger::{ChannelStatus, DestinationCipher, Ledger, Operator, Tenant};
 
 pub use config::CtlConfig;
 pub use estimate::{
@@ -389,19 +389,9 @@ pub async fn execute(
         }
         Command::Tenant(TenantCommand::Create { name }) => {
             let tenant = ledger
-                .create_tenant(&name, now)
+                .create_tenant(&name, &operator(actor, None)?)
                 .await
                 .context("failed to create tenant")?;
-            ledger
-                .record_audit(&AuditEntry {
-                    at: now,
-                    actor: actor.to_owned(),
-                    action: "tenant_create".into(),
-                    target: Some(format!("tenant:{}", tenant.id)),
-                    reason: None,
-                    details: serde_json::json!({ "name": tenant.name }),
-                })
-                .await?;
             writeln!(out, "{}", tenant.id)?;
         }
         Command::Tenant(TenantCommand::Pause { name, reason }) => {
@@ -514,24 +504,15 @@ async fn set_paused(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     require_reason(reason)?;
-    let now = Utc::now();
+    let by = operator(actor, Some(reason))?;
     let tenant = find_tenant(ledger, name).await?;
-    ledger.set_intake_paused(tenant.id, paused, now).await?;
-    ledger
-        .record_audit(&AuditEntry {
-            at: now,
-            actor: actor.to_owned(),
-            action: if paused {
-                "intake_pause"
-            } else {
-                "intake_resume"
-            }
-            .into(),
-            target: Some(format!("tenant:{}", tenant.id)),
-            reason: Some(reason.to_owned()),
-            details: serde_json::json!({ "intake_paused": paused }),
-        })
-        .await?;
+    if !ledger
+        .set_intake_paused(tenant.id, paused, &by)
+        .await
+        .context("failed to set the intake pause")?
+    {
+        bail!("no tenant named {name:?}");
+    }
     writeln!(
         out,
         "tenant {name}: intake {}",
@@ -550,30 +531,12 @@ async fn route(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     require_reason(reason)?;
-    let now = Utc::now();
+    let by = operator(actor, Some(reason))?;
     let tenant = find_tenant(ledger, name).await?;
-    let previous = ledger
-        .tenant_channel_account(tenant.id, channel)
-        .await
-        .context("failed to read the current route")?;
     ledger
-        .set_tenant_channel_account(tenant.id, channel, account.as_ref(), now)
+        .set_tenant_channel_account(tenant.id, channel, account.as_ref(), &by)
         .await
         .context("failed to set the route")?;
-    ledger
-        .record_audit(&AuditEntry {
-            at: now,
-            actor: actor.to_owned(),
-            action: "tenant_route".into(),
-            target: Some(format!("tenant:{}", tenant.id)),
-            reason: Some(reason.to_owned()),
-            details: serde_json::json!({
-                "channel": channel,
-                "account": account.as_ref().map(ProviderAccount::as_str),
-                "previous": previous.as_ref().map(ProviderAccount::as_str),
-            }),
-        })
-        .await?;
     match account {
         Some(account) => writeln!(out, "tenant {name}: {channel} routed to account {account}")?,
         None => writeln!(
@@ -582,6 +545,13 @@ async fn route(
         )?,
     }
     Ok(())
+}
+
+/// Who makes a change, and why, stamped now: the ledger writes the change's audit row from it
+/// in the change's own transaction.
+pub(crate) fn operator(actor: &str, reason: Option<&str>) -> anyhow::Result<Operator> {
+    Operator::new(actor, reason, Utc::now())
+        .context("the change cannot be audited: --actor (NUDGE_ACTOR) must name who acts")
 }
 
 /// Every change names why; the reason goes to the audit log.

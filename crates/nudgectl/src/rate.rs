@@ -10,7 +10,7 @@ use std::str::FromStr;
 use anyhow::{Context, bail};
 use chrono::{DateTime, SecondsFormat, Utc};
 use nudge_domain::{Channel, ProviderAccount};
-use nudge_ledger::{AuditEntry, Ledger, RateBucket};
+use nudge_ledger::{Ledger, RateBucket};
 use serde::Serialize;
 
 /// The highest rate accepted, far above any provider's limit; it keeps a mistyped rate (or a
@@ -101,7 +101,8 @@ pub(crate) async fn set(
              at {rate}/s"
         );
     }
-    let now = Utc::now();
+    let by = crate::operator(actor, Some(reason))?;
+    let now = by.at();
     let previous = ledger
         .rate_buckets()
         .await
@@ -114,29 +115,9 @@ pub(crate) async fn set(
         _ => burst,
     };
     let bucket = ledger
-        .set_rate(account, channel, rate.get(), burst, actor, reason, now)
+        .set_rate(account, channel, rate.get(), burst, &by)
         .await
         .context("failed to set the rate")?;
-    ledger
-        .record_audit(&AuditEntry {
-            at: now,
-            actor: actor.to_owned(),
-            action: "rate_set".into(),
-            target: Some(format!("bucket:{account}/{channel}")),
-            reason: Some(reason.to_owned()),
-            details: serde_json::json!({
-                "account": account.as_str(),
-                "channel": channel,
-                "rate_per_second": bucket.rate_per_second,
-                "burst": bucket.burst,
-                "previous": previous.as_ref().map(|p| serde_json::json!({
-                    "rate_per_second": p.rate_per_second,
-                    "burst": p.burst,
-                    "effective_rate": p.effective_rate,
-                })),
-            }),
-        })
-        .await?;
 
     let was = match &previous {
         Some(p) => format!("was {}/s, burst {}", p.rate_per_second, p.burst),
@@ -273,16 +254,9 @@ pub(crate) async fn resume(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     crate::require_reason(reason)?;
-    let audit = AuditEntry {
-        at: Utc::now(),
-        actor: actor.to_owned(),
-        action: "rate_resume".into(),
-        target: Some(format!("bucket:{account}/{channel}")),
-        reason: Some(reason.to_owned()),
-        details: serde_json::json!({ "account": account.as_str(), "channel": channel }),
-    };
+    let by = crate::operator(actor, Some(reason))?;
     let Some(bucket) = ledger
-        .resume_bucket(account, channel, &audit)
+        .resume_bucket(account, channel, &by)
         .await
         .context("failed to resume the bucket")?
     else {

@@ -9,7 +9,7 @@ use std::str::FromStr;
 
 use anyhow::{Context, bail};
 use chrono::{DateTime, Utc};
-use nudge_ledger::{AuditEntry, Ledger};
+use nudge_ledger::Ledger;
 
 const EXAMPLES: &str = "6 or 7 fields, seconds first, e.g. \"0 * * * * *\" (every minute) \
                         or \"0 0 7 * * Mon-Fri\" (07:00 UTC on weekdays)";
@@ -105,38 +105,15 @@ pub(crate) async fn set(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     crate::require_reason(reason)?;
-    let now = Utc::now();
-    let Some(next_tick) = cron.next_after(now) else {
+    let by = crate::operator(actor, Some(reason))?;
+    let Some(next_tick) = cron.next_after(by.at()) else {
         bail!("the cron expression \"{cron}\" never fires after now; expected {EXAMPLES}");
     };
     let tenant = crate::find_tenant(ledger, tenant).await?;
-    let previous = ledger
-        .schedules()
-        .await
-        .context("failed to read the current schedule")?
-        .into_iter()
-        .find(|s| s.tenant_id == tenant.id);
     ledger
-        .set_schedule(tenant.id, cron.as_str(), window_seconds, now)
+        .set_schedule(tenant.id, cron.as_str(), window_seconds, &by)
         .await
         .context("failed to set the schedule")?;
-    ledger
-        .record_audit(&AuditEntry {
-            at: now,
-            actor: actor.to_owned(),
-            action: "schedule_set".into(),
-            target: Some(format!("tenant:{}", tenant.id)),
-            reason: Some(reason.to_owned()),
-            details: serde_json::json!({
-                "cron": cron.as_str(),
-                "window_seconds": window_seconds,
-                "previous": previous.map(|p| serde_json::json!({
-                    "cron": p.cron,
-                    "window_seconds": p.window_seconds,
-                })),
-            }),
-        })
-        .await?;
     writeln!(
         out,
         "tenant {}: schedule \"{cron}\" with a {window_seconds} s window; next tick {}",

@@ -124,6 +124,28 @@ async fn a_pause_without_a_reason_or_for_an_unknown_tenant_changes_nothing(pool:
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_pause_by_an_empty_actor_is_refused_and_the_tenant_is_not_paused(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    create_tenant(&ledger, "clinic-a").await;
+
+    let err = execute(
+        &ledger,
+        "",
+        None,
+        parse(&["tenant", "pause", "clinic-a", "--reason", "incident"]).unwrap(),
+        &mut Vec::new(),
+        &mut Vec::new(),
+    )
+    .await
+    .unwrap_err();
+
+    assert!(format!("{err:#}").contains("--actor"), "{err:#}");
+    let tenant = ledger.tenant_by_name("clinic-a").await.unwrap().unwrap();
+    assert!(!tenant.intake_paused);
+    assert_eq!(ledger.recent_audit(5).await.unwrap().len(), 1);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn status_as_json_lists_every_channel(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
 

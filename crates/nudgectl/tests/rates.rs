@@ -9,7 +9,7 @@ use std::process::Command as Process;
 use chrono::{DateTime, Duration, Utc};
 use clap::Parser;
 use nudge_domain::{Channel, EventId, ProviderAccount, SubscriberRef, TenantId};
-use nudge_ledger::{DestinationCipher, Ledger, NewReminder};
+use nudge_ledger::{DestinationCipher, Ledger, NewReminder, Operator};
 use nudgectl::{Cli, Command, execute};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -347,7 +347,13 @@ async fn reminder(
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn estimate_drain_reports_the_floor_the_buckets_and_what_expires_first(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
-    let tenant = ledger.create_tenant("clinic-a", Utc::now()).await.unwrap();
+    let tenant = ledger
+        .create_tenant(
+            "clinic-a",
+            &Operator::new("ops@clinic", None, Utc::now()).unwrap(),
+        )
+        .await
+        .unwrap();
     let now = Utc::now();
     let hour = Duration::hours(1);
     // Ten owed sms, then one due later in line that expires before its turn (11th at
@@ -517,7 +523,13 @@ async fn estimate_drain_reports_the_floor_the_buckets_and_what_expires_first(poo
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_stopped_channel_says_it_will_not_drain_and_why(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
-    let tenant = ledger.create_tenant("clinic-a", Utc::now()).await.unwrap();
+    let tenant = ledger
+        .create_tenant(
+            "clinic-a",
+            &Operator::new("ops@clinic", None, Utc::now()).unwrap(),
+        )
+        .await
+        .unwrap();
     let now = Utc::now();
     reminder(
         &ledger,

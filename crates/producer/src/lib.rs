@@ -206,6 +206,11 @@ impl Clock {
                 Ok(outcomes) => {
                     for (schedule, outcome) in outcomes {
                         match outcome {
+                            // Most windows of a quiet tenant are empty: not worth a line
+                            // per tick in production logs.
+                            Ok(WindowOutcome::Materialised {
+                                deliveries_created: 0,
+                            }) => debug!(tenant_id = %schedule.tenant_id, "empty window"),
                             Ok(WindowOutcome::Materialised { deliveries_created }) => info!(
                                 tenant_id = %schedule.tenant_id, deliveries_created,
                                 "window materialised"),
@@ -217,7 +222,9 @@ impl Clock {
                         }
                     }
                 }
-                Err(e) => error!(error.cause_chain = ?e, "clock tick failed; retrying"),
+                Err(e) => {
+                    error!(error.cause_chain = %format!("{e:#}"), "clock tick failed; retrying")
+                }
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -327,7 +334,7 @@ impl Relay {
         let results = match self.publisher().await {
             Ok(publisher) => publisher.publish_batch(&messages).await,
             Err(e) => {
-                warn!(error.cause_chain = ?e, "no publisher; handing the batch back");
+                warn!(error.cause_chain = %format!("{e:#}"), "no publisher; handing the batch back");
                 self.ledger.mark_unpublished(items).await?;
                 return Ok((0, items.len()));
             }
@@ -379,7 +386,7 @@ impl Relay {
                 }
                 Err(e) => {
                     failures = failures.saturating_add(1);
-                    error!(error.cause_chain = ?e, failures, "relay pass failed; backing off");
+                    error!(error.cause_chain = %format!("{e:#}"), failures, "relay pass failed; backing off");
                     idle * 2u32.saturating_pow(failures.min(5))
                 }
             };

@@ -44,7 +44,9 @@ pub fn exit_code(service: &str, result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            error!(error.cause_chain = ?e, "{service} stopped");
+            // `{:#}` is the chain on one line; `Debug` of an anyhow error would add its
+            // backtrace (when one was captured) to a log line.
+            error!(error.cause_chain = %format!("{e:#}"), "{service} stopped");
             #[allow(clippy::print_stderr)]
             {
                 eprintln!("error: {e:#}");

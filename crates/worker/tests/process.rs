@@ -106,7 +106,13 @@ async fn published(
     let now = db_now(ledger).await;
     let tenant = match ledger.tenant_by_name("clinic").await.unwrap() {
         Some(t) => t,
-        None => ledger.create_tenant("clinic", now).await.unwrap(),
+        None => ledger
+            .create_tenant(
+                "clinic",
+                &nudge_ledger::Operator::new("ops", Some("test"), now).unwrap(),
+            )
+            .await
+            .unwrap(),
     };
     let subscriber = SubscriberRef::parse(&format!("patient-{event}")).unwrap();
     let cipher = DestinationCipher::new(&KEY).with_subscriber_key(SubscriberKey::new(&[9; 32]));

@@ -502,9 +502,10 @@ log_filter = "info"
         name: &str,
         window_seconds: u32,
     ) -> anyhow::Result<nudge_domain::TenantId> {
-        let tenant = self.ledger.create_tenant(name, chrono::Utc::now()).await?;
+        let by = nudge_ledger::Operator::new("e2e", Some("test setup"), chrono::Utc::now())?;
+        let tenant = self.ledger.create_tenant(name, &by).await?;
         self.ledger
-            .set_schedule(tenant.id, "* * * * * *", window_seconds, chrono::Utc::now())
+            .set_schedule(tenant.id, "* * * * * *", window_seconds, &by)
             .await?;
         Ok(tenant.id)
     }

@@ -11,7 +11,7 @@ use nudge_domain::{
 };
 use nudge_ledger::{
     AttemptRecord, DestinationCipher, DueDelivery, LeaseBatch, LeaseOutcome, LeasedDelivery,
-    Ledger, LedgerTime, NewReminder, OutcomeToRecord, Recorded, SubscriberKey, Tenant,
+    Ledger, LedgerTime, NewReminder, Operator, OutcomeToRecord, Recorded, SubscriberKey, Tenant,
     WorkerRoutes,
 };
 
@@ -29,8 +29,13 @@ pub fn cipher() -> DestinationCipher {
     DestinationCipher::new(&[42u8; 32]).with_subscriber_key(SubscriberKey::new(&[43u8; 32]))
 }
 
+/// The operator behind the tests' changes, acting at `at`.
+pub fn ops(at: DateTime<Utc>) -> Operator {
+    Operator::new("ops@clinic", Some("test"), at).unwrap()
+}
+
 pub async fn tenant(ledger: &Ledger) -> Tenant {
-    ledger.create_tenant("clinic-a", t0()).await.unwrap()
+    ledger.create_tenant("clinic-a", &ops(t0())).await.unwrap()
 }
 
 pub fn reminder(

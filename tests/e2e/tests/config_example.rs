@@ -1,0 +1,179 @@
+//! `config/nudge.example.toml` lists every key of every binary with its default, and cannot
+//! drift: each binary's config struct is serialised with its defaults and every key it has must
+//! be in the example with that value (a key without a default, commented out), and the example
+//! must load as each binary's configuration (which refuses unknown keys).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+
+use figment::Figment;
+use figment::providers::{Format, Toml};
+use nudge_config::{Validate, load};
+use nudge_domain::Channel;
+use nudge_janitor::JanitorConfig;
+use nudge_producer::ProducerConfig;
+use nudge_provider::HttpProviderConfig;
+use nudge_worker::WorkerConfig;
+use nudgectl::CtlConfig;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+fn example_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/nudge.example.toml")
+}
+
+struct Example {
+    text: String,
+    values: Value,
+}
+
+fn example() -> Example {
+    let path = example_path();
+    Example {
+        text: std::fs::read_to_string(&path).unwrap(),
+        values: Figment::from(Toml::file_exact(&path)).extract().unwrap(),
+    }
+}
+
+impl Example {
+    /// The lines of `[section]` (or of the first `[[section]]`), up to the next table header.
+    fn section_text(&self, section: &str) -> &str {
+        let (start, header) = [format!("\n[{section}]\n"), format!("\n[[{section}]]\n")]
+            .into_iter()
+            .find_map(|header| self.text.find(&header).map(|start| (start, header)))
+            .unwrap_or_else(|| panic!("no [{section}] in the example"));
+        let body = &self.text[start + header.len()..];
+        let end = body.find("\n[").map_or(body.len(), |i| i + 1);
+        &body[..end]
+    }
+
+    /// Checks every key the defaults have: present with the same value, or, for a key without a
+    /// default, shown commented out in its section. `differs` lists keys whose default in this
+    /// binary is not the example's, with the value the binary has (the example says so).
+    fn check_section(
+        &self,
+        binary: &str,
+        section: &str,
+        defaults: &serde_json::Map<String, Value>,
+        example: &Value,
+        differs: &[(&str, Value)],
+    ) -> usize {
+        let mut checked = 0;
+        for (key, default) in defaults {
+            let name = format!("{section}.{key}");
+            if let Some((_, value)) = differs.iter().find(|(k, _)| *k == name) {
+                assert_eq!(default, value, "{binary}: {name}'s own default changed");
+                assert!(example.get(key).is_some(), "{binary}: {name} missing");
+            } else if default.is_null() {
+                let commented = format!("\n# {key} = ");
+                assert!(
+                    self.section_text(section).contains(&commented) && example.get(key).is_none(),
+                    "{binary}: {name} has no default: show it commented out in [{section}]"
+                );
+            } else {
+                assert_eq!(
+                    example.get(key),
+                    Some(default),
+                    "{binary}: {name} in the example is not its default"
+                );
+            }
+            checked += 1;
+        }
+        checked
+    }
+}
+
+/// Every key of `T`'s defaults in every section but `providers` (a list, checked on its own),
+/// then `T` loaded from the example, as the binary loads it.
+fn check_binary<T>(binary: &str, sections: &[&str], differs: &[(&str, Value)]) -> usize
+where
+    T: Serialize + DeserializeOwned + Default + Validate,
+{
+    let example = example();
+    let defaults = serde_json::to_value(T::default()).unwrap();
+    let defaults = defaults.as_object().unwrap();
+    let mut checked = 0;
+    for (section, keys) in defaults {
+        assert!(sections.contains(&section.as_str()), "{binary}: {section}");
+        if section == "providers" {
+            continue;
+        }
+        let keys = keys.as_object().unwrap();
+        let in_example = example
+            .values
+            .get(section)
+            .unwrap_or_else(|| panic!("{binary}: no [{section}] in the example"));
+        checked += example.check_section(binary, section, keys, in_example, differs);
+    }
+    load::<T>(Some(&example_path()), sections)
+        .unwrap_or_else(|e| panic!("{binary} refuses the example: {e}"));
+    checked
+}
+
+#[test]
+fn the_example_has_every_key_of_the_producer_with_its_default() {
+    let checked = check_binary::<ProducerConfig>("nudge-producer", ProducerConfig::SECTIONS, &[]);
+    assert_eq!(
+        checked,
+        3 + 5 + 4 + 7,
+        "database, amqp, telemetry, producer"
+    );
+}
+
+#[test]
+fn the_example_has_every_key_of_the_workers_with_its_default() {
+    let checked = check_binary::<WorkerConfig>("nudge-worker", WorkerConfig::SECTIONS, &[]);
+    assert_eq!(
+        checked,
+        3 + 5 + 4 + 1 + 2 + 4 + 2,
+        "database, amqp, telemetry, crypto, worker, retry, admission"
+    );
+}
+
+#[test]
+fn the_example_has_every_key_of_the_janitor_with_its_default() {
+    let checked = check_binary::<JanitorConfig>("nudge-janitor", JanitorConfig::SECTIONS, &[]);
+    assert_eq!(
+        checked,
+        3 + 5 + 4 + 2 + 4,
+        "database, amqp, telemetry, janitor, retry"
+    );
+}
+
+#[test]
+fn the_example_has_every_key_of_nudgectl_with_its_default() {
+    let checked = check_binary::<CtlConfig>(
+        "nudgectl",
+        CtlConfig::SECTIONS,
+        &[("telemetry.log_filter", Value::from("warn"))],
+    );
+    assert_eq!(checked, 3 + 4 + 1, "database, telemetry, crypto");
+}
+
+#[test]
+fn the_example_provider_account_shows_every_key_with_its_default() {
+    let example = example();
+    let entries = example.values["providers"].as_array().unwrap();
+    assert_eq!(entries.len(), 1, "one example account");
+    let entry = &entries[0];
+    let parsed: HttpProviderConfig = serde_json::from_value(entry.clone()).unwrap();
+    parsed.validate("providers.0").unwrap();
+    assert_eq!(parsed.channel, Channel::Sms);
+
+    // The required keys as the example has them, every other key at its default.
+    let defaults = serde_json::to_value(HttpProviderConfig::new(
+        parsed.account.clone(),
+        parsed.channel,
+        parsed.base_url.clone(),
+    ))
+    .unwrap();
+    let checked = example.check_section(
+        "nudge-worker",
+        "providers",
+        defaults.as_object().unwrap(),
+        entry,
+        &[],
+    );
+    assert_eq!(checked, 10);
+}
