@@ -1,13 +1,12 @@
 //! Contacts: a subscriber's destination per channel, encrypted, keyed by the *stored*
-//! subscriber reference (see `crypto`). Also what a send needs just before it, and the
-//! conversion of rows written before subscriber references were stored as a keyed hash.
+//! subscriber reference (see `crypto`), and the conversion of rows written before subscriber
+//! references were stored as a keyed hash. What a send needs is read and opened with its lease
+//! (`deliveries::lease`), with the associated data defined here.
 
 use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, SubscriberRef, TenantId};
 
 use crate::crypto::{Destination, DestinationCipher};
-use crate::deliveries::LeasedDelivery;
-use crate::reminders::content_aad;
 use crate::{Ledger, LedgerError};
 
 /// A destination's associated data: its row's identity, with the subscriber reference in
@@ -53,13 +52,6 @@ pub(crate) async fn upsert_contacts(
     Ok(())
 }
 
-#[derive(sqlx::FromRow)]
-struct MaterialRow {
-    subscriber_ref: String,
-    destination_ciphertext: Option<Vec<u8>>,
-    content_ciphertext: Option<Vec<u8>>,
-}
-
 impl Ledger {
     /// Stores (or replaces) a subscriber's destination for one channel, encrypted. Needs the
     /// cipher's subscriber key.
@@ -88,49 +80,6 @@ impl Ledger {
             LedgerError::InvalidInput(_) => LedgerError::UnknownTenant(tenant_id.as_uuid()),
             other => other,
         })
-    }
-
-    /// What a send needs, in one round trip, just before it: the decrypted destination (None
-    /// when the subscriber has none on this channel) and the message content, if any.
-    pub async fn send_material(
-        &self,
-        lease: &LeasedDelivery,
-        cipher: &DestinationCipher,
-    ) -> Result<(Option<Destination>, Option<Vec<u8>>), LedgerError> {
-        let row: Option<MaterialRow> = sqlx::query_as(
-            "SELECT r.subscriber_ref, c.destination_ciphertext, r.content_ciphertext
-             FROM reminders r
-             LEFT JOIN contacts c ON c.tenant_id = r.tenant_id
-                                 AND c.subscriber_ref = r.subscriber_ref AND c.channel = $2
-             WHERE r.id = $1",
-        )
-        .bind(lease.reminder_id.as_uuid())
-        .bind(lease.channel.as_str())
-        .fetch_optional(&self.pool)
-        .await?;
-        let Some(MaterialRow {
-            subscriber_ref,
-            destination_ciphertext: destination,
-            content_ciphertext: content,
-        }) = row
-        else {
-            return Ok((None, None));
-        };
-        let destination = destination
-            .map(|sealed| {
-                let plain = cipher.open(
-                    &sealed,
-                    &destination_aad(lease.tenant_id, &subscriber_ref, lease.channel),
-                )?;
-                String::from_utf8(plain)
-                    .map(Destination::new)
-                    .map_err(|_| LedgerError::Crypto)
-            })
-            .transpose()?;
-        let content = content
-            .map(|sealed| cipher.open(&sealed, &content_aad(lease.tenant_id, lease.reminder_id)))
-            .transpose()?;
-        Ok((destination, content))
     }
 }
 

@@ -121,9 +121,6 @@ pub enum Step {
     Done(Processed),
     /// A leased delivery to send.
     Send(Box<ToSend>),
-    /// Leased, but the fence in the lease's transaction refused it (it expired or was
-    /// cancelled in the instant between): give it back unsent.
-    GiveBack(LeasedDelivery),
 }
 
 /// A leased delivery with what its send needs.
@@ -149,8 +146,8 @@ impl Worker {
         futures_util::future::join_all(steps.into_iter().map(|step| self.finish_step(step))).await
     }
 
-    /// Finishes what the lease step decided for one message: sends a leased delivery, gives
-    /// back one the fence refused, or returns the end it already had.
+    /// Finishes what the lease step decided for one message: sends a leased delivery, or
+    /// returns the end it already had.
     pub async fn finish_step(&self, step: Step) -> Processed {
         match step {
             Step::Done(processed) => processed,
@@ -158,7 +155,6 @@ impl Worker {
                 let span = send.span.clone();
                 self.send_leased(*send).instrument(span).await
             }
-            Step::GiveBack(lease) => self.give_back(&lease, None, "fence_refused").await,
         }
     }
 
@@ -307,10 +303,6 @@ impl Worker {
                 self.metrics.deferral(&account, self.channel, reason);
                 debug!(provider_account = %account, reason, %until, "no send slot in time: released");
                 Processed::Released(reason)
-            }
-            LeaseOutcome::Unfenced(lease) => {
-                drop(_entered);
-                return Step::GiveBack(lease);
             }
             LeaseOutcome::Expired => {
                 info!("expired before it could be sent: settled as expired");

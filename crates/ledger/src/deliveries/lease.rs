@@ -2,18 +2,22 @@
 //! the fence.
 //!
 //! Protocol, in one transaction per batch:
-//! 1. One UPDATE leases every message whose delivery is `queued` with the message's generation,
-//!    due, not expired, whose reminder is not cancelled, and whose provider account (the
-//!    tenant's routing, else the worker's default) is one this worker can send through. It
-//!    returns what the send needs: routing, the sealed destination and content. For an account
-//!    without a rate bucket the same UPDATE is the fence: it stamps `send_started_at`.
-//! 2. Messages not leased are explained in one more statement (only when there are any):
+//! 1. One SELECT ... FOR UPDATE locks every message's delivery that may be leased: `queued`
+//!    with the message's generation, due, not expired, its reminder not cancelled, and its
+//!    provider account (the tenant's routing, else the worker's default) one this worker can
+//!    send through. It returns what the send needs: routing, the sealed destination and
+//!    content, and whether the account has a rate bucket.
+//! 2. Messages not locked are explained in one more statement (only when there are any):
 //!    expired or cancelled deliveries are settled so, others are stale or unknown.
-//! 3. Leases on accounts with a bucket take their slots (`buckets::admit_slots`: one lock per
-//!    bucket, the database's clock read under it). A slot that has come is fenced at once; a
-//!    slot within the admission wait is returned for the worker to wait for, then
-//!    [`Ledger::fence`]; no slot in time gives the lease back, due when the bucket opens, on its
-//!    own lane, with no attempt spent.
+//! 3. Candidates on accounts with a bucket take their slots (`buckets::admit_slots`: one lock
+//!    per bucket, the database's clock read under it).
+//! 4. One UPDATE applies the plan to every candidate: leased and fenced (`send_started_at`
+//!    stamped) when the account has no bucket or the slot has come; leased unfenced when the
+//!    slot is within the admission wait (the worker waits for it, then [`Ledger::fence`]); not
+//!    leased but due again when the bucket opens when there is no slot in time (no attempt
+//!    spent, its lane kept). Each row is written once per transaction: a second UPDATE of a
+//!    row the transaction wrote makes PostgreSQL re-check its foreign keys (`KEY SHARE` on the
+//!    tenant), which deadlocked with a window holding the tenant `FOR UPDATE`.
 //!
 //! Nothing here waits on the network while a transaction is open.
 
@@ -91,9 +95,6 @@ pub enum LeaseOutcome {
         reason: DeferReason,
         account: ProviderAccount,
     },
-    /// Leased, but the fence in the same transaction refused it (it expired or was cancelled
-    /// in the instant between): still leased, never sent; give it back.
-    Unfenced(LeasedDelivery),
     /// Owed, but its time ran out: settled `expired`, nothing sent.
     Expired,
     /// Its reminder was cancelled: settled `cancelled`, nothing sent.
@@ -133,21 +134,17 @@ pub enum FenceRefused {
 }
 
 #[derive(sqlx::FromRow)]
-struct LeasedRow {
+struct CandidateRow {
     id: uuid::Uuid,
     reminder_id: uuid::Uuid,
     tenant_id: uuid::Uuid,
     channel: String,
-    attempt_count: i32,
     generation: i64,
     lane: String,
     idempotency_key: String,
     scheduled_at: DateTime<Utc>,
     expires_at: DateTime<Utc>,
-    lease_owner: Option<String>,
-    lease_expires_at: Option<DateTime<Utc>>,
     account: String,
-    idempotent: bool,
     bucketed: bool,
     subscriber_ref: String,
     content_ciphertext: Option<Vec<u8>>,
@@ -155,15 +152,53 @@ struct LeasedRow {
     db_now: DateTime<Utc>,
 }
 
-impl LeasedRow {
-    fn lease(&self) -> Result<LeasedDelivery, LedgerError> {
+#[derive(sqlx::FromRow)]
+struct AppliedRow {
+    id: uuid::Uuid,
+    attempt_count: i32,
+    lease_expires_at: Option<DateTime<Utc>>,
+    lease_idempotent: Option<bool>,
+}
+
+/// What the lease transaction does with one locked candidate.
+enum Plan {
+    Now,
+    Wait {
+        send_at: DateTime<Utc>,
+        reserved_at: DateTime<Utc>,
+    },
+    Defer {
+        until: DateTime<Utc>,
+        reason: DeferReason,
+    },
+}
+
+impl Plan {
+    fn action(&self) -> &'static str {
+        match self {
+            Plan::Now => "now",
+            Plan::Wait { .. } => "wait",
+            Plan::Defer { .. } => "defer",
+        }
+    }
+
+    fn until(&self) -> Option<DateTime<Utc>> {
+        match self {
+            Plan::Defer { until, .. } => Some(*until),
+            _ => None,
+        }
+    }
+}
+
+impl CandidateRow {
+    fn lease(&self, owner: &str, applied: &AppliedRow) -> Result<LeasedDelivery, LedgerError> {
         let corrupt = |e: String| LedgerError::corrupt("deliveries", e);
         Ok(LeasedDelivery {
             id: DeliveryId::from_uuid(self.id),
             reminder_id: ReminderId::from_uuid(self.reminder_id),
             tenant_id: TenantId::from_uuid(self.tenant_id),
             channel: parse(&self.channel)?,
-            attempt_number: u32::try_from(self.attempt_count)
+            attempt_number: u32::try_from(applied.attempt_count)
                 .map_err(|e| corrupt(e.to_string()))?,
             generation: to_u64(self.generation)?,
             lane: parse(&self.lane)?,
@@ -171,16 +206,13 @@ impl LeasedRow {
                 .map_err(|e| corrupt(e.to_string()))?,
             scheduled_at: self.scheduled_at,
             expires_at: self.expires_at,
-            lease_owner: self
-                .lease_owner
-                .clone()
-                .ok_or_else(|| corrupt("leased without owner".into()))?,
-            lease_expires_at: self
+            lease_owner: owner.to_owned(),
+            lease_expires_at: applied
                 .lease_expires_at
                 .ok_or_else(|| corrupt("leased without expiry".into()))?,
             provider_account: ProviderAccount::parse(&self.account)
                 .map_err(|e| corrupt(e.to_string()))?,
-            idempotency: IdempotencySupport::from(self.idempotent),
+            idempotency: IdempotencySupport::from(applied.lease_idempotent == Some(true)),
         })
     }
 
@@ -242,39 +274,64 @@ struct FenceRow {
     db_now: DateTime<Utc>,
 }
 
-const LEASE: &str = "WITH input AS (
+/// The messages' deliveries that may be leased, locked: `queued` with the message's
+/// generation, due, not expired, reminder not cancelled, routed to an account the worker has;
+/// with what the send needs. Locking (rather than updating) here keeps every row to one
+/// UPDATE per transaction: a second UPDATE of a row the same transaction wrote makes
+/// PostgreSQL re-check its foreign keys, taking `KEY SHARE` on the tenant, which deadlocks
+/// with a window holding the tenant `FOR UPDATE` while it inserts deliveries.
+const CANDIDATES: &str = "WITH input AS (
         SELECT * FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation))
+    SELECT d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
+           d.idempotency_key, d.scheduled_at, d.expires_at, a.account, a.bucketed,
+           r.subscriber_ref, r.content_ciphertext,
+           (SELECT c.destination_ciphertext FROM contacts c
+            WHERE c.tenant_id = d.tenant_id AND c.subscriber_ref = r.subscriber_ref
+              AND c.channel = d.channel) AS destination_ciphertext,
+           COALESCE($5, now()) AS db_now
+    FROM input i
+    JOIN deliveries d ON d.id = i.id AND d.generation = i.generation
+    JOIN reminders r ON r.id = d.reminder_id
+    CROSS JOIN LATERAL (
+        SELECT x.account, EXISTS (
+                   SELECT 1 FROM rate_buckets b
+                   WHERE b.provider_account = x.account AND b.channel = $3) AS bucketed
+        FROM (SELECT COALESCE(
+                  (SELECT tc.provider_account FROM tenant_channels tc
+                   WHERE tc.tenant_id = r.tenant_id AND tc.channel = $3),
+                  $4) AS account) x) a
+    WHERE d.state = 'queued' AND d.channel = $3 AND r.cancelled_at IS NULL
+      AND d.next_attempt_at <= COALESCE($5, now()) AND d.expires_at > COALESCE($5, now())
+      AND a.account = ANY($6::text[])
+    ORDER BY d.id
+    FOR UPDATE OF d";
+
+/// One UPDATE for every locked candidate: `now` leases and fences (the slot has come, or the
+/// account has no bucket), `wait` leases for a slot ahead, `defer` gives it back due when its
+/// bucket opens (no lease, no attempt, its lane kept).
+const APPLY_LEASES: &str = "WITH plan AS (
+        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::timestamptz[])
+            AS p(id, action, account, until))
     UPDATE deliveries d
-    SET state = 'sending', lease_owner = $3,
-        lease_expires_at = COALESCE($8, now()) + $4 * interval '1 millisecond',
-        attempt_count = d.attempt_count + 1,
-        first_attempt_at = COALESCE(d.first_attempt_at, COALESCE($8, now())),
-        last_attempt_at = COALESCE($8, now()),
-        provider_account = a.account,
-        lease_idempotent = a.account = ANY($7::text[]),
-        send_started_at = CASE WHEN a.bucketed THEN NULL ELSE COALESCE($8, now()) END,
-        updated_at = COALESCE($8, now())
-    FROM input i, reminders r,
-         LATERAL (
-             SELECT x.account, EXISTS (
-                        SELECT 1 FROM rate_buckets b
-                        WHERE b.provider_account = x.account AND b.channel = $5) AS bucketed
-             FROM (SELECT COALESCE(
-                       (SELECT tc.provider_account FROM tenant_channels tc
-                        WHERE tc.tenant_id = r.tenant_id AND tc.channel = $5),
-                       $6) AS account) x) a
-    WHERE d.id = i.id AND d.generation = i.generation AND d.state = 'queued' AND d.channel = $5
-      AND r.id = d.reminder_id AND r.cancelled_at IS NULL
-      AND d.next_attempt_at <= COALESCE($8, now()) AND d.expires_at > COALESCE($8, now())
-      AND a.account = ANY($9::text[])
-    RETURNING d.id, d.reminder_id, d.tenant_id, d.channel, d.attempt_count, d.generation, d.lane,
-              d.idempotency_key, d.scheduled_at, d.expires_at, d.lease_owner, d.lease_expires_at,
-              a.account, d.lease_idempotent AS idempotent, a.bucketed, r.subscriber_ref,
-              r.content_ciphertext,
-              (SELECT c.destination_ciphertext FROM contacts c
-               WHERE c.tenant_id = d.tenant_id AND c.subscriber_ref = r.subscriber_ref
-                 AND c.channel = d.channel) AS destination_ciphertext,
-              COALESCE($8, now()) AS db_now";
+    SET state = CASE WHEN p.action = 'defer' THEN 'retry_wait' ELSE 'sending' END,
+        next_attempt_at = CASE WHEN p.action = 'defer' THEN p.until ELSE d.next_attempt_at END,
+        lease_owner = CASE WHEN p.action = 'defer' THEN NULL ELSE $5 END,
+        lease_expires_at = CASE WHEN p.action = 'defer' THEN NULL
+                                ELSE COALESCE($7, clock_timestamp())
+                                     + $6 * interval '1 millisecond' END,
+        attempt_count = CASE WHEN p.action = 'defer' THEN d.attempt_count
+                             ELSE d.attempt_count + 1 END,
+        first_attempt_at = CASE WHEN p.action = 'defer' THEN d.first_attempt_at
+                                ELSE COALESCE(d.first_attempt_at, COALESCE($7, clock_timestamp())) END,
+        last_attempt_at = CASE WHEN p.action = 'defer' THEN d.last_attempt_at
+                               ELSE COALESCE($7, clock_timestamp()) END,
+        provider_account = CASE WHEN p.action = 'defer' THEN d.provider_account ELSE p.account END,
+        lease_idempotent = CASE WHEN p.action = 'defer' THEN NULL ELSE p.account = ANY($8::text[]) END,
+        send_started_at = CASE WHEN p.action = 'now' THEN COALESCE($7, clock_timestamp()) END,
+        updated_at = COALESCE($7, clock_timestamp())
+    FROM plan p
+    WHERE d.id = p.id
+    RETURNING d.id, d.attempt_count, d.lease_expires_at, d.lease_idempotent";
 
 const EXPLAIN_UNLEASED: &str = "WITH input AS (
         SELECT * FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation)),
@@ -373,14 +430,11 @@ impl Ledger {
             .collect();
 
         let mut tx = self.pool.begin().await?;
-        let rows: Vec<LeasedRow> = sqlx::query_as(LEASE)
+        let rows: Vec<CandidateRow> = sqlx::query_as(CANDIDATES)
             .bind(&ids)
             .bind(&generations)
-            .bind(batch.owner)
-            .bind(millis(batch.lease_for))
             .bind(batch.channel.as_str())
             .bind(batch.routes.default.as_str())
-            .bind(&honoured)
             .bind(batch.at.bind())
             .bind(&configured)
             .fetch_all(&mut *tx)
@@ -389,11 +443,11 @@ impl Ledger {
 
         let mut by_id: HashMap<uuid::Uuid, LeaseOutcome> = HashMap::with_capacity(messages.len());
         if rows.len() < messages.len() {
-            let leased: std::collections::HashSet<uuid::Uuid> = rows.iter().map(|r| r.id).collect();
+            let found: std::collections::HashSet<uuid::Uuid> = rows.iter().map(|r| r.id).collect();
             let (rest_ids, rest_generations): (Vec<uuid::Uuid>, Vec<i64>) = ids
                 .iter()
                 .zip(&generations)
-                .filter(|(id, _)| !leased.contains(id))
+                .filter(|(id, _)| !found.contains(id))
                 .map(|(id, g)| (*id, *g))
                 .unzip();
             let unleased: Vec<UnleasedRow> = sqlx::query_as(EXPLAIN_UNLEASED)
@@ -415,63 +469,94 @@ impl Ledger {
             }
         }
 
-        // Slots for the leases whose account has a bucket, all in this transaction.
-        let bucketed: Vec<&LeasedRow> = rows.iter().filter(|r| r.bucketed).collect();
+        // Slots for the candidates whose account has a bucket, under the buckets' locks.
         let mut buckets = Vec::new();
+        let mut plans: Vec<Plan> = rows.iter().map(|_| Plan::Now).collect();
+        let bucketed: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].bucketed).collect();
         if !bucketed.is_empty() {
-            let leases = bucketed
+            let accounts = bucketed
                 .iter()
-                .map(|r| r.lease())
+                .map(|&i| {
+                    ProviderAccount::parse(&rows[i].account)
+                        .map_err(|e| LedgerError::corrupt("deliveries", e))
+                })
                 .collect::<Result<Vec<_>, _>>()?;
-            let requests: Vec<SlotRequest<'_>> = leases
+            let lanes = bucketed
                 .iter()
-                .map(|l| SlotRequest {
-                    account: &l.provider_account,
-                    lane: l.lane,
+                .map(|&i| parse(&rows[i].lane))
+                .collect::<Result<Vec<nudge_domain::Lane>, _>>()?;
+            let requests: Vec<SlotRequest<'_>> = accounts
+                .iter()
+                .zip(&lanes)
+                .map(|(account, lane)| SlotRequest {
+                    account,
+                    lane: *lane,
                 })
                 .collect();
             let answers =
                 admit_slots(&mut tx, batch.channel, &requests, batch.admission, batch.at).await?;
             leased_at = Some(answers.decided_at);
             buckets = answers.readings;
-            let slotted = stamp_or_release(
-                &mut tx,
-                batch,
-                leases.into_iter().zip(answers.admissions).collect(),
-                answers.decided_at,
-            )
-            .await?;
-            for (lease, slot) in slotted {
-                let id = lease.id.as_uuid();
-                let outcome = match slot {
-                    Slotted::Slot(slot, lease) => {
-                        let row = bucketed.iter().find(|r| r.id == id);
-                        LeaseOutcome::Leased {
-                            material: row
-                                .map_or(Err(LedgerError::Crypto), |r| r.material(batch.cipher)),
-                            lease,
-                            slot,
-                        }
-                    }
-                    Slotted::Released { until, reason } => LeaseOutcome::Released {
-                        until,
-                        reason,
-                        account: lease.provider_account.clone(),
+            for (&i, admission) in bucketed.iter().zip(answers.admissions) {
+                plans[i] = match admission {
+                    Admission::Admitted { send_at } if send_at <= answers.decided_at => Plan::Now,
+                    Admission::Admitted { send_at } => Plan::Wait {
+                        send_at,
+                        reserved_at: answers.decided_at,
                     },
-                    Slotted::Unfenced => LeaseOutcome::Unfenced(lease),
+                    Admission::Deferred { until, reason } => Plan::Defer { until, reason },
                 };
-                by_id.insert(id, outcome);
             }
         }
-        for row in rows.iter().filter(|r| !r.bucketed) {
-            by_id.insert(
-                row.id,
-                LeaseOutcome::Leased {
-                    lease: row.lease()?,
-                    material: row.material(batch.cipher),
-                    slot: SendSlot::Now,
-                },
-            );
+
+        if !rows.is_empty() {
+            let plan_ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.id).collect();
+            let actions: Vec<&str> = plans.iter().map(Plan::action).collect();
+            let accounts: Vec<&str> = rows.iter().map(|r| r.account.as_str()).collect();
+            let untils: Vec<Option<DateTime<Utc>>> = plans.iter().map(Plan::until).collect();
+            let applied: Vec<AppliedRow> = sqlx::query_as(APPLY_LEASES)
+                .bind(&plan_ids)
+                .bind(&actions)
+                .bind(&accounts)
+                .bind(&untils)
+                .bind(batch.owner)
+                .bind(millis(batch.lease_for))
+                .bind(batch.at.bind())
+                .bind(&honoured)
+                .fetch_all(&mut *tx)
+                .await?;
+            let applied: HashMap<uuid::Uuid, AppliedRow> =
+                applied.into_iter().map(|a| (a.id, a)).collect();
+            for (row, plan) in rows.iter().zip(plans) {
+                let applied = applied
+                    .get(&row.id)
+                    .ok_or_else(|| LedgerError::corrupt("deliveries", "a locked lease vanished"))?;
+                let outcome = match plan {
+                    Plan::Defer { until, reason } => LeaseOutcome::Released {
+                        until,
+                        reason,
+                        account: ProviderAccount::parse(&row.account)
+                            .map_err(|e| LedgerError::corrupt("deliveries", e))?,
+                    },
+                    Plan::Now => LeaseOutcome::Leased {
+                        lease: row.lease(batch.owner, applied)?,
+                        material: row.material(batch.cipher),
+                        slot: SendSlot::Now,
+                    },
+                    Plan::Wait {
+                        send_at,
+                        reserved_at,
+                    } => LeaseOutcome::Leased {
+                        lease: row.lease(batch.owner, applied)?,
+                        material: row.material(batch.cipher),
+                        slot: SendSlot::At {
+                            send_at,
+                            reserved_at,
+                        },
+                    },
+                };
+                by_id.insert(row.id, outcome);
+            }
         }
         tx.commit().await?;
 
