@@ -24,7 +24,7 @@ pub use provider_stub::{KeysReport, Stats};
 
 pub const ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
-fn amqp_url() -> String {
+pub fn amqp_url() -> String {
     std::env::var("NUDGE_TEST_AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
 }
@@ -41,7 +41,8 @@ fn clean_command(program: PathBuf) -> Command {
     command
 }
 
-fn admin_url() -> String {
+/// The server's maintenance database: `DATABASE_URL`, else [`ADMIN_URL`].
+pub fn admin_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| ADMIN_URL.to_owned())
 }
 
@@ -357,6 +358,46 @@ log_filter = "info"
 
     pub fn proc(&mut self, index: usize) -> &mut Proc {
         &mut self.procs[index]
+    }
+
+    /// The provider stub's process id.
+    pub fn stub_pid(&self) -> u32 {
+        self.stub.as_ref().map_or(0, Proc::pid)
+    }
+
+    /// Starts `binary` (`nudge-producer`, `nudge-janitor`) with only this environment's
+    /// database, broker and telemetry settings: every other key at its default, as a
+    /// deployment without tuning runs it. Returns its index.
+    pub fn start_with_defaults(&mut self, binary: &str, name: &str) -> anyhow::Result<usize> {
+        let config = self.write_config(name, &self.common_config())?;
+        self.spawn(binary, name, &config)
+    }
+
+    /// How many consumers `work.<channel>` has: a worker that consumes is ready.
+    pub async fn consumers(&self, channel: Channel) -> anyhow::Result<u32> {
+        use nudge_broker::lapin::options::QueueDeclareOptions;
+        use nudge_broker::lapin::types::FieldTable;
+        let conn = nudge_broker::lapin::Connection::connect(
+            &amqp_url(),
+            nudge_broker::lapin::ConnectionProperties::default(),
+        )
+        .await?;
+        let declared = match conn.create_channel().await {
+            Ok(amqp) => amqp
+                .queue_declare(
+                    format!("{}work.{channel}", self.namespace).into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(anyhow::Error::from),
+            Err(e) => Err(e.into()),
+        };
+        let _ = conn.close(0, "e2e probe".into()).await;
+        Ok(declared?.consumer_count())
     }
 
     /// Starts `nudge-producer`; returns its index.

@@ -1,0 +1,213 @@
+//! The throughput benchmark: how fast the real processes deliver SMS that are all due at once,
+//! and what each delivery costs in commits, statements, CPU and memory.
+//!
+//! Every run gets a fresh database, broker namespace and provider stub (whose `sms-main`
+//! account accepts everything at once), and N SMS reminders due now, loaded before anything
+//! starts (not timed with the deliveries). Cases: one and two `nudge-sms` workers, each
+//! without a rate bucket and with one far above the load (100,000/s), so admission runs but
+//! never waits. `nudge-producer` and `nudge-janitor` run with their default configuration.
+//! The first case's runs load their reminders with `nudgectl reminders load` and time it.
+//! `--scale` adds the scale cases: the one-worker bucket case with a large ledger of future
+//! reminders, and one producer window in which a large number of reminders fall due.
+//!
+//!   scripts/bench-throughput.sh [--deliveries N] [--runs R] [--scale]
+//!
+//! Prints a table against the targets and writes `bench/results/throughput-<stamp>.json` and
+//! `bench/results/throughput-latest.md`. Everything a run starts is stopped and dropped at its
+//! end, on failure and on Ctrl-C or SIGTERM too.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
+mod load;
+mod probe;
+mod report;
+mod run;
+mod scale;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Parser;
+use nudge_e2e::TestEnv;
+use nudge_ledger::Ledger;
+
+use crate::load::LoadSample;
+use crate::run::{RunSample, Shape};
+use crate::scale::WindowSample;
+
+#[derive(Debug, Parser)]
+#[command(about = "Deliveries per second of the real nudge processes, and their cost.")]
+struct Args {
+    /// SMS deliveries due now in each run.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u32).range(100..=1_000_000))]
+    deliveries: u32,
+    /// Runs per case; the median run is reported.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=9))]
+    runs: u32,
+    /// Also run the scale cases (about ten more minutes at the default sizes).
+    #[arg(long)]
+    scale: bool,
+    /// Future reminders in the ledger for the large-ledger case.
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u32).range(1_000..=10_000_000))]
+    ledger_reminders: u32,
+    /// Reminders falling due in the one large producer window.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(1_000..=1_000_000))]
+    window_reminders: u32,
+    /// Where the results go (default: the repository's bench/results).
+    #[arg(long, value_name = "DIR")]
+    results: Option<PathBuf>,
+}
+
+/// The delivery cases, in the order they run (and are reported).
+const CASES: [(&str, Shape); 4] = [
+    (
+        "1 worker, bucket 100000/s",
+        Shape {
+            workers: 1,
+            bucket: true,
+        },
+    ),
+    (
+        "1 worker, no bucket",
+        Shape {
+            workers: 1,
+            bucket: false,
+        },
+    ),
+    (
+        "2 workers, bucket 100000/s",
+        Shape {
+            workers: 2,
+            bucket: true,
+        },
+    ),
+    (
+        "2 workers, no bucket",
+        Shape {
+            workers: 2,
+            bucket: false,
+        },
+    ),
+];
+
+/// Everything measured, as written to the JSON file.
+#[derive(Debug, serde::Serialize)]
+pub struct Results {
+    deliveries: u32,
+    runs: u32,
+    statements_loaded: bool,
+    cases: Vec<(String, Vec<RunSample>)>,
+    load: Vec<LoadSample>,
+    large_ledger: Option<(u32, Vec<RunSample>)>,
+    window: Option<WindowSample>,
+    seconds: f64,
+}
+
+pub async fn open_ledger(env: &TestEnv) -> anyhow::Result<Ledger> {
+    Ok(Ledger::connect(&nudge_config::DatabaseConfig {
+        url: nudge_config::Secret::new(env.db_url.clone()),
+        max_connections: 8,
+        acquire_timeout_ms: 10_000,
+        ..nudge_config::DatabaseConfig::default()
+    })
+    .await?)
+}
+
+async fn bench(args: &Args) -> anyhow::Result<Results> {
+    let clock = Instant::now();
+    let n = args.deliveries as usize;
+    let mut admin = probe::Admin::connect().await?;
+    let statements_loaded = admin.statements_loaded().await?;
+    admin.close().await;
+    if !statements_loaded {
+        eprintln!("pg_stat_statements is not loaded: statements per delivery are not measured");
+    }
+    let mut cases: Vec<(String, Vec<RunSample>)> = CASES
+        .iter()
+        .map(|(name, _)| ((*name).to_owned(), Vec::new()))
+        .collect();
+    let mut loads = Vec::new();
+    // Runs interleave the cases, so a slow minute on a shared machine spreads over all.
+    for run in 0..args.runs {
+        for (index, (name, shape)) in CASES.iter().enumerate() {
+            let mut env = TestEnv::start("throughput-bench").await?;
+            env.ledger.pool().close().await;
+            let ledger = open_ledger(&env).await?;
+            let tenant = ledger
+                .create_tenant("bench-clinic", &scale::bench_operator()?)
+                .await?;
+            if index == 0 {
+                ledger.pool().close().await;
+                let load = load::nudgectl_load(&env, "bench-clinic", n)?;
+                eprintln!(
+                    "run {}: nudgectl reminders load: {:.0} reminders/s",
+                    run + 1,
+                    load.per_second
+                );
+                loads.push(load);
+            } else {
+                load::due_now(&ledger, &env.cipher, tenant.id, n, "due").await?;
+                ledger.pool().close().await;
+            }
+            let sample = run::measure(&mut env, tenant.id, n, *shape, statements_loaded).await?;
+            eprintln!(
+                "run {}: {name}: {:.0} deliveries/s, {:.2} commits/delivery",
+                run + 1,
+                sample.per_second,
+                sample.commits_per_delivery
+            );
+            cases[index].1.push(sample);
+        }
+    }
+    let (large_ledger, window) = if args.scale {
+        eprintln!(
+            "scale: {} future reminders in the ledger",
+            args.ledger_reminders
+        );
+        let large = scale::large_ledger(
+            n,
+            args.runs as usize,
+            args.ledger_reminders as usize,
+            CASES[0].1,
+            statements_loaded,
+        )
+        .await?;
+        eprintln!("scale: one window of {} reminders", args.window_reminders);
+        let window = scale::large_window(args.window_reminders as usize).await?;
+        (Some((args.ledger_reminders, large)), Some(window))
+    } else {
+        (None, None)
+    };
+    Ok(Results {
+        deliveries: args.deliveries,
+        runs: args.runs,
+        statements_loaded,
+        cases,
+        load: loads,
+        large_ledger,
+        window,
+        seconds: clock.elapsed().as_secs_f64(),
+    })
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    // On a signal the benchmark's future is dropped, and with it the run's environment, which
+    // stops its processes and drops its database and broker namespace.
+    let results = tokio::select! {
+        results = bench(&args) => results?,
+        _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted; the current run was cleaned up"),
+        _ = terminate.recv() => anyhow::bail!("terminated; the current run was cleaned up"),
+    };
+    let dir = args
+        .results
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results"));
+    report::write(&results, &dir)
+}
