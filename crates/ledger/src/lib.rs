@@ -21,6 +21,7 @@ mod deliveries;
 mod error;
 mod estimate;
 mod reminders;
+mod republish;
 mod schedules;
 mod status;
 mod tenants;
