@@ -5,10 +5,13 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::options::{BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::options::{
+    BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
+};
 use lapin::types::{FieldTable, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
+use nudge_domain::Channel;
 use tokio::sync::{Mutex, MutexGuard};
 use tokio_util::sync::CancellationToken;
 
@@ -184,6 +187,31 @@ impl Broker {
             .await
             .map_err(consume_error)?;
         Ok(Consumer::new(consumer, channel, name))
+    }
+
+    /// How many messages of `work.<channel>` are ready (waiting for a consumer), from a passive
+    /// declare on a short-lived channel. Messages delivered to a consumer and not yet settled
+    /// are not counted.
+    pub async fn ready_messages(&self, channel: Channel) -> Result<u32, BrokerError> {
+        let name = self.topology().work_queue(channel);
+        let amqp = self.open_channel().await?;
+        let declared = amqp
+            .queue_declare(
+                ShortString::from(name.clone()),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|source| BrokerError::Declare {
+                object: name,
+                source,
+            })?;
+        // Best effort: a failure leaves the channel to be closed with the connection.
+        let _ = amqp.close(REPLY_SUCCESS, "inspected".into()).await;
+        Ok(declared.message_count())
     }
 
     pub(crate) async fn confirm_channel(&self) -> Result<lapin::Channel, BrokerError> {

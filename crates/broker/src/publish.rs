@@ -116,33 +116,41 @@ impl Publisher {
             mandatory: true,
             immediate: false,
         };
+        // Every publish of the batch is handed to the connection before any is awaited: each
+        // `basic_publish` resolves only once its frames are written, and awaiting them one by
+        // one costs a round trip through the connection's I/O task per message. `join_all`
+        // polls the futures in order, so frames (and delivery tags) keep the batch's order.
+        let sends = messages.iter().map(|message| {
+            let channel = &channel;
+            let exchange = exchange.clone();
+            async move {
+                let properties = properties(message)?;
+                channel
+                    .basic_publish(
+                        exchange,
+                        Topology::routing_key(message.channel).into(),
+                        options,
+                        &message.payload,
+                        properties,
+                    )
+                    .await
+                    .map_err(|error| PublishError::Broker(BrokerError::Publish(error)))
+            }
+        });
         let mut channel_failed = false;
-        let mut pending = Vec::with_capacity(messages.len());
-        for message in messages {
-            let properties = match properties(message) {
-                Ok(properties) => properties,
-                Err(error) => {
-                    pending.push(Pending::Done(Err(error)));
-                    continue;
-                }
-            };
-            let sent = channel
-                .basic_publish(
-                    exchange.clone(),
-                    Topology::routing_key(message.channel).into(),
-                    options,
-                    &message.payload,
-                    properties,
-                )
-                .await;
-            pending.push(match sent {
+        let pending: Vec<Pending> = futures_util::future::join_all(sends)
+            .await
+            .into_iter()
+            .map(|sent| match sent {
                 Ok(confirm) => Pending::Confirm(confirm),
                 Err(error) => {
-                    channel_failed = true;
-                    Pending::Done(Err(BrokerError::Publish(error).into()))
+                    if matches!(error, PublishError::Broker(_)) {
+                        channel_failed = true;
+                    }
+                    Pending::Done(Err(error))
                 }
-            });
-        }
+            })
+            .collect();
 
         let deadline = Instant::now() + CONFIRM_TIMEOUT;
         let mut results = Vec::with_capacity(pending.len());

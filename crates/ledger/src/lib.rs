@@ -23,6 +23,7 @@ mod deliveries;
 mod error;
 mod estimate;
 mod reminders;
+mod republish;
 mod schedules;
 mod status;
 mod tenants;

@@ -5,7 +5,13 @@
 //!   the last look found none (a full batch is followed at once by the next).
 //! - `producer.batch_size` (default 500, 1..=10000): deliveries claimed and published per batch.
 //! - `producer.republish_after_s` (default 60): a `queued` delivery not leased within this
-//!   long is assumed lost (broker restart, relay crash) and published again.
+//!   long may have lost its message (broker restart, relay crash); it is published again when
+//!   its channel's work queue holds fewer messages than the channel has `queued` deliveries,
+//!   and at most that many, so a queue nobody consumes does not grow.
+//! - `producer.publish_timeout_ms` (default 5000, 100..=120000): how long one batch's publish
+//!   (opening a channel, sending, and every publisher confirm) may take before the batch is
+//!   handed back to the ledger for a later pass. RabbitMQ blocks publishers without an error
+//!   during a memory or disk alarm; this keeps the relay going instead of stalling.
 //! - `producer.schedule_interval_ms` (default 1000): how often schedules are re-read and
 //!   their windows advanced.
 //! - `producer.in_flight_seconds` (default 1.0): per channel, the relay keeps about this many
@@ -36,6 +42,7 @@ pub struct ProducerSection {
     pub relay_interval_ms: u64,
     pub batch_size: u32,
     pub republish_after_s: u64,
+    pub publish_timeout_ms: u64,
     pub schedule_interval_ms: u64,
     pub in_flight_seconds: f64,
     pub min_in_flight_per_channel: u32,
@@ -48,6 +55,7 @@ impl Default for ProducerSection {
             relay_interval_ms: 200,
             batch_size: 500,
             republish_after_s: 60,
+            publish_timeout_ms: 5_000,
             schedule_interval_ms: 1_000,
             in_flight_seconds: 1.0,
             min_in_flight_per_channel: 20,
@@ -78,6 +86,12 @@ impl Validate for ProducerConfig {
             return Err(ConfigError::invalid(
                 "producer.republish_after_s",
                 "must be at least 5 (shorter only republishes messages that are merely slow)",
+            ));
+        }
+        if !(100..=120_000).contains(&p.publish_timeout_ms) {
+            return Err(ConfigError::invalid(
+                "producer.publish_timeout_ms",
+                "must be between 100 and 120000",
             ));
         }
         if !(p.in_flight_seconds.is_finite() && (0.1..=60.0).contains(&p.in_flight_seconds)) {

@@ -262,7 +262,7 @@ impl Relay {
     }
 
     /// Publishes one batch of due work per channel, within the channel's in-flight window,
-    /// and one batch of lost work, at `now`.
+    /// then, per channel, republishes work whose message was lost.
     pub async fn relay_once(&mut self, at: LedgerTime) -> anyhow::Result<RelayReport> {
         let mut report = RelayReport::default();
         let now = self
@@ -284,26 +284,81 @@ impl Relay {
             report.published += ok;
             report.failed += failed;
         }
+        for channel in Channel::ALL {
+            let (ok, failed) = self.republish(channel, now, at).await?;
+            report.republished += ok;
+            report.failed += failed;
+        }
+        Ok(report)
+    }
 
-        let lost = self
+    /// Republishes `queued` deliveries of `channel` whose message was not consumed within
+    /// `producer.republish_after_s`, but only as many as `work.<channel>` is missing: the
+    /// channel's `queued` count less the messages ready in the queue. A queue that nobody
+    /// consumes (every worker down) therefore keeps one message per `queued` delivery however
+    /// long the outage lasts, instead of gaining a copy of each at every pass; a message that
+    /// really was lost (broker restart, failed publish, relay crash) is missing from the queue
+    /// and is republished.
+    ///
+    /// The queue depth is read before the `queued` count: a worker consuming in between makes
+    /// the difference smaller, never larger. Messages a consumer holds unsettled are not
+    /// counted as ready, so a few of those may be republished: harmless duplicates of the same
+    /// generation, of which only one can lease.
+    async fn republish(
+        &mut self,
+        channel: Channel,
+        now: DateTime<Utc>,
+        at: LedgerTime,
+    ) -> anyhow::Result<(usize, usize)> {
+        let candidates = self
             .ledger
-            .claim_unconsumed(
+            .unconsumed(
+                channel,
                 Duration::from_secs(self.settings.republish_after_s),
                 self.settings.batch_size,
                 at,
             )
             .await
-            .context("failed to claim unconsumed deliveries")?;
-        if !lost.is_empty() {
-            warn!(
-                count = lost.len(),
-                "republishing queued deliveries whose message was not consumed"
-            );
+            .context("failed to read unconsumed deliveries")?;
+        if candidates.is_empty() {
+            return Ok((0, 0));
         }
-        let (ok, failed) = self.publish(&lost, now).await?;
-        report.republished += ok;
-        report.failed += failed;
-        Ok(report)
+        let ready = match tokio::time::timeout(
+            self.publish_timeout(),
+            self.broker.ready_messages(channel),
+        )
+        .await
+        {
+            Ok(Ok(ready)) => u64::from(ready),
+            Ok(Err(e)) => {
+                warn!(%channel, error.cause_chain = ?e, "could not read the work queue's depth; not republishing");
+                return Ok((0, 0));
+            }
+            Err(_elapsed) => {
+                warn!(%channel, timeout_ms = self.settings.publish_timeout_ms,
+                    "reading the work queue's depth timed out; not republishing");
+                return Ok((0, 0));
+            }
+        };
+        let queued = self
+            .ledger
+            .queued(channel)
+            .await
+            .context("failed to count queued deliveries")?;
+        let missing = usize::try_from(queued.saturating_sub(ready)).unwrap_or(usize::MAX);
+        let lost = &candidates[..missing.min(candidates.len())];
+        if lost.is_empty() {
+            debug!(%channel, queued, ready, "queued work not consumed yet; its messages are still in the queue");
+            return Ok((0, 0));
+        }
+        warn!(
+            %channel,
+            count = lost.len(),
+            queued,
+            ready,
+            "republishing queued deliveries whose message is missing from the queue"
+        );
+        self.publish(lost, now).await
     }
 
     /// How many more deliveries of `channel` may be published now: about
@@ -322,6 +377,15 @@ impl Relay {
         Ok(u32::try_from(u64::from(window).saturating_sub(in_flight)).unwrap_or(0))
     }
 
+    fn publish_timeout(&self) -> Duration {
+        Duration::from_millis(self.settings.publish_timeout_ms)
+    }
+
+    /// Publishes `items` with confirms; what is not confirmed within `publish_timeout_ms` is
+    /// handed back to the ledger (`mark_unpublished`) and republished at a later pass. The
+    /// bound matters when the broker blocks publishers (memory or disk alarm): it then stops
+    /// reading without an error, and an unbounded publish would stall the relay of every
+    /// channel until the alarm clears.
     async fn publish(
         &mut self,
         items: &[DueDelivery],
@@ -331,10 +395,28 @@ impl Relay {
             return Ok((0, 0));
         }
         let messages: Vec<OutgoingMessage> = items.iter().map(|d| message(d, now)).collect();
-        let results = match self.publisher().await {
-            Ok(publisher) => publisher.publish_batch(&messages).await,
-            Err(e) => {
+        let timeout = self.publish_timeout();
+        let attempt = tokio::time::timeout(timeout, async {
+            let publisher = self.publisher().await?;
+            anyhow::Ok(publisher.publish_batch(&messages).await)
+        })
+        .await;
+        let results = match attempt {
+            Ok(Ok(results)) => results,
+            Ok(Err(e)) => {
                 warn!(error.cause_chain = %format!("{e:#}"), "no publisher; handing the batch back");
+                self.ledger.mark_unpublished(items).await?;
+                return Ok((0, items.len()));
+            }
+            Err(_elapsed) => {
+                warn!(
+                    timeout_ms = self.settings.publish_timeout_ms,
+                    count = items.len(),
+                    "publish not confirmed in time (is the broker blocking publishers?); \
+                     handing the batch back"
+                );
+                // The channel may be blocked mid-batch: the next pass opens another.
+                self.publisher = None;
                 self.ledger.mark_unpublished(items).await?;
                 return Ok((0, items.len()));
             }

@@ -281,15 +281,44 @@ proptest! {
     }
 
     #[test]
-    fn a_corrupted_envelope_is_refused_with_an_error_and_never_a_panic(
+    fn a_corrupted_envelope_is_refused_with_the_reason_of_its_corruption(
         envelope in any_envelope(),
-        flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+        at in any::<prop::sample::Index>(),
+        corruption in 0u8..3,
+        version in 2u8..128,
+        bad in b'g'..=b'z',
     ) {
         let mut bytes = envelope.encode();
-        for (at, value) in flips {
-            let i = at.index(bytes.len());
-            bytes[i] = value;
+        // Field 1 (schema_version) is written first: tag byte 0x08, then its value.
+        prop_assert_eq!(&bytes[..2], &[0x08, 0x01]);
+        let id = envelope.delivery_id.to_string();
+        let id_at = bytes
+            .windows(id.len())
+            .position(|w| w == id.as_bytes())
+            .unwrap();
+        let i = id_at + at.index(id.len());
+        match corruption {
+            0 => {
+                bytes[1] = version;
+                let err = Envelope::decode(&bytes).unwrap_err();
+                prop_assert!(matches!(err, EnvelopeError::UnsupportedSchemaVersion(v) if v == u32::from(version)), "{err:?}");
+                prop_assert_eq!(err.reason_code(), "unsupported_schema_version");
+            }
+            1 => {
+                // Not a hex digit or a dash: the id no longer parses.
+                bytes[i] = bad;
+                let err = Envelope::decode(&bytes).unwrap_err();
+                prop_assert!(matches!(err, EnvelopeError::InvalidField { field: "delivery_id", .. }), "{err:?}");
+                prop_assert_eq!(err.reason_code(), "invalid_field");
+                prop_assert!(!err.to_string().contains(&id[..8]), "the error shows the id: {err}");
+            }
+            _ => {
+                // Cut inside the id: its length prefix promises more than there is.
+                bytes.truncate(i);
+                let err = Envelope::decode(&bytes).unwrap_err();
+                prop_assert!(matches!(err, EnvelopeError::Undecodable(_)), "{err:?}");
+                prop_assert_eq!(err.reason_code(), "undecodable");
+            }
         }
-        let _ = Envelope::decode(&bytes);
     }
 }

@@ -226,7 +226,8 @@ async fn a_duplicate_does_not_consume_the_sequence() {
 }
 
 #[tokio::test]
-async fn a_bucket_of_five_a_second_with_burst_one_answers_429_past_the_limit() {
+async fn a_bucket_of_five_a_second_with_burst_one_accepts_no_more_than_one_plus_five_per_second_elapsed()
+ {
     let stub = Stub::start().await;
     stub.script(
         "sms-main",
@@ -234,6 +235,7 @@ async fn a_bucket_of_five_a_second_with_burst_one_answers_429_past_the_limit() {
     )
     .await;
     let mut statuses = Vec::new();
+    let start = Instant::now();
     for n in 0..6 {
         let (s, ra, _) = stub.status_of("sms-main", Some(&format!("k{n}"))).await;
         if s == 429 {
@@ -242,12 +244,21 @@ async fn a_bucket_of_five_a_second_with_burst_one_answers_429_past_the_limit() {
         }
         statuses.push(s);
     }
+    let elapsed = start.elapsed();
     assert_eq!(statuses[0], 202);
-    let limited = statuses.iter().filter(|&&s| s == 429).count() as u64;
-    assert!(limited >= 1, "{statuses:?}");
+    // The bucket's bound over any interval L: burst + rate * L requests. Six requests on
+    // loopback take a few milliseconds, so exactly one is accepted; a slower machine is
+    // allowed one more per 200 ms it took, and no more (a burst of 5 would accept all six).
+    let accepted = statuses.iter().filter(|&&s| s == 202).count() as u64;
+    let bound = 1 + (elapsed.as_secs_f64() * 5.0).floor() as u64;
+    assert!(
+        accepted <= bound,
+        "accepted {accepted} of 6 in {elapsed:?}: past burst 1 + 5/s ({bound}); {statuses:?}"
+    );
+    let limited = 6 - accepted;
     let acct = &stub.stats().await.accounts["sms-main"];
     assert_eq!(acct.rate_limited, limited);
-    assert_eq!(acct.accepted + acct.rate_limited, 6);
+    assert_eq!(acct.accepted, accepted);
     stub.stop().await;
 }
 

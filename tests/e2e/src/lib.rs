@@ -5,7 +5,8 @@
 //! Everything a test starts is stopped when its [`TestEnv`] is dropped, even when the test
 //! panics: processes are killed, the database is dropped and the namespace's queues and
 //! exchanges are deleted. Binaries are taken from the cargo target directory the test runs
-//! from (`scripts/test.sh` builds them first); a missing binary fails the test by name.
+//! from (`scripts/test.sh` builds them first); a missing binary, or one older than a source
+//! file it was built from (cargo's dep-info file beside it lists them), fails the test by name.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
 
 use std::collections::HashMap;
@@ -61,6 +62,8 @@ pub fn bin_dir() -> PathBuf {
     }
 }
 
+/// The binary `name` from [`bin_dir`], refused when missing or older than any source file it
+/// was built from: a test must run the code it is checked out with, not an earlier build.
 pub fn bin(name: &str) -> PathBuf {
     let path = bin_dir().join(name);
     assert!(
@@ -69,7 +72,41 @@ pub fn bin(name: &str) -> PathBuf {
          cargo build --workspace --bins)",
         path.display()
     );
+    if let Some(newer) = newer_source(&path) {
+        panic!(
+            "binary {} is older than {}, one of its sources: rebuild the binaries first \
+             (scripts/test.sh does: cargo build --workspace --bins)",
+            path.display(),
+            newer.display()
+        );
+    }
     path
+}
+
+/// A source file of `binary` modified after it was built, if any. The sources are those cargo
+/// listed in the dep-info file it writes beside the binary (`<binary>.d`: every source file,
+/// including the migrations a crate embeds); a missing or unreadable dep-info file counts as
+/// stale, since nothing then says what the binary was built from. A listed source that no
+/// longer exists counts as newer too.
+pub fn newer_source(binary: &Path) -> Option<PathBuf> {
+    let dep_info = binary.with_extension("d");
+    let built = std::fs::metadata(binary).and_then(|m| m.modified()).ok()?;
+    let Ok(text) = std::fs::read_to_string(&dep_info) else {
+        return Some(dep_info);
+    };
+    // `target: source source ...`, with spaces inside paths escaped as `\ `.
+    let Some((_, sources)) = text.lines().next().and_then(|l| l.split_once(": ")) else {
+        return Some(dep_info);
+    };
+    let sources = sources.replace("\\ ", "\u{0}");
+    sources
+        .split_whitespace()
+        .map(|s| PathBuf::from(s.replace('\u{0}', " ")))
+        .find(|source| {
+            std::fs::metadata(source)
+                .and_then(|m| m.modified())
+                .map_or(true, |modified| modified > built)
+        })
 }
 
 /// A child process that is killed when dropped.
@@ -693,4 +730,69 @@ pub fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free loopback port")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::SystemTime;
+
+    fn touch(path: &Path, at: SystemTime) {
+        std::fs::File::options()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_modified(at)
+            .unwrap();
+    }
+
+    fn scratch() -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("nudge-e2e-stale-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_binary_older_than_one_of_its_sources_is_refused_and_a_fresh_one_is_not() {
+        let dir = scratch();
+        let binary = dir.join("nudge-sms");
+        let source = dir.join("my source.rs");
+        let other = dir.join("lib.rs");
+        for file in [&binary, &source, &other] {
+            std::fs::write(file, b"x").unwrap();
+        }
+        std::fs::write(
+            binary.with_extension("d"),
+            format!(
+                "{}: {} {}\n\n{}:\n",
+                binary.display(),
+                source.display().to_string().replace(' ', "\\ "),
+                other.display(),
+                source.display()
+            ),
+        )
+        .unwrap();
+        let t = SystemTime::now() - Duration::from_secs(60);
+        touch(&source, t);
+        touch(&other, t);
+        touch(&binary, t + Duration::from_secs(10));
+        assert_eq!(newer_source(&binary), None);
+
+        touch(&source, t + Duration::from_secs(20));
+        assert_eq!(newer_source(&binary), Some(source.clone()));
+
+        std::fs::remove_file(&source).unwrap();
+        assert_eq!(newer_source(&binary), Some(source));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_binary_without_its_dep_info_file_is_refused() {
+        let dir = scratch();
+        let binary = dir.join("nudge-sms");
+        std::fs::write(&binary, b"x").unwrap();
+        assert_eq!(newer_source(&binary), Some(binary.with_extension("d")));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -3,12 +3,12 @@
 //! terminal states.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use chrono::Utc;
 use nudge_domain::Channel;
-use nudge_e2e::{TestEnv, WorkerOptions, stats};
-use nudge_ledger::WindowOutcome;
+use nudge_e2e::{TestEnv, WorkerOptions, keys_report, stats};
 
 async fn count(env: &TestEnv, sql: &'static str) -> i64 {
     sqlx::query_scalar(sql)
@@ -33,13 +33,14 @@ async fn seed_sms(env: &TestEnv, n: usize, prefix: &str) {
     }
 }
 
-/// Kills worker A with SIGKILL once `kill_after` deliveries are done, while worker B goes on.
+/// Kills worker A with SIGKILL once `kill_after` deliveries are done, while worker B goes on;
+/// returns the deliveries A held leases on when it died.
 async fn run_with_a_killed_worker(
     env: &mut TestEnv,
     honours_idempotency: bool,
     total: i64,
     kill_after: i64,
-) {
+) -> HashSet<uuid::Uuid> {
     // Slow sends, so the kill lands while work is in flight.
     env.script(
         "sms-main",
@@ -73,12 +74,18 @@ async fn run_with_a_killed_worker(
         }
     })
     .await;
-    let in_flight_at_kill = count(
-        env,
-        "SELECT count(*) FROM deliveries WHERE state = 'sending'",
-    )
-    .await;
+    let a_pid = env.proc(a).pid();
     env.proc(a).kill();
+    // Worker ids are `<channel>-<pid>-<random>`; a lease lasts 5 s, far longer than this read.
+    let held_by_a: HashSet<uuid::Uuid> = sqlx::query_scalar(
+        "SELECT id FROM deliveries WHERE state = 'sending' AND lease_owner LIKE $1",
+    )
+    .bind(format!("sms-{a_pid}-%"))
+    .fetch_all(env.ledger.pool())
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
 
     let ledger = env.ledger.clone();
     env.wait_for("every delivery to reach a terminal or held state", Duration::from_secs(120), || {
@@ -94,8 +101,23 @@ async fn run_with_a_killed_worker(
     })
     .await;
     eprintln!(
-        "e2e kill: honours_idempotency={honours_idempotency} sending_at_kill={in_flight_at_kill}"
+        "e2e kill: honours_idempotency={honours_idempotency} held_by_killed_worker={}",
+        held_by_a.len()
     );
+    held_by_a
+}
+
+/// The deliveries the janitor's lease reaper decided, from its attempt rows.
+async fn reaped(env: &TestEnv) -> HashSet<uuid::Uuid> {
+    sqlx::query_scalar(
+        "SELECT delivery_id FROM attempts
+          WHERE worker = 'lease-reaper' AND reason LIKE 'lease_expired%'",
+    )
+    .fetch_all(env.ledger.pool())
+    .await
+    .unwrap()
+    .into_iter()
+    .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -104,27 +126,67 @@ async fn a_worker_killed_mid_run_loses_nothing_and_an_idempotent_account_sees_ea
     let mut env = TestEnv::start("kill-idem").await.unwrap();
     seed_sms(&env, 300, "k").await;
 
-    run_with_a_killed_worker(&mut env, true, 300, 80).await;
+    let held = run_with_a_killed_worker(&mut env, true, 300, 80).await;
 
     let states = env.states().await.unwrap();
     let stub = stats(env.stub_stats().await.unwrap()).unwrap();
-    let reaped = count(
-        &env,
-        "SELECT count(*) FROM attempts WHERE reason LIKE 'lease_expired%'",
-    )
-    .await;
+    let reaped = reaped(&env).await;
+    // Deliveries whose key the stub saw more than once.
+    let keys = keys_report(env.stub_keys().await.unwrap()).unwrap();
+    let resent: HashSet<String> = keys
+        .keys
+        .iter()
+        .filter(|k| k.requests.len() > 1)
+        .map(|k| k.key.clone())
+        .collect();
+    let reaped_keys: HashSet<String> =
+        sqlx::query_scalar("SELECT idempotency_key FROM deliveries WHERE id = ANY($1)")
+            .bind(reaped.iter().copied().collect::<Vec<_>>())
+            .fetch_all(env.ledger.pool())
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
     eprintln!(
-        "e2e kill idempotent: states={states:?} reaped_leases={reaped} stub requests={} unique_keys={} accepted={} duplicate_requests={}",
-        stub.total.requests, stub.total.unique_keys, stub.total.accepted, stub.total.duplicates
+        "e2e kill idempotent: states={states:?} held_by_killed_worker={} reaped_leases={} resent_keys={} stub requests={} unique_keys={} accepted={} duplicate_requests={}",
+        held.len(),
+        reaped.len(),
+        resent.len(),
+        stub.total.requests,
+        stub.total.unique_keys,
+        stub.total.accepted,
+        stub.total.duplicates
     );
     assert_eq!(states.get("delivered"), Some(&300), "{states:?}");
     assert_eq!(stub.total.unique_keys, 300);
     assert_eq!(stub.total.accepted, 300, "each key accepted exactly once");
-    // A resend happens only for a lease that expired after its request may have left.
+    // The reaper really ran: it decided leases, and only leases of the killed worker.
     assert!(
-        i64::try_from(stub.total.duplicates).unwrap() <= reaped,
-        "duplicate requests {} exceed the reaped leases {reaped}",
-        stub.total.duplicates
+        !held.is_empty(),
+        "the kill landed while worker A held leases"
+    );
+    assert!(!reaped.is_empty(), "no lease was reaped");
+    assert!(
+        reaped.is_subset(&held),
+        "the reaper decided a lease the killed worker did not hold"
+    );
+    // Every resend is one of those reaped leases, sent again: nothing else sent a key twice.
+    // (A reaped lease whose request had not yet left is retried without a duplicate.)
+    assert!(
+        resent.is_subset(&reaped_keys),
+        "keys resent without a reaped lease: {:?}",
+        resent.difference(&reaped_keys).collect::<Vec<_>>()
+    );
+    assert!(
+        !resent.is_empty() && resent.len() <= reaped.len(),
+        "resent keys {} against reaped leases {}",
+        resent.len(),
+        reaped.len()
+    );
+    assert_eq!(
+        usize::try_from(stub.total.duplicates).unwrap(),
+        resent.len(),
+        "each reaped key was sent at most once more"
     );
 }
 
@@ -133,14 +195,35 @@ async fn a_worker_killed_mid_send_on_an_account_without_idempotency_holds_its_wo
     let mut env = TestEnv::start("kill-ambiguous").await.unwrap();
     seed_sms(&env, 200, "a").await;
 
-    run_with_a_killed_worker(&mut env, false, 200, 60).await;
+    let held = run_with_a_killed_worker(&mut env, false, 200, 60).await;
 
     let states = env.states().await.unwrap();
     let stub = stats(env.stub_stats().await.unwrap()).unwrap();
     let ambiguous = *states.get("ambiguous").unwrap_or(&0);
+    let reaped = reaped(&env).await;
+    let ambiguous_ids: HashSet<uuid::Uuid> =
+        sqlx::query_scalar("SELECT id FROM deliveries WHERE state = 'ambiguous'")
+            .fetch_all(env.ledger.pool())
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
     eprintln!(
-        "e2e kill non-idempotent: states={states:?} stub requests={} unique_keys={} duplicate_requests={}",
-        stub.total.requests, stub.total.unique_keys, stub.total.duplicates
+        "e2e kill non-idempotent: states={states:?} held_by_killed_worker={} reaped_leases={} stub requests={} unique_keys={} duplicate_requests={}",
+        held.len(),
+        reaped.len(),
+        stub.total.requests,
+        stub.total.unique_keys,
+        stub.total.duplicates
+    );
+    assert!(!reaped.is_empty(), "no lease was reaped");
+    assert!(
+        reaped.is_subset(&held),
+        "the reaper decided a lease the killed worker did not hold"
+    );
+    assert_eq!(
+        ambiguous_ids, reaped,
+        "exactly the reaped leases are held as ambiguous"
     );
     assert_eq!(
         states.get("delivered").unwrap_or(&0) + ambiguous,
@@ -176,7 +259,7 @@ async fn two_producers_at_once_and_a_replayed_window_create_each_delivery_once()
         .await
         .unwrap();
     }
-    env.start_producer("producer-1").unwrap();
+    let first_producer = env.start_producer("producer-1").unwrap();
     let second = env.start_producer("producer-2").unwrap();
     env.start_janitor(200, 1_000).unwrap();
     env.start_worker(
@@ -199,34 +282,44 @@ async fn two_producers_at_once_and_a_replayed_window_create_each_delivery_once()
     })
     .await;
 
-    // Restart a producer: it replays from the last window and must create nothing.
+    // Both producers stop, and the clock's memory of this tenant's windows is lost (as after a
+    // restore of the run intents): the restarted producer replays every window from the
+    // tenant's first, over reminders whose deliveries exist and were sent, and must create
+    // nothing.
+    let first = env
+        .proc(first_producer)
+        .terminate(Duration::from_secs(15))
+        .expect("producer-1 exits on SIGTERM");
+    assert_eq!(first, 0);
     env.proc(second).kill();
-    env.start_producer("producer-2-again").unwrap();
-    let intents_before = count(&env, "SELECT count(*) FROM run_intents").await;
-    let first_window: (chrono::DateTime<Utc>, chrono::DateTime<Utc>) = sqlx::query_as(
-        "SELECT window_start, window_end FROM run_intents ORDER BY window_start LIMIT 1",
-    )
-    .fetch_one(env.ledger.pool())
-    .await
-    .unwrap();
-    let replay = env
-        .ledger
-        .materialise_window(tenant, first_window.0, first_window.1, Utc::now())
+    sqlx::query("DELETE FROM run_intents WHERE tenant_id = $1")
+        .bind(tenant.as_uuid())
+        .execute(env.ledger.pool())
         .await
         .unwrap();
+    env.start_producer("producer-2-again").unwrap();
     let ledger = env.ledger.clone();
     env.wait_for(
-        "the restarted producer to run a window",
+        "the restarted producer to replay windows over every reminder",
         Duration::from_secs(30),
         || {
             let ledger = ledger.clone();
             async move {
-                let n: i64 = sqlx::query_scalar("SELECT count(*) FROM run_intents")
-                    .fetch_one(ledger.pool())
-                    .await?;
-                Ok((n > intents_before).then_some(()))
+                let covered: bool = sqlx::query_scalar(
+                    "SELECT coalesce(min(i.window_start) <= min(r.scheduled_at)
+                                 AND max(i.window_end) > max(r.scheduled_at), false)
+                     FROM run_intents i, reminders r",
+                )
+                .fetch_one(ledger.pool())
+                .await?;
+                Ok(covered.then_some(()))
             }
         },
+    )
+    .await;
+    let replayed_created = count(
+        &env,
+        "SELECT coalesce(sum(deliveries_created), 0)::bigint FROM run_intents",
     )
     .await;
 
@@ -240,14 +333,17 @@ async fn two_producers_at_once_and_a_replayed_window_create_each_delivery_once()
     .await;
     let stub = stats(env.stub_stats().await.unwrap()).unwrap();
     eprintln!(
-        "e2e producers: deliveries={deliveries} run_intents={} overlapping_windows={overlaps} replay={replay:?} stub accepted={} duplicates={}",
+        "e2e producers: deliveries={deliveries} run_intents={} overlapping_windows={overlaps} replayed_created={replayed_created} stub accepted={} duplicates={}",
         count(&env, "SELECT count(*) FROM run_intents").await,
         stub.total.accepted,
         stub.total.duplicates
     );
     assert_eq!(deliveries, 240);
     assert_eq!(overlaps, 0, "windows are contiguous and never overlap");
-    assert_eq!(replay, WindowOutcome::AlreadyRun);
+    assert_eq!(
+        replayed_created, 0,
+        "the restarted producer's replayed windows created nothing"
+    );
     assert_eq!(stub.total.accepted, 240);
     assert_eq!(stub.total.duplicates, 0);
     let stopped = env.stop_all(Duration::from_secs(15));

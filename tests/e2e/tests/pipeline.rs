@@ -261,3 +261,144 @@ async fn garbage_on_the_sms_queue_is_dead_lettered_and_recorded_while_delivery_g
     );
     broker.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_envelope_for_a_queued_delivery_is_dead_lettered_with_its_reason_and_nothing_is_leased_or_sent()
+ {
+    let mut env = TestEnv::start("corrupted").await.unwrap();
+    let tenant = env.tenant("clinic-d", 2).await.unwrap();
+    let now = Utc::now();
+    let reminder = env
+        .reminder(
+            tenant,
+            "corrupted-1",
+            &[Channel::Sms],
+            now,
+            now + chrono::Duration::minutes(10),
+        )
+        .await
+        .unwrap();
+    // Claimed as the relay claims (queued, next generation), but its only message is corrupt:
+    // the ids and generation are intact, the correlation id is not, so a worker that acted on
+    // the ids before validating the whole envelope would lease and send it.
+    let (delivery_id, generation): (uuid::Uuid, i64) = sqlx::query_as(
+        "UPDATE deliveries SET state = 'queued', generation = generation + 1, queued_at = now()
+          WHERE reminder_id = $1 RETURNING id, generation",
+    )
+    .bind(reminder.id.as_uuid())
+    .fetch_one(env.ledger.pool())
+    .await
+    .unwrap();
+    let envelope = nudge_proto::Envelope {
+        delivery_id: nudge_domain::DeliveryId::from_uuid(delivery_id),
+        reminder_id: reminder.id,
+        tenant_id: tenant,
+        channel: Channel::Sms,
+        generation: u64::try_from(generation).unwrap(),
+        lane: nudge_domain::Lane::New,
+        correlation_id: "corr-intact".into(),
+        enqueued_at: now,
+    };
+    let mut payload = envelope.encode();
+    let at = payload
+        .windows(b"corr-intact".len())
+        .position(|w| w == b"corr-intact")
+        .unwrap();
+    payload[at + 4] = b' ';
+    assert!(matches!(
+        nudge_proto::Envelope::decode(&payload),
+        Err(nudge_proto::EnvelopeError::InvalidField {
+            field: "correlation_id",
+            ..
+        })
+    ));
+
+    // Workers and the janitor, but no producer yet: nothing else points at the delivery.
+    env.start_janitor(200, 1_000).unwrap();
+    env.start_worker(
+        Channel::Sms,
+        "worker-sms",
+        &WorkerOptions::for_channel(Channel::Sms),
+    )
+    .unwrap();
+    let broker = nudge_broker::Broker::connect(
+        &std::env::var("NUDGE_TEST_AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+        Duration::from_secs(10),
+        nudge_broker::Topology::new(&env.namespace, 3).unwrap(),
+    )
+    .await
+    .unwrap();
+    let publisher = broker.publisher().await.unwrap();
+    let corrupted = nudge_broker::OutgoingMessage {
+        channel: Channel::Sms,
+        payload,
+        message_id: format!("{delivery_id}:{generation}"),
+        correlation_id: "corrupted-1".into(),
+        traceparent: None,
+    };
+    let published = publisher
+        .publish_batch(std::slice::from_ref(&corrupted))
+        .await;
+    assert!(published.iter().all(Result::is_ok), "{published:?}");
+    broker.close().await;
+
+    let ledger = env.ledger.clone();
+    env.wait_for("the corrupted message to be recorded as a dead letter", Duration::from_secs(60), || {
+        let ledger = ledger.clone();
+        async move { Ok((ledger.dead_letter_count(Some(Channel::Sms)).await? == 1).then_some(())) }
+    })
+    .await;
+    let (reason, decode_error, recorded_delivery): (String, Option<String>, Option<uuid::Uuid>) =
+        sqlx::query_as("SELECT death_reason, decode_error, delivery_id FROM dead_letters")
+            .fetch_one(env.ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!(reason, "rejected");
+    assert_eq!(decode_error.as_deref(), Some("invalid_field"));
+    assert_eq!(
+        recorded_delivery, None,
+        "an undecodable envelope names no delivery"
+    );
+
+    // Nothing acted on it: still queued at its generation, never leased, never sent.
+    let (state, now_generation, attempts, lease_owner): (String, i64, i32, Option<String>) =
+        sqlx::query_as(
+            "SELECT state, generation, attempt_count, lease_owner FROM deliveries WHERE id = $1",
+        )
+        .bind(delivery_id)
+        .fetch_one(env.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        (state.as_str(), now_generation, attempts, lease_owner),
+        ("queued", generation, 0, None)
+    );
+    let attempt_rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM attempts WHERE delivery_id = $1")
+            .bind(delivery_id)
+            .fetch_one(env.ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!(attempt_rows, 0);
+    let stub = stats(env.stub_stats().await.unwrap()).unwrap();
+    assert_eq!(stub.total.requests, 0, "nothing reached the provider");
+
+    // The relay finds the queued delivery's message missing and republishes it.
+    env.start_producer("producer").unwrap();
+    let ledger = env.ledger.clone();
+    env.wait_for(
+        "the delivery to be republished and delivered",
+        Duration::from_secs(60),
+        || {
+            let ledger = ledger.clone();
+            async move {
+                let d = ledger.deliveries_of_reminder(reminder.id).await?;
+                Ok((d.first().map(|d| d.state.as_str()) == Some("delivered")).then_some(()))
+            }
+        },
+    )
+    .await;
+    let stub = stats(env.stub_stats().await.unwrap()).unwrap();
+    assert_eq!((stub.total.accepted, stub.total.duplicates), (1, 0));
+}

@@ -4,11 +4,9 @@
 //! `docs/ARCHITECTURE.md`): a worker's lease never waits for an uncommitted claim, so a message
 //! must never point at a generation that is not yet committed.
 
-use std::time::Duration;
-
 use nudge_domain::Channel;
 
-use super::{DueDelivery, DueRow, LedgerTime, millis, to_i64};
+use super::{DueDelivery, DueRow, LedgerTime, to_i64};
 use crate::{Ledger, LedgerError};
 
 const CLAIM_DUE: &str = "WITH due AS (
@@ -50,7 +48,7 @@ impl Ledger {
     /// relay claims per channel, so a backlog on one channel never crowds another out of a batch.
     ///
     /// A crash between claim and publish leaves the delivery `queued` with no message, which
-    /// [`claim_unconsumed`](Self::claim_unconsumed) republishes after its timeout; a publish that
+    /// [`unconsumed`](Self::unconsumed) finds for the relay to republish after its timeout; a publish that
     /// fails is handed to [`mark_unpublished`](Self::mark_unpublished) so the next tick
     /// republishes it at once. The lane is the delivery's own: it becomes `retry` when an
     /// attempt fails, never because a lease was given back.
@@ -69,40 +67,8 @@ impl Ledger {
         sorted(rows)
     }
 
-    /// Claims deliveries that were published (`queued`) more than `older_than` ago and never
-    /// leased: their message was lost (broker restart, unroutable, dropped, relay crash). They
-    /// get a new generation and are published again; if an old message does turn up, it is
-    /// stale and dropped.
-    pub async fn claim_unconsumed(
-        &self,
-        older_than: Duration,
-        limit: u32,
-        at: LedgerTime,
-    ) -> Result<Vec<DueDelivery>, LedgerError> {
-        let rows = sqlx::query_as::<_, DueRow>(
-            "WITH lost AS (
-                 SELECT id FROM deliveries
-                 WHERE state = 'queued' AND queued_at <= COALESCE($3, now()) - $1 * interval '1 millisecond'
-                 ORDER BY queued_at
-                 LIMIT $2
-                 FOR UPDATE SKIP LOCKED)
-             UPDATE deliveries d
-             SET generation = d.generation + 1, queued_at = COALESCE($3, now()),
-                 updated_at = COALESCE($3, now())
-             FROM lost WHERE d.id = lost.id
-             RETURNING d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
-                       d.next_attempt_at",
-        )
-        .bind(millis(older_than))
-        .bind(i64::from(limit))
-        .bind(at.bind())
-        .fetch_all(&self.pool)
-        .await?;
-        sorted(rows)
-    }
-
     /// Marks claimed deliveries whose publish failed so that the next
-    /// [`claim_unconsumed`](Self::claim_unconsumed) takes them at once, with a new generation.
+    /// [`unconsumed`](Self::unconsumed) returns them at once.
     /// Only the claim's own generation is touched: work that moved on is left alone.
     pub async fn mark_unpublished(&self, items: &[DueDelivery]) -> Result<u64, LedgerError> {
         let ids: Vec<uuid::Uuid> = items.iter().map(|d| d.id.as_uuid()).collect();

@@ -80,6 +80,8 @@ pub enum SendSlot {
 }
 
 /// What became of one message of a batch.
+// One per message, moved once from the batch to its send: boxing the lease buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum LeaseOutcome {
     Leased {
@@ -788,14 +790,14 @@ fn explain(
         return Ok(LeaseOutcome::NotFound);
     };
     let state: DeliveryState = parse(state)?;
-    if state == DeliveryState::Queued && current == generation {
-        if let Some(account) = row
+    if state == DeliveryState::Queued
+        && current == generation
+        && let Some(account) = row
             .account
             .as_deref()
             .filter(|a| !batch.routes.accounts.iter().any(|(c, _)| c.as_str() == *a))
-        {
-            return Ok(LeaseOutcome::UnknownAccount(account.to_owned()));
-        }
+    {
+        return Ok(LeaseOutcome::UnknownAccount(account.to_owned()));
     }
     Ok(LeaseOutcome::Stale {
         state,
@@ -804,6 +806,7 @@ fn explain(
 }
 
 /// What a new slot for a held lease came to.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Slotted {
     /// A slot, with the lease as it now stands (renewed when fenced).
