@@ -12,7 +12,7 @@ use nudge_broker::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions, Qu
 use nudge_broker::lapin::{Connection, ConnectionProperties};
 use nudge_broker::{Broker, Topology};
 use nudge_domain::{Channel, EventId, SubscriberRef, TenantId};
-use nudge_ledger::{DestinationCipher, Ledger, NewReminder};
+use nudge_ledger::{DestinationCipher, Ledger, NewReminder, SubscriberKey};
 use nudge_producer::{ProducerSection, Relay};
 use sqlx::PgPool;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -76,7 +76,8 @@ impl Drop for Namespace {
 
 /// `n` SMS deliveries, due a minute ago.
 async fn seed_due_sms(ledger: &Ledger, tenant: TenantId, prefix: &str, n: usize) {
-    let cipher = DestinationCipher::new(&[7u8; 32]);
+    let cipher =
+        DestinationCipher::new(&[7u8; 32]).with_subscriber_key(SubscriberKey::new(&[8u8; 32]));
     let now = Utc::now();
     let at = now - chrono::Duration::minutes(1);
     for i in 0..n {

@@ -116,7 +116,7 @@ fn the_example_has_every_key_of_the_producer_with_its_default() {
     let checked = check_binary::<ProducerConfig>("nudge-producer", ProducerConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        3 + 5 + 4 + 7,
+        6 + 5 + 4 + 8,
         "database, amqp, telemetry, producer"
     );
 }
@@ -126,7 +126,7 @@ fn the_example_has_every_key_of_the_workers_with_its_default() {
     let checked = check_binary::<WorkerConfig>("nudge-worker", WorkerConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        3 + 5 + 4 + 1 + 2 + 4 + 2,
+        6 + 5 + 4 + 2 + 3 + 4 + 3,
         "database, amqp, telemetry, crypto, worker, retry, admission"
     );
 }
@@ -136,7 +136,7 @@ fn the_example_has_every_key_of_the_janitor_with_its_default() {
     let checked = check_binary::<JanitorConfig>("nudge-janitor", JanitorConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        3 + 5 + 4 + 2 + 4,
+        6 + 5 + 4 + 2 + 4,
         "database, amqp, telemetry, janitor, retry"
     );
 }
@@ -148,7 +148,7 @@ fn the_example_has_every_key_of_nudgectl_with_its_default() {
         CtlConfig::SECTIONS,
         &[("telemetry.log_filter", Value::from("warn"))],
     );
-    assert_eq!(checked, 3 + 4 + 1, "database, telemetry, crypto");
+    assert_eq!(checked, 6 + 4 + 2, "database, telemetry, crypto");
 }
 
 #[test]
