@@ -47,6 +47,12 @@ pub fn admin_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| ADMIN_URL.to_owned())
 }
 
+/// The subscriber key of every test environment: the harness's ledger handle and `nudgectl`
+/// must store references under the same key.
+const SUBSCRIBER_KEY: [u8; 32] = [5u8; 32];
+/// [`SUBSCRIBER_KEY`], as `crypto.subscriber_key` takes it (standard base64).
+const SUBSCRIBER_KEY_B64: &str = "BQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQU=";
+
 /// The directory holding the workspace's binaries: next to this test executable's `deps/`.
 pub fn bin_dir() -> PathBuf {
     if let Ok(dir) = std::env::var("NUDGE_BIN_DIR") {
@@ -272,7 +278,7 @@ impl TestEnv {
             db_url,
             ledger,
             cipher: DestinationCipher::new(&key)
-                .with_subscriber_key(nudge_ledger::SubscriberKey::new(&[5u8; 32])),
+                .with_subscriber_key(nudge_ledger::SubscriberKey::new(&SUBSCRIBER_KEY)),
             key_b64,
             stub_url: String::new(),
             stub: None,
@@ -511,6 +517,7 @@ log_filter = "info"
             .args(args)
             .env("NUDGE_DATABASE__URL", &self.db_url)
             .env("NUDGE_CRYPTO__DESTINATION_KEY", &self.key_b64)
+            .env("NUDGE_CRYPTO__SUBSCRIBER_KEY", SUBSCRIBER_KEY_B64)
             .output()?;
         Ok((
             out.status.code().unwrap_or(-1),
