@@ -533,6 +533,46 @@ async fn the_expiry_sweep_settles_only_owed_work_past_its_expiry(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_delivery_twice_in_one_batch_is_leased_once(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let due = publish_due(&ledger, t0()).await.remove(0);
+    let settings = settings();
+    let cipher = cipher();
+    let routes = routes(IdempotencySupport::Honoured);
+    let batch = nudge_ledger::LeaseBatch {
+        channel: Channel::Sms,
+        owner: "worker-1",
+        lease_for: LEASE,
+        routes: &routes,
+        admission: &settings,
+        cipher: &cipher,
+        at: at(t0()),
+    };
+
+    let result = ledger
+        .lease_batch(
+            &batch,
+            &[(due.id, due.generation), (due.id, due.generation)],
+        )
+        .await
+        .unwrap();
+
+    assert!(matches!(result.outcomes[0], LeaseOutcome::Leased { .. }));
+    assert!(matches!(result.outcomes[1], LeaseOutcome::Stale { .. }));
+    assert_eq!(
+        ledger
+            .delivery(due.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .attempt_count,
+        1
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_lease_whose_send_started_is_never_given_back(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
     let tenant = tenant(&ledger).await;

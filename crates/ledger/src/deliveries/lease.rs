@@ -415,8 +415,14 @@ impl Ledger {
         batch: &LeaseBatch<'_>,
         messages: &[(DeliveryId, u64)],
     ) -> Result<LeaseResult, LedgerError> {
-        let ids: Vec<uuid::Uuid> = messages.iter().map(|(id, _)| id.as_uuid()).collect();
-        let generations: Vec<i64> = messages.iter().map(|(_, g)| to_i64(*g)).collect();
+        // A delivery twice in one batch (a republished copy arriving with its original) is
+        // leased once: the later copies are stale.
+        let mut seen = std::collections::HashSet::with_capacity(messages.len());
+        let (ids, generations): (Vec<uuid::Uuid>, Vec<i64>) = messages
+            .iter()
+            .filter(|(id, _)| seen.insert(id.as_uuid()))
+            .map(|(id, g)| (id.as_uuid(), to_i64(*g)))
+            .unzip();
         let configured: Vec<&str> = batch
             .routes
             .accounts
@@ -566,9 +572,14 @@ impl Ledger {
             Some(at) => at,
             None => self.clock(batch.at).await?,
         };
-        let outcomes = ids
+        let outcomes = messages
             .iter()
-            .map(|id| by_id.remove(id).unwrap_or(LeaseOutcome::NotFound))
+            .map(|(id, generation)| {
+                by_id.remove(&id.as_uuid()).unwrap_or(LeaseOutcome::Stale {
+                    state: DeliveryState::Sending,
+                    generation: *generation,
+                })
+            })
             .collect();
         Ok(LeaseResult {
             outcomes,
