@@ -13,8 +13,8 @@ use nudge_domain::{
     AdmissionSettings, Channel, DeferReason, DeliveryState, IdempotencySupport, ProviderAccount,
 };
 use nudge_ledger::{
-    DueDelivery, Feedback, FeedbackApplied, FenceRefused, LeaseBatch, LeaseOutcome, LeasedDelivery,
-    Ledger, Operator, SendSlot, Slotted,
+    DueDelivery, Feedback, FeedbackApplied, FenceRefused, LeaseOutcome, LeasedDelivery, Ledger,
+    Operator, SendSlot, Slotted,
 };
 use sqlx::PgPool;
 
@@ -52,15 +52,7 @@ async fn lease_batch(
 ) -> Vec<LeaseOutcome> {
     let routes = routes(IdempotencySupport::Honoured);
     let cipher = cipher();
-    let batch = LeaseBatch {
-        channel: Channel::Sms,
-        owner,
-        lease_for: LEASE,
-        routes: &routes,
-        admission: settings,
-        cipher: &cipher,
-        at: at(now),
-    };
+    let batch = batch_of(Channel::Sms, owner, &routes, settings, &cipher, at(now));
     let messages: Vec<_> = messages.iter().map(|d| (d.id, d.generation)).collect();
     ledger
         .lease_batch(&batch, &messages)
@@ -287,15 +279,14 @@ async fn a_slot_reserved_before_a_slow_down_is_reserved_again(pool: PgPool) {
     let routes = routes(IdempotencySupport::Honoured);
     let settings = wait(500);
     let cipher = cipher();
-    let batch = LeaseBatch {
-        channel: Channel::Sms,
-        owner: "worker-1",
-        lease_for: LEASE,
-        routes: &routes,
-        admission: &settings,
-        cipher: &cipher,
-        at: at(t0() + secs(2)),
-    };
+    let batch = batch_of(
+        Channel::Sms,
+        "worker-1",
+        &routes,
+        &settings,
+        &cipher,
+        at(t0() + secs(2)),
+    );
     let again = ledger.readmit(&batch, waiting.clone()).await.unwrap();
     assert!(
         matches!(again, Slotted::Slot(SendSlot::Now, _)),
@@ -576,15 +567,14 @@ async fn a_bucket_row_held_by_a_stalled_peer_stops_a_lease_at_the_lock_timeout(p
     let routes = routes(IdempotencySupport::Honoured);
     let settings = wait(500);
     let cipher = cipher();
-    let batch = LeaseBatch {
-        channel: Channel::Sms,
-        owner: "worker-1",
-        lease_for: LEASE,
-        routes: &routes,
-        admission: &settings,
-        cipher: &cipher,
-        at: at(t0()),
-    };
+    let batch = batch_of(
+        Channel::Sms,
+        "worker-1",
+        &routes,
+        &settings,
+        &cipher,
+        at(t0()),
+    );
     let started = std::time::Instant::now();
     let result = worker
         .lease_batch(&batch, &[(due[0].id, due[0].generation)])

@@ -22,6 +22,16 @@ async fn lease_one(ledger: &Ledger, due: &DueDelivery, now: DateTime<Utc>) -> Le
     leased(lease(ledger, due, now).await)
 }
 
+/// Gives a [`lease_waiting`] lease back, due at once, and removes the bucket that held it, so
+/// the next lease goes straight through.
+async fn give_back_unthrottled(ledger: &Ledger, lease: &LeasedDelivery, now: DateTime<Utc>) {
+    ledger.release(lease, None, at(now)).await.unwrap();
+    sqlx::query("DELETE FROM rate_buckets")
+        .execute(ledger.pool())
+        .await
+        .unwrap();
+}
+
 /// A lease whose send has not started: its bucket is paused for 400 ms, so the slot is
 /// reserved ahead and the send waits for it, unfenced.
 async fn lease_waiting(ledger: &Ledger, due: &DueDelivery, now: DateTime<Utc>) -> LeasedDelivery {
@@ -282,11 +292,7 @@ async fn a_message_with_an_old_generation_is_stale(pool: PgPool) {
     let first = publish_due(&ledger, t0()).await.remove(0);
     // Leased, given back before its send (no slot in time), and claimed again.
     let held = lease_waiting(&ledger, &first, t0()).await;
-    ledger.release(&held, None, at(t0())).await.unwrap();
-    sqlx::query("DELETE FROM rate_buckets")
-        .execute(ledger.pool())
-        .await
-        .unwrap();
+    give_back_unthrottled(&ledger, &held, t0()).await;
     let second = publish_due(&ledger, t0() + secs(1)).await.remove(0);
 
     assert_eq!(second.generation, first.generation + 1);
@@ -541,15 +547,14 @@ async fn a_delivery_twice_in_one_batch_is_leased_once(pool: PgPool) {
     let settings = settings();
     let cipher = cipher();
     let routes = routes(IdempotencySupport::Honoured);
-    let batch = nudge_ledger::LeaseBatch {
-        channel: Channel::Sms,
-        owner: "worker-1",
-        lease_for: LEASE,
-        routes: &routes,
-        admission: &settings,
-        cipher: &cipher,
-        at: at(t0()),
-    };
+    let batch = batch_of(
+        Channel::Sms,
+        "worker-1",
+        &routes,
+        &settings,
+        &cipher,
+        at(t0()),
+    );
 
     let result = ledger
         .lease_batch(
@@ -596,11 +601,7 @@ async fn a_released_lease_keeps_its_lane_and_a_failed_attempt_moves_it_to_retry(
     let lease = lease_waiting(&ledger, &due, t0()).await;
 
     // No slot in time: given back, due at once.
-    ledger.release(&lease, None, at(t0())).await.unwrap();
-    sqlx::query("DELETE FROM rate_buckets")
-        .execute(ledger.pool())
-        .await
-        .unwrap();
+    give_back_unthrottled(&ledger, &lease, t0()).await;
     let again = publish_due(&ledger, t0()).await.remove(0);
     assert_eq!(
         again.lane,
@@ -656,15 +657,14 @@ async fn one_batch_lease_explains_every_message_it_did_not_lease(pool: PgPool) {
     let settings = settings();
     let cipher = cipher();
     let routes = routes(IdempotencySupport::Honoured);
-    let batch = nudge_ledger::LeaseBatch {
-        channel: Channel::Sms,
-        owner: "worker-1",
-        lease_for: LEASE,
-        routes: &routes,
-        admission: &settings,
-        cipher: &cipher,
-        at: at(t0()),
-    };
+    let batch = batch_of(
+        Channel::Sms,
+        "worker-1",
+        &routes,
+        &settings,
+        &cipher,
+        at(t0()),
+    );
     let messages: Vec<_> = due.iter().map(|d| (d.id, d.generation)).collect();
     let result = ledger.lease_batch(&batch, &messages).await.unwrap();
 

@@ -116,15 +116,14 @@ async fn a_lease_whose_send_never_started_is_given_back_unsent_not_held_ambiguou
     let routes = routes(IdempotencySupport::NotHonoured);
     let settings = settings();
     let cipher = cipher();
-    let batch = nudge_ledger::LeaseBatch {
-        channel: Channel::Sms,
-        owner: "doomed-worker",
-        lease_for: LEASE,
-        routes: &routes,
-        admission: &settings,
-        cipher: &cipher,
-        at: at(t0()),
-    };
+    let batch = batch_of(
+        Channel::Sms,
+        "doomed-worker",
+        &routes,
+        &settings,
+        &cipher,
+        at(t0()),
+    );
     let messages: Vec<_> = due.iter().map(|d| (d.id, d.generation)).collect();
     let result = ledger.lease_batch(&batch, &messages).await.unwrap();
     let (mut sent, mut waiting) = (None, None);

@@ -525,15 +525,7 @@ async fn a_destination_is_stored_only_encrypted_and_opens_for_the_leased_deliver
                 .await
                 .unwrap();
             }
-            let batch = nudge_ledger::LeaseBatch {
-                channel: due.channel,
-                owner: "w",
-                lease_for: LEASE,
-                routes: &routes,
-                admission: &settings,
-                cipher: &key,
-                at: at(t0()),
-            };
+            let batch = batch_of(due.channel, "w", &routes, &settings, &key, at(t0()));
             let outcome = ledger
                 .lease_batch(&batch, &[(due.id, due.generation)])
                 .await

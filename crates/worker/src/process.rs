@@ -295,11 +295,7 @@ impl Worker {
                 reason,
                 account,
             } => {
-                let reason = match reason {
-                    nudge_domain::DeferReason::Closed => "bucket_closed",
-                    nudge_domain::DeferReason::Throttled => "bucket_throttled",
-                    nudge_domain::DeferReason::Paused => "bucket_paused",
-                };
+                let reason = deferral_label(reason);
                 self.metrics.deferral(&account, self.channel, reason);
                 debug!(provider_account = %account, reason, %until, "no send slot in time: released");
                 Processed::Released(reason)
@@ -436,11 +432,7 @@ impl Worker {
                             slot
                         }
                         Ok(Slotted::Released { until, reason }) => {
-                            let reason = match reason {
-                                nudge_domain::DeferReason::Closed => "bucket_closed",
-                                nudge_domain::DeferReason::Throttled => "bucket_throttled",
-                                nudge_domain::DeferReason::Paused => "bucket_paused",
-                            };
+                            let reason = deferral_label(reason);
                             self.metrics
                                 .deferral(&lease.provider_account, self.channel, reason);
                             debug!(%until, reason, "no send slot in time after a slow-down: released");
@@ -628,6 +620,15 @@ impl Worker {
                 warn!(error.cause_chain = ?e, "failed to apply provider feedback to the bucket")
             }
         }
+    }
+}
+
+/// The `reason` label of a lease given back for want of a slot (metrics and logs).
+fn deferral_label(reason: nudge_domain::DeferReason) -> &'static str {
+    match reason {
+        nudge_domain::DeferReason::Closed => "bucket_closed",
+        nudge_domain::DeferReason::Throttled => "bucket_throttled",
+        nudge_domain::DeferReason::Paused => "bucket_paused",
     }
 }
 

@@ -141,6 +141,9 @@ async fn write(ledger: &Ledger, clock: &LedgerClock, group: &mut Vec<Job>) {
                 if group.is_empty() {
                     return;
                 }
+                // Not cut short at shutdown on purpose: the outcomes still held are worth
+                // writing while the worker's shutdown grace lasts, and every wait here is
+                // bounded by the leases (the group empties as they end).
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(RETRY_MAX);
             }

@@ -158,6 +158,17 @@ async fn published(
         .expect("claimed")
 }
 
+/// [`published`]: due a second ago, expiring in an hour.
+async fn due_now(ledger: &Ledger, event: &str) -> DueDelivery {
+    published(
+        ledger,
+        event,
+        chrono::Duration::seconds(-1),
+        chrono::Duration::hours(1),
+    )
+    .await
+}
+
 fn envelope(d: &DueDelivery) -> Vec<u8> {
     Envelope {
         delivery_id: d.id,
@@ -182,15 +193,7 @@ async fn a_batch_is_leased_together_sent_and_recorded(pool: PgPool) {
     let worker = worker(&setup, true, 2_000, chrono::Duration::zero());
     let mut due = Vec::new();
     for i in 0..20 {
-        due.push(
-            published(
-                &setup.ledger,
-                &format!("e{i}"),
-                chrono::Duration::seconds(-1),
-                chrono::Duration::hours(1),
-            )
-            .await,
-        );
+        due.push(due_now(&setup.ledger, &format!("e{i}")).await);
     }
     let payloads: Vec<Vec<u8>> = due.iter().map(envelope).collect();
     let payloads: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
@@ -223,15 +226,9 @@ async fn a_worker_whose_clock_is_skewed_behaves_as_one_on_time(pool: PgPool) {
         let worker = worker(&setup, true, 2_000, skew);
 
         // Due now: a worker behind does not drop it as not yet due.
-        let due_now = published(
-            &setup.ledger,
-            &format!("{name}-due"),
-            chrono::Duration::seconds(-1),
-            chrono::Duration::hours(1),
-        )
-        .await;
+        let on_time = due_now(&setup.ledger, &format!("{name}-due")).await;
         assert_eq!(
-            worker.process_one(&envelope(&due_now)).await,
+            worker.process_one(&envelope(&on_time)).await,
             Processed::Attempted(DeliveryState::Delivered),
             "{name}"
         );
@@ -288,13 +285,7 @@ async fn a_worker_whose_clock_is_skewed_behaves_as_one_on_time(pool: PgPool) {
             &setup,
             json!({"sequence": [{"status": 429, "retry_after": "30"}]}),
         );
-        let throttled = published(
-            &setup.ledger,
-            &format!("{name}-429"),
-            chrono::Duration::seconds(-1),
-            chrono::Duration::hours(1),
-        )
-        .await;
+        let throttled = due_now(&setup.ledger, &format!("{name}-429")).await;
         assert_eq!(
             worker.process_one(&envelope(&throttled)).await,
             Processed::Attempted(DeliveryState::RetryWait),
@@ -316,13 +307,7 @@ async fn a_hang_or_a_5xx_without_idempotency_is_held_ambiguous_and_never_resent(
     let setup = setup(pool).await;
     let worker = worker(&setup, false, 500, chrono::Duration::zero());
     script(&setup, json!({"sequence": [{"hang": true}]}));
-    let hung = published(
-        &setup.ledger,
-        "hang",
-        chrono::Duration::seconds(-1),
-        chrono::Duration::hours(1),
-    )
-    .await;
+    let hung = due_now(&setup.ledger, "hang").await;
 
     assert_eq!(
         worker.process_one(&envelope(&hung)).await,
@@ -331,13 +316,7 @@ async fn a_hang_or_a_5xx_without_idempotency_is_held_ambiguous_and_never_resent(
 
     for status in [500, 502, 504] {
         script(&setup, json!({"sequence": [{"status": status}]}));
-        let failed = published(
-            &setup.ledger,
-            &format!("s{status}"),
-            chrono::Duration::seconds(-1),
-            chrono::Duration::hours(1),
-        )
-        .await;
+        let failed = due_now(&setup.ledger, &format!("s{status}")).await;
         assert_eq!(
             worker.process_one(&envelope(&failed)).await,
             Processed::Attempted(DeliveryState::Ambiguous),
@@ -353,13 +332,7 @@ async fn a_hang_or_a_5xx_without_idempotency_is_held_ambiguous_and_never_resent(
         &setup,
         json!({"sequence": [{"status": 503, "retry_after": "5"}]}),
     );
-    let unavailable = published(
-        &setup.ledger,
-        "s503",
-        chrono::Duration::seconds(-1),
-        chrono::Duration::hours(1),
-    )
-    .await;
+    let unavailable = due_now(&setup.ledger, "s503").await;
     assert_eq!(
         worker.process_one(&envelope(&unavailable)).await,
         Processed::Attempted(DeliveryState::RetryWait),
@@ -373,13 +346,7 @@ async fn a_hang_or_a_5xx_without_idempotency_is_held_ambiguous_and_never_resent(
 async fn a_ledger_outage_before_the_lease_sends_nothing_and_spends_no_attempt(pool: PgPool) {
     let setup = setup(pool.clone()).await;
     let worker = worker(&setup, false, 2_000, chrono::Duration::zero());
-    let due = published(
-        &setup.ledger,
-        "e",
-        chrono::Duration::seconds(-1),
-        chrono::Duration::hours(1),
-    )
-    .await;
+    let due = due_now(&setup.ledger, "e").await;
     pool.close().await;
 
     let processed = worker.process_one(&envelope(&due)).await;
@@ -392,13 +359,7 @@ async fn a_ledger_outage_before_the_lease_sends_nothing_and_spends_no_attempt(po
 async fn an_outcome_is_held_through_a_ledger_outage_and_recorded_when_it_returns(pool: PgPool) {
     let setup = setup(pool.clone()).await;
     let worker = worker(&setup, false, 5_000, chrono::Duration::zero());
-    let due = published(
-        &setup.ledger,
-        "e",
-        chrono::Duration::seconds(-1),
-        chrono::Duration::hours(1),
-    )
-    .await;
+    let due = due_now(&setup.ledger, "e").await;
     // The provider answers a second after the request: the database goes away meanwhile.
     script(
         &setup,

@@ -466,13 +466,7 @@ impl Ledger {
                 .fetch_all(&mut *tx)
                 .await?;
             for (row, generation) in unleased.into_iter().zip(rest_generations) {
-                let outcome = explain(
-                    row.state.as_deref(),
-                    row.generation,
-                    generation,
-                    &row,
-                    batch,
-                )?;
+                let outcome = explain(&row, generation, batch)?;
                 by_id.insert(row.id, outcome);
             }
         }
@@ -784,11 +778,10 @@ impl Ledger {
     }
 }
 
+/// Why a message of `generation` was not leased, from what [`EXPLAIN_UNLEASED`] found.
 fn explain(
-    state: Option<&str>,
-    current_generation: Option<i64>,
-    generation: i64,
     row: &UnleasedRow,
+    generation: i64,
     batch: &LeaseBatch<'_>,
 ) -> Result<LeaseOutcome, LedgerError> {
     if row.expired {
@@ -797,7 +790,7 @@ fn explain(
     if row.cancelled {
         return Ok(LeaseOutcome::Cancelled);
     }
-    let (Some(state), Some(current)) = (state, current_generation) else {
+    let (Some(state), Some(current)) = (row.state.as_deref(), row.generation) else {
         return Ok(LeaseOutcome::NotFound);
     };
     let state: DeliveryState = parse(state)?;

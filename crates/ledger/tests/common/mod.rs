@@ -113,6 +113,26 @@ pub async fn claim_all(ledger: &Ledger, now: DateTime<Utc>) -> Vec<DueDelivery> 
     all
 }
 
+/// A worker's batch lease: `owner` with `routes`, holding leases for [`LEASE`], at `now`.
+pub fn batch_of<'a>(
+    channel: Channel,
+    owner: &'a str,
+    routes: &'a WorkerRoutes,
+    admission: &'a AdmissionSettings,
+    cipher: &'a DestinationCipher,
+    at: LedgerTime,
+) -> LeaseBatch<'a> {
+    LeaseBatch {
+        channel,
+        owner,
+        lease_for: LEASE,
+        routes,
+        admission,
+        cipher,
+        at,
+    }
+}
+
 /// Leases one message through the worker's batch lease, as `owner`, with `routes`.
 pub async fn lease_as(
     ledger: &Ledger,
@@ -123,15 +143,7 @@ pub async fn lease_as(
 ) -> LeaseOutcome {
     let settings = settings();
     let cipher = cipher();
-    let batch = LeaseBatch {
-        channel: due.channel,
-        owner,
-        lease_for: LEASE,
-        routes,
-        admission: &settings,
-        cipher: &cipher,
-        at: at(now),
-    };
+    let batch = batch_of(due.channel, owner, routes, &settings, &cipher, at(now));
     ledger
         .lease_batch(&batch, &[(due.id, due.generation)])
         .await
