@@ -24,8 +24,12 @@ const ACTOR_MAX_CHARS: usize = 200;
 pub struct Operator {
     actor: String,
     reason: Option<String>,
+    incident: Option<String>,
     at: DateTime<Utc>,
 }
+
+/// Most characters an incident id may have (the tables' CHECK).
+const INCIDENT_MAX_CHARS: usize = 100;
 
 impl Operator {
     /// `actor`: 1 to 200 characters, not blank. `reason`, when given, must say something.
@@ -43,8 +47,32 @@ impl Operator {
         Ok(Self {
             actor: actor.to_owned(),
             reason: reason.map(str::to_owned),
+            incident: None,
             at,
         })
+    }
+
+    /// The incident this change is made under (1 to 100 characters of `[A-Za-z0-9._:/-]`):
+    /// recorded on the audit row, and on the attempts a redrive or drain makes.
+    pub fn with_incident(mut self, incident: Option<&str>) -> Result<Self, LedgerError> {
+        if let Some(id) = incident {
+            let valid = !id.is_empty()
+                && id.chars().count() <= INCIDENT_MAX_CHARS
+                && id
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "._:/-".contains(c));
+            if !valid {
+                return Err(LedgerError::InvalidInput(
+                    "an incident id is 1 to 100 of [A-Za-z0-9._:/-]",
+                ));
+            }
+        }
+        self.incident = incident.map(str::to_owned);
+        Ok(self)
+    }
+
+    pub fn incident(&self) -> Option<&str> {
+        self.incident.as_deref()
     }
 
     pub fn actor(&self) -> &str {
@@ -73,6 +101,7 @@ impl Operator {
             action: action.to_owned(),
             target: Some(target),
             reason: self.reason.clone(),
+            incident: self.incident.clone(),
             details,
         }
     }
@@ -86,6 +115,7 @@ pub struct AuditEntry {
     pub action: String,
     pub target: Option<String>,
     pub reason: Option<String>,
+    pub incident: Option<String>,
     pub details: serde_json::Value,
 }
 
@@ -96,6 +126,7 @@ struct AuditRow {
     action: String,
     target: Option<String>,
     reason: Option<String>,
+    incident: Option<String>,
     details: serde_json::Value,
 }
 
@@ -107,6 +138,7 @@ impl From<AuditRow> for AuditEntry {
             action: row.action,
             target: row.target,
             reason: row.reason,
+            incident: row.incident,
             details: row.details,
         }
     }
@@ -123,7 +155,7 @@ impl Ledger {
     /// The most recent audit entries, newest first.
     pub async fn recent_audit(&self, limit: u32) -> Result<Vec<AuditEntry>, LedgerError> {
         let rows: Vec<AuditRow> = sqlx::query_as(
-            "SELECT at, actor, action, target, reason, details FROM audit_log
+            "SELECT at, actor, action, target, reason, incident, details FROM audit_log
              ORDER BY id DESC LIMIT $1",
         )
         .bind(i64::from(limit))
@@ -142,14 +174,15 @@ pub(crate) async fn insert(conn: &mut PgConnection, entry: &AuditEntry) -> Resul
         ));
     }
     sqlx::query(
-        "INSERT INTO audit_log (at, actor, action, target, reason, details)
-         VALUES ($1, $2, $3, $4, $5, $6)",
+        "INSERT INTO audit_log (at, actor, action, target, reason, incident, details)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
     )
     .bind(entry.at)
     .bind(&entry.actor)
     .bind(&entry.action)
     .bind(entry.target.as_deref())
     .bind(entry.reason.as_deref())
+    .bind(entry.incident.as_deref())
     .bind(&entry.details)
     .execute(&mut *conn)
     .await?;

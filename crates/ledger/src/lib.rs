@@ -14,6 +14,7 @@
 //! instant in tests that move time instead of sleeping. Functions that only record an
 //! operator's or client's action still take `now` from the caller.
 
+mod age;
 mod audit;
 mod buckets;
 mod contacts;
@@ -28,6 +29,7 @@ mod schedules;
 mod status;
 mod tenants;
 
+pub use age::AgeBand;
 pub use audit::{AuditEntry, Operator};
 pub use buckets::{BucketReading, Feedback, FeedbackApplied, RateBucket};
 pub use contacts::SubscriberConversion;

@@ -450,6 +450,7 @@ async fn the_audit_log_is_append_only(pool: PgPool) {
             action: "pause_intake".into(),
             target: Some("tenant:clinic-a".into()),
             reason: Some("provider incident".into()),
+            incident: Some("inc-1".into()),
             details: serde_json::json!({"paused": true}),
         })
         .await

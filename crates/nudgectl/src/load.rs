@@ -117,6 +117,7 @@ pub(crate) async fn load(
                 action: "reminders_load".into(),
                 target: None,
                 reason: options.reason,
+                incident: None,
                 details: serde_json::json!({
                     "file": summary.file,
                     "lines": summary.lines,
