@@ -25,6 +25,8 @@ CREATE TABLE redrives (
     skipped          integer NOT NULL DEFAULT 0 CHECK (skipped >= 0),
     -- Pacing: the next item is due at fed_until + 1 / rate (no credit builds up while paused).
     fed_until        timestamptz NOT NULL,
+    -- When it last started or resumed: its auto-pause looks at attempts since then only.
+    running_since    timestamptz NOT NULL,
     pause_reason     text NULL CHECK (length(pause_reason) <= 500),
     actor            text NOT NULL CHECK (length(actor) BETWEEN 1 AND 200),
     reason           text NOT NULL CHECK (length(reason) BETWEEN 1 AND 1000),

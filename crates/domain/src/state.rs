@@ -112,8 +112,8 @@ impl DeliveryState {
                     Delivered | RetryWait | DeadLettered | Expired | Ambiguous | Cancelled
                 )
                 | (RetryWait, Queued | Expired | Cancelled)
-                // Redrive.
-                | (DeadLettered, Queued)
+                // Redrive: fed back due in the `redrive` lane, or republished directly.
+                | (DeadLettered, Queued | RetryWait)
                 // Operator resolution after review; never back to a send on its own.
                 | (Ambiguous, Delivered | DeadLettered | Cancelled)
         )
@@ -188,6 +188,7 @@ mod tests {
         (RetryWait, Queued),
         (RetryWait, Expired),
         (RetryWait, Cancelled),
+        (DeadLettered, RetryWait),
         (DeadLettered, Queued),
         (Ambiguous, Delivered),
         (Ambiguous, DeadLettered),

@@ -23,6 +23,20 @@ pub enum LedgerError {
     #[error("unknown tenant {0}")]
     UnknownTenant(uuid::Uuid),
 
+    /// A channel has at most one redrive running or paused at a time.
+    #[error("redrive {id} is already active on {channel}: resume, wait for or cancel it first")]
+    RedriveActive {
+        channel: nudge_domain::Channel,
+        id: i64,
+    },
+
+    #[error("no redrive with id {0}")]
+    UnknownRedrive(i64),
+
+    /// The change does not apply to a redrive in this state.
+    #[error("redrive {id} is {}: not possible from that state", state.as_str())]
+    RedriveState { id: i64, state: crate::RedriveState },
+
     /// The lease was taken away (expired and reaped, or the delivery moved on) before the
     /// outcome was recorded: the outcome is not applied.
     #[error("lease on delivery {delivery_id} was lost (now {state})")]

@@ -23,6 +23,7 @@ mod dead_letters;
 mod deliveries;
 mod error;
 mod estimate;
+mod redrive;
 mod reminders;
 mod republish;
 mod schedules;
@@ -42,6 +43,10 @@ pub use deliveries::{
 };
 pub use error::LedgerError;
 pub use estimate::{Backlog, OwedDelivery};
+pub use redrive::{
+    AutoPause, Exclusion, ReasonCount, RedriveFilter, RedrivePlan, RedriveState, RedriveStatus,
+    RedriveTick,
+};
 pub use reminders::{
     CreatedReminder, ImportOutcome, ImportReminder, MAX_CONTENT_BYTES, MAX_DESTINATION_BYTES,
     NewReminder, WindowOutcome,

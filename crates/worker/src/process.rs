@@ -472,7 +472,11 @@ impl Worker {
         drop(destination);
         let finished_at = self.clock.now();
         let ctx = AttemptContext {
-            attempt_number: lease.attempt_number,
+            // The retry policy's limit counts from the last redrive.
+            attempt_number: lease
+                .attempt_number
+                .saturating_sub(lease.attempt_base)
+                .max(1),
             expires_at: lease.expires_at,
             idempotency: lease.idempotency,
         };

@@ -158,6 +158,7 @@ struct CandidateRow {
 struct AppliedRow {
     id: uuid::Uuid,
     attempt_count: i32,
+    attempt_base: i32,
     lease_expires_at: Option<DateTime<Utc>>,
     lease_idempotent: Option<bool>,
 }
@@ -201,6 +202,8 @@ impl CandidateRow {
             tenant_id: TenantId::from_uuid(self.tenant_id),
             channel: parse(&self.channel)?,
             attempt_number: u32::try_from(applied.attempt_count)
+                .map_err(|e| corrupt(e.to_string()))?,
+            attempt_base: u32::try_from(applied.attempt_base)
                 .map_err(|e| corrupt(e.to_string()))?,
             generation: to_u64(self.generation)?,
             lane: parse(&self.lane)?,
@@ -333,7 +336,7 @@ const APPLY_LEASES: &str = "WITH plan AS (
         updated_at = COALESCE($7, clock_timestamp())
     FROM plan p
     WHERE d.id = p.id
-    RETURNING d.id, d.attempt_count, d.lease_expires_at, d.lease_idempotent";
+    RETURNING d.id, d.attempt_count, d.attempt_base, d.lease_expires_at, d.lease_idempotent";
 
 const EXPLAIN_UNLEASED: &str = "WITH input AS (
         SELECT * FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation)),

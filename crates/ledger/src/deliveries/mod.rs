@@ -88,6 +88,8 @@ pub struct LeasedDelivery {
     pub channel: Channel,
     /// 1-based number of the attempt this lease is for.
     pub attempt_number: u32,
+    /// Attempts made before the last redrive: the retry policy's limit counts from here.
+    pub attempt_base: u32,
     pub generation: u64,
     pub lane: Lane,
     pub idempotency_key: IdempotencyKey,

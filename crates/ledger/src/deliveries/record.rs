@@ -133,15 +133,20 @@ const APPLY: &str = "WITH input AS (
         FROM input i
         WHERE d.id = i.id AND d.state = 'sending' AND d.lease_owner = i.owner
           AND d.generation = i.generation
-        RETURNING d.id, d.provider_account)
+        RETURNING d.id, d.provider_account,
+            -- A redriven delivery's attempts carry its redrive's incident.
+            CASE WHEN d.lane = 'redrive' THEN
+                (SELECT r.incident FROM redrive_items ri JOIN redrives r ON r.id = ri.redrive_id
+                 WHERE ri.delivery_id = d.id AND ri.fed_at IS NOT NULL
+                 ORDER BY ri.redrive_id DESC LIMIT 1) END AS incident)
     INSERT INTO attempts (delivery_id, attempt_number, generation, lane, started_at,
         finished_at, outcome_class, http_status, retry_after_seen, retry_after_valid,
         delay_chosen_ms, next_state, next_attempt_at, reason, provider_account,
-        provider_message_id, worker, correlation_id)
+        provider_message_id, worker, correlation_id, incident)
     SELECT i.id, i.attempt_number, i.generation, i.lane, i.started_at, i.finished_at,
            i.outcome_class, i.http_status, i.retry_after_seen, i.retry_after_valid,
            i.delay_chosen_ms, i.next_state, i.next_attempt_at, i.reason, a.provider_account,
-           i.provider_message_id, i.worker, i.correlation_id
+           i.provider_message_id, i.worker, i.correlation_id, a.incident
     FROM input i JOIN applied a ON a.id = i.id
     RETURNING delivery_id";
 

@@ -33,6 +33,7 @@ struct ReapRow {
     generation: i64,
     lane: String,
     attempt_count: i32,
+    attempt_base: i32,
     expires_at: DateTime<Utc>,
     lease_idempotent: Option<bool>,
     send_started_at: Option<DateTime<Utc>>,
@@ -93,7 +94,7 @@ impl Ledger {
         .await?;
 
         let rows: Vec<ReapRow> = sqlx::query_as(
-            "SELECT id, lease_owner, generation, lane, attempt_count, expires_at,
+            "SELECT id, lease_owner, generation, lane, attempt_count, attempt_base, expires_at,
                     lease_idempotent, send_started_at, COALESCE($2, now()) AS db_now
              FROM deliveries
              WHERE state = 'sending' AND lease_expires_at <= COALESCE($2, now())
@@ -121,8 +122,10 @@ impl Ledger {
             } else {
                 IdempotencySupport::NotHonoured
             };
+            let since_redrive = u32::try_from(row.attempt_count - row.attempt_base)
+                .map_err(|e| LedgerError::corrupt("deliveries", e))?;
             let ctx = AttemptContext {
-                attempt_number: held.attempt_number.max(1),
+                attempt_number: since_redrive.max(1),
                 expires_at: row.expires_at,
                 idempotency,
             };

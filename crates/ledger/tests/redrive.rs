@@ -1,0 +1,491 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+//! Redrive: the dry run counts what the execute freezes, feeding is paced, ids and history are
+//! kept, and a redrive pauses itself on 429s, on late new work and on a failed canary.
+
+mod common;
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use common::*;
+use nudge_domain::{
+    AttemptContext, Channel, DeliveryId, DeliveryState, EventId, FixedJitter, IdempotencySupport,
+    Lane, RetryPolicy, SendOutcome, SubscriberRef, TenantId, decide,
+};
+use nudge_ledger::{
+    AttemptRecord, AutoPause, Exclusion, LeasedDelivery, Ledger, NewReminder, Operator, Recorded,
+    RedriveFilter, RedriveState,
+};
+use sqlx::PgPool;
+
+fn response(status: u16) -> SendOutcome {
+    SendOutcome::Response {
+        status,
+        retry_after: None,
+        provider_message_id: (status / 100 == 2).then(|| "prov-1".to_owned()),
+    }
+}
+
+/// Decides `outcome` for a held lease at `now` and records it.
+async fn answer(ledger: &Ledger, lease: &LeasedDelivery, outcome: SendOutcome, now: DateTime<Utc>) {
+    let ctx = AttemptContext {
+        attempt_number: lease.attempt_number - lease.attempt_base,
+        expires_at: lease.expires_at,
+        idempotency: IdempotencySupport::Honoured,
+    };
+    let decision = decide(
+        &ctx,
+        &outcome,
+        now,
+        &RetryPolicy::default(),
+        &mut FixedJitter::new(1_000),
+    );
+    let attempt = AttemptRecord {
+        started_at: now,
+        finished_at: now,
+        worker: "worker-1".into(),
+        correlation_id: None,
+    };
+    assert_eq!(
+        record(ledger, lease, &decision, &attempt, now).await,
+        Recorded::Applied
+    );
+}
+
+/// A reminder scheduled at `scheduled_at`, expiring `ttl` later, whose SMS was answered 400
+/// (terminal) at `scheduled_at`: a dead letter with one attempt.
+async fn dead_letter(
+    ledger: &Ledger,
+    tenant: TenantId,
+    event: &str,
+    scheduled_at: DateTime<Utc>,
+    ttl: chrono::Duration,
+) -> DeliveryId {
+    let reminder = NewReminder::new(
+        tenant,
+        EventId::parse(event).unwrap(),
+        SubscriberRef::parse("patient-0001").unwrap(),
+        &[Channel::Sms],
+        scheduled_at,
+        scheduled_at + ttl,
+    )
+    .unwrap();
+    let created = ledger
+        .create_reminder(&reminder, &cipher(), scheduled_at)
+        .await
+        .unwrap();
+    ledger
+        .materialise_reminder(tenant, created.id, scheduled_at)
+        .await
+        .unwrap();
+    let due = ledger
+        .claim_due(Channel::Sms, 10, at(scheduled_at))
+        .await
+        .unwrap()
+        .remove(0);
+    let lease = leased(lease(ledger, &due, scheduled_at).await);
+    answer(ledger, &lease, response(400), scheduled_at).await;
+    due.id
+}
+
+fn sms() -> RedriveFilter {
+    RedriveFilter {
+        channel: Channel::Sms,
+        tenant: None,
+        max_age: None,
+        limit: None,
+    }
+}
+
+fn rules() -> AutoPause {
+    AutoPause {
+        max_throttled_ratio: 0.2,
+        window: Duration::from_secs(60),
+        min_attempts: 5,
+        max_new_work_age: Duration::from_secs(600),
+    }
+}
+
+fn incident_ops(now: DateTime<Utc>) -> Operator {
+    Operator::new("ops@clinic", Some("provider back"), now)
+        .unwrap()
+        .with_incident(Some("INC-42"))
+        .unwrap()
+}
+
+async fn state_of(ledger: &Ledger, id: DeliveryId) -> DeliveryState {
+    ledger.delivery(id).await.unwrap().unwrap().state
+}
+
+/// Now, for the tests below: an hour after the dead letters were made.
+fn now() -> DateTime<Utc> {
+    t0() + secs(3600)
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_dry_run_counts_what_the_execute_freezes(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let a = tenant(&ledger).await;
+    let day = secs(86_400);
+    for i in 0..5 {
+        dead_letter(&ledger, a.id, &format!("fresh-{i}"), t0(), day).await;
+    }
+    // Expired before the redrive.
+    dead_letter(&ledger, a.id, "expired", t0(), secs(60)).await;
+    // Scheduled two days before now: older than a one-day max age.
+    dead_letter(
+        &ledger,
+        a.id,
+        "old",
+        now() - secs(2 * 86_400),
+        secs(3 * 86_400),
+    )
+    .await;
+    // Expiring 15 s after now: at 0.1/s, the soonest-expiring go first, at now and now + 10 s;
+    // the third's turn, at now + 20 s, comes after its expiry.
+    for i in 1..=3 {
+        dead_letter(&ledger, a.id, &format!("soon-{i}"), t0(), secs(3600 + 15)).await;
+    }
+    // A paused tenant's dead letter.
+    let b = ledger.create_tenant("clinic-b", &ops(t0())).await.unwrap();
+    dead_letter(&ledger, b.id, "paused", t0(), day).await;
+    ledger
+        .set_intake_paused(b.id, true, &ops(t0()))
+        .await
+        .unwrap();
+    // A send that may have happened: held, never redriven.
+    sqlx::query(
+        "UPDATE deliveries SET state = 'ambiguous', last_error_reason = 'maybe_sent: http_500'
+         WHERE id = (SELECT d.id FROM deliveries d JOIN reminders r ON r.id = d.reminder_id
+                     WHERE r.event_id = 'fresh-4')",
+    )
+    .execute(ledger.pool())
+    .await
+    .unwrap();
+
+    let filter = RedriveFilter {
+        max_age: Some(Duration::from_secs(86_400)),
+        ..sms()
+    };
+    let plan = ledger.plan_redrive(&filter, 0.1, at(now())).await.unwrap();
+    // fresh-0..3 and two of the soon-*.
+    assert_eq!(plan.eligible, 6, "{plan:?}");
+    let excluded = |e| plan.excluded.get(&e).copied().unwrap_or(0);
+    assert_eq!(excluded(Exclusion::Ambiguous), 1);
+    assert_eq!(excluded(Exclusion::Expired), 1);
+    assert_eq!(excluded(Exclusion::OlderThanMaxAge), 1);
+    assert_eq!(excluded(Exclusion::TenantPaused), 1);
+    assert_eq!(excluded(Exclusion::WouldExpireBeforeTurn), 1);
+    assert_eq!(plan.reasons[0].reason, "http_400");
+    assert!((plan.expected_drain_s - 60.0).abs() < 1e-9);
+    // The dry run wrote nothing.
+    assert!(ledger.redrives(10).await.unwrap().is_empty());
+
+    let (id, executed) = ledger
+        .execute_redrive(&filter, 0.1, None, &incident_ops(now()), at(now()))
+        .await
+        .unwrap();
+    assert_eq!(executed.eligible, plan.eligible);
+    assert_eq!(executed.excluded, plan.excluded);
+    assert_eq!(executed.eligible_by_age, plan.eligible_by_age);
+    let status = ledger.redrive_status(id).await.unwrap().unwrap();
+    assert_eq!(status.selected, 6);
+    assert_eq!(status.state, RedriveState::Running);
+    assert_eq!(status.incident.as_deref(), Some("INC-42"));
+    let items: i64 = sqlx::query_scalar("SELECT count(*) FROM redrive_items WHERE redrive_id = $1")
+        .bind(id)
+        .fetch_one(ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(items, 6);
+    // Nothing moves until the janitor feeds it.
+    let still_dead: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM deliveries WHERE state = 'dead_lettered'")
+            .fetch_one(ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!(still_dead, 10);
+
+    // The items waiting in it are not selected twice, and a second redrive on the channel is
+    // refused while this one is active.
+    let again = ledger.plan_redrive(&sms(), 0.1, at(now())).await.unwrap();
+    assert_eq!(again.excluded.get(&Exclusion::AlreadyInRedrive), Some(&6));
+    let refused = ledger
+        .execute_redrive(&sms(), 1.0, None, &incident_ops(now()), at(now()))
+        .await
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains(&format!("redrive {id}")),
+        "{refused}"
+    );
+
+    let audit = ledger.recent_audit(1).await.unwrap().remove(0);
+    assert_eq!(audit.action, "redrive_start");
+    assert_eq!(audit.incident.as_deref(), Some("INC-42"));
+    assert_eq!(audit.details["selected"], 6);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn feeding_is_paced_and_keeps_ids_keys_and_history(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let a = tenant(&ledger).await;
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        ids.push(dead_letter(&ledger, a.id, &format!("dl-{i}"), t0(), secs(86_400)).await);
+    }
+    let keys: Vec<_> = {
+        let mut keys = Vec::new();
+        for id in &ids {
+            keys.push(ledger.delivery(*id).await.unwrap().unwrap().idempotency_key);
+        }
+        keys
+    };
+    let (id, _) = ledger
+        .execute_redrive(&sms(), 2.0, None, &incident_ops(now()), at(now()))
+        .await
+        .unwrap();
+
+    // At 2/s: one at once, then two a second; a tick that comes late gets at most a
+    // second's worth, never the time it missed.
+    let mut fed_by = Vec::new();
+    for t in [0, 1, 2, 10] {
+        let ticks = ledger
+            .redrive_tick(&rules(), 1000, at(now() + secs(t)))
+            .await
+            .unwrap();
+        fed_by.push(ticks.iter().map(|t| t.fed).sum::<u64>());
+    }
+    assert_eq!(fed_by, vec![1, 2, 2, 2]);
+    let status = ledger.redrive_status(id).await.unwrap().unwrap();
+    assert_eq!(status.fed, 7);
+    assert_eq!(status.fed_by_state.get("retry_wait"), Some(&7));
+    assert!((status.remaining_s - 1.5).abs() < 1e-9);
+
+    for t in 11..=12 {
+        ledger
+            .redrive_tick(&rules(), 1000, at(now() + secs(t)))
+            .await
+            .unwrap();
+    }
+    let status = ledger.redrive_status(id).await.unwrap().unwrap();
+    assert_eq!((status.fed, status.state), (10, RedriveState::Finished));
+
+    for (id, key) in ids.iter().zip(&keys) {
+        let d = ledger.delivery(*id).await.unwrap().unwrap();
+        assert_eq!(d.state, DeliveryState::RetryWait);
+        assert_eq!(d.lane, Lane::Redrive);
+        assert_eq!(&d.idempotency_key, key, "the key survives the redrive");
+        assert_eq!(d.attempt_count, 1);
+        assert!(d.settled_at.is_none());
+        assert!(d.next_attempt_at.unwrap() <= now() + secs(12));
+    }
+
+    // The next attempt is a new one, numbered after the first, with a fresh budget, and it
+    // carries the redrive's incident.
+    let later = now() + secs(13);
+    let due = ledger
+        .claim_due(Channel::Sms, 100, at(later))
+        .await
+        .unwrap();
+    assert_eq!(due.len(), 10);
+    assert!(due.iter().all(|d| d.lane == Lane::Redrive));
+    let lease = leased(lease(&ledger, &due[0], later).await);
+    assert_eq!((lease.attempt_number, lease.attempt_base), (2, 1));
+    answer(&ledger, &lease, response(202), later).await;
+    let history = ledger.attempts(lease.id).await.unwrap();
+    assert_eq!(history.len(), 2);
+    assert_eq!(history[1].lane, Lane::Redrive);
+    let incident: Option<String> = sqlx::query_scalar(
+        "SELECT incident FROM attempts WHERE delivery_id = $1 AND attempt_number = 2",
+    )
+    .bind(lease.id.as_uuid())
+    .fetch_one(ledger.pool())
+    .await
+    .unwrap();
+    assert_eq!(incident.as_deref(), Some("INC-42"));
+    assert_eq!(state_of(&ledger, lease.id).await, DeliveryState::Delivered);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_redrive_pauses_itself_on_429s_and_resumes_without_catching_up(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let a = tenant(&ledger).await;
+    for i in 0..30 {
+        dead_letter(&ledger, a.id, &format!("dl-{i}"), t0(), secs(86_400)).await;
+    }
+    let (id, _) = ledger
+        .execute_redrive(&sms(), 10.0, None, &incident_ops(now()), at(now()))
+        .await
+        .unwrap();
+    let t1 = now() + secs(1);
+    ledger.redrive_tick(&rules(), 1000, at(t1)).await.unwrap();
+    // The provider answers 429 to all ten sent.
+    let due = ledger.claim_due(Channel::Sms, 100, at(t1)).await.unwrap();
+    assert_eq!(due.len(), 10);
+    for d in &due {
+        let lease = leased(lease(&ledger, d, t1).await);
+        answer(&ledger, &lease, response(429), t1).await;
+    }
+    let t2 = t1 + secs(1);
+    let ticks = ledger.redrive_tick(&rules(), 1000, at(t2)).await.unwrap();
+    let why = ticks[0].paused.clone().expect("paused by the 429s");
+    assert!(
+        why.starts_with("throttled: account main answered 429 to 10 of 10"),
+        "{why}"
+    );
+    assert_eq!(ticks[0].fed, 0);
+    // Paused: nothing more is fed, however long it waits.
+    assert!(
+        ledger
+            .redrive_tick(&rules(), 1000, at(t2 + secs(30)))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let status = ledger.redrive_status(id).await.unwrap().unwrap();
+    assert_eq!((status.state, status.fed), (RedriveState::Paused, 10));
+    assert_eq!(status.pause_reason.as_deref(), Some(why.as_str()));
+    let audit = ledger.recent_audit(1).await.unwrap().remove(0);
+    assert_eq!(audit.action, "redrive_auto_pause");
+
+    // Resumed: the 429s before the resume no longer count, and no credit came from the pause.
+    let t3 = t2 + secs(60);
+    ledger.resume_redrive(id, &incident_ops(t3)).await.unwrap();
+    let ticks = ledger
+        .redrive_tick(&rules(), 1000, at(t3 + secs(1)))
+        .await
+        .unwrap();
+    assert_eq!((ticks[0].fed, ticks[0].paused.as_deref()), (10, None));
+    // Cancelled: what was not fed stays dead-lettered, what was fed carries on.
+    ledger.cancel_redrive(id, &incident_ops(t3)).await.unwrap();
+    let status = ledger.redrive_status(id).await.unwrap().unwrap();
+    assert_eq!(status.state, RedriveState::Cancelled);
+    let dead: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM deliveries WHERE state = 'dead_lettered'")
+            .fetch_one(ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!(dead, 10);
+    let again = ledger.plan_redrive(&sms(), 10.0, at(t3)).await.unwrap();
+    assert_eq!(
+        again.eligible, 10,
+        "a cancelled redrive's leftovers can be redriven"
+    );
+    assert!(
+        ledger
+            .resume_redrive(id, &incident_ops(t3))
+            .await
+            .unwrap_err()
+            .to_string()
+            .contains("cancelled")
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_redrive_pauses_while_new_work_waits_too_long(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let a = tenant(&ledger).await;
+    dead_letter(&ledger, a.id, "dl", t0(), secs(86_400)).await;
+    // New work due 11 minutes before now, not yet sent.
+    owed(
+        &ledger,
+        a.id,
+        "late-new",
+        &[Channel::Sms],
+        now() - secs(660),
+    )
+    .await;
+    let (id, _) = ledger
+        .execute_redrive(&sms(), 1.0, None, &incident_ops(now()), at(now()))
+        .await
+        .unwrap();
+    let ticks = ledger
+        .redrive_tick(&rules(), 1000, at(now()))
+        .await
+        .unwrap();
+    let why = ticks[0].paused.clone().expect("paused for late new work");
+    assert!(why.starts_with("new_work_waiting"), "{why}");
+    let status = ledger.redrive_status(id).await.unwrap().unwrap();
+    assert_eq!((status.state, status.fed), (RedriveState::Paused, 0));
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_canary_holds_the_rest_until_it_settles_and_stops_it_on_a_5xx(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let a = tenant(&ledger).await;
+    for i in 0..6 {
+        dead_letter(&ledger, a.id, &format!("dl-{i}"), t0(), secs(86_400)).await;
+    }
+    let filter = RedriveFilter {
+        limit: Some(3),
+        ..sms()
+    };
+    let (first, _) = ledger
+        .execute_redrive(&filter, 100.0, Some(2), &incident_ops(now()), at(now()))
+        .await
+        .unwrap();
+    let t1 = now() + secs(1);
+    let ticks = ledger.redrive_tick(&rules(), 1000, at(t1)).await.unwrap();
+    assert_eq!(ticks[0].fed, 2, "only the canary is fed");
+    let t2 = t1 + secs(1);
+    let ticks = ledger.redrive_tick(&rules(), 1000, at(t2)).await.unwrap();
+    assert_eq!(
+        (ticks[0].fed, ticks[0].paused.as_deref()),
+        (0, None),
+        "held"
+    );
+    // Both canaries delivered: the rest goes.
+    for d in ledger.claim_due(Channel::Sms, 100, at(t2)).await.unwrap() {
+        let lease = leased(lease(&ledger, &d, t2).await);
+        answer(&ledger, &lease, response(202), t2).await;
+    }
+    let t3 = t2 + secs(1);
+    let ticks = ledger.redrive_tick(&rules(), 1000, at(t3)).await.unwrap();
+    assert_eq!((ticks[0].fed, ticks[0].finished), (1, true));
+    assert!(
+        ledger
+            .redrive_status(first)
+            .await
+            .unwrap()
+            .unwrap()
+            .canary_passed_at
+            .is_some()
+    );
+
+    for d in ledger.claim_due(Channel::Sms, 100, at(t3)).await.unwrap() {
+        let lease = leased(lease(&ledger, &d, t3).await);
+        answer(&ledger, &lease, response(202), t3).await;
+    }
+
+    // A second redrive whose canary is answered 503: paused, nothing more sent.
+    let (second, _) = ledger
+        .execute_redrive(&sms(), 100.0, Some(1), &incident_ops(t3), at(t3))
+        .await
+        .unwrap();
+    let t4 = t3 + secs(1);
+    ledger.redrive_tick(&rules(), 1000, at(t4)).await.unwrap();
+    let due = ledger.claim_due(Channel::Sms, 100, at(t4)).await.unwrap();
+    assert_eq!(due.len(), 1);
+    // Released until later by a 503 that honours the key: still owed, but the canary failed.
+    let lease = leased(lease(&ledger, &due[0], t4).await);
+    answer(&ledger, &lease, response(503), t4).await;
+    let ticks = ledger
+        .redrive_tick(&rules(), 1000, at(t4 + secs(1)))
+        .await
+        .unwrap();
+    let why = ticks[0].paused.clone().expect("paused by the canary");
+    assert!(why.starts_with("canary_failed: 1 of 1"), "{why}");
+    // The operator looked and resumes: it goes on past the canary.
+    ledger
+        .resume_redrive(second, &incident_ops(t4 + secs(2)))
+        .await
+        .unwrap();
+    let ticks = ledger
+        .redrive_tick(&rules(), 1000, at(t4 + secs(3)))
+        .await
+        .unwrap();
+    assert_eq!((ticks[0].fed, ticks[0].finished), (2, true));
+    let status = ledger.redrive_status(second).await.unwrap().unwrap();
+    assert_eq!((status.fed, status.state), (3, RedriveState::Finished));
+}
