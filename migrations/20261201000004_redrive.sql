@@ -71,3 +71,9 @@ CREATE INDEX attempts_finished_idx ON attempts (finished_at);
 -- The incident an operator acted under (`--incident ID` on nudgectl's changes).
 ALTER TABLE audit_log
     ADD COLUMN incident text NULL CHECK (length(incident) BETWEEN 1 AND 100);
+
+-- A redrive's record is evidence of an operator change: never truncated away.
+CREATE TRIGGER redrives_no_truncate BEFORE TRUNCATE ON redrives
+    FOR EACH STATEMENT EXECUTE FUNCTION nudge_refuse_change();
+CREATE TRIGGER redrive_items_no_truncate BEFORE TRUNCATE ON redrive_items
+    FOR EACH STATEMENT EXECUTE FUNCTION nudge_refuse_change();

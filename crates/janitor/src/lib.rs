@@ -12,6 +12,10 @@
 //!   pointed at owed work with its current generation, that delivery is dead-lettered so an
 //!   operator sees it and can redrive it.
 //!
+//! - Redrive feeder: each running redrive (`nudgectl redrive --execute`) is fed its next
+//!   dead letters at its rate, paused when its channel's provider answers too many 429s or
+//!   new work waits too long (`[redrive]`), and held behind its canary until that settles.
+//!
 //! - Orphan watchdog (every minute): a reminder whose time came two minutes ago or more, of a
 //!   tenant that is not paused, with no delivery at all, is materialised and logged as a bug.
 //!
@@ -27,17 +31,18 @@ use nudge_config::{
     AmqpConfig, ConfigError, DatabaseConfig, RetryConfig, TelemetryConfig, Validate,
 };
 use nudge_domain::{Channel, RandJitter, RetryPolicy};
-use nudge_ledger::{DeadLetter, Ledger, LedgerTime};
+use nudge_ledger::{AutoPause, DeadLetter, Ledger, LedgerTime};
 use nudge_proto::Envelope;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 /// Configuration of `nudge-janitor`.
 ///
 /// Keys, beyond the shared `database.*`, `amqp.*` and `telemetry.*`:
 /// - `janitor.interval_ms` (default 1000): how often the sweep and the reaper run.
 /// - `janitor.batch_size` (default 1000): deliveries settled per pass of each.
+/// - `redrive.*`: when a running redrive pauses itself (see [`RedriveSection`]).
 /// - `retry.*`: the retry policy, which must match the workers' (the reaper decides an
 ///   expired lease with it): `base_delay_ms`, `max_delay_ms`, `max_attempts`,
 ///   `max_retry_after_s`, with the workers' defaults.
@@ -48,12 +53,19 @@ pub struct JanitorConfig {
     pub amqp: AmqpConfig,
     pub telemetry: TelemetryConfig,
     pub janitor: JanitorSection,
+    pub redrive: RedriveSection,
     pub retry: RetryConfig,
 }
 
 impl JanitorConfig {
-    pub const SECTIONS: &'static [&'static str] =
-        &["database", "amqp", "telemetry", "janitor", "retry"];
+    pub const SECTIONS: &'static [&'static str] = &[
+        "database",
+        "amqp",
+        "telemetry",
+        "janitor",
+        "redrive",
+        "retry",
+    ];
 
     pub fn retry_policy(&self) -> Result<RetryPolicy, ConfigError> {
         self.retry.policy()
@@ -77,7 +89,75 @@ impl Validate for JanitorConfig {
                 "must be between 1 and 100000",
             ));
         }
+        self.redrive.validate()?;
         self.retry_policy().map(|_| ())
+    }
+}
+
+/// When a running redrive pauses itself, recording why (`nudgectl redrive status` shows it;
+/// `nudgectl redrive resume` goes on).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedriveSection {
+    /// Pause when one provider account of the redrive's channel answered more than this
+    /// share of its attempts with 429 (0 < ratio <= 1)...
+    pub max_throttled_ratio: f64,
+    /// ...over the last `window_s` seconds since the redrive started or resumed...
+    pub window_s: u64,
+    /// ...and made at least this many attempts in that window (fewer say nothing).
+    pub min_attempts: u32,
+    /// Pause when the channel's oldest due new delivery has waited longer than this.
+    pub max_new_work_age_s: u64,
+}
+
+impl Default for RedriveSection {
+    fn default() -> Self {
+        Self {
+            max_throttled_ratio: 0.1,
+            window_s: 60,
+            min_attempts: 20,
+            max_new_work_age_s: 600,
+        }
+    }
+}
+
+impl RedriveSection {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !(self.max_throttled_ratio > 0.0 && self.max_throttled_ratio <= 1.0) {
+            return Err(ConfigError::invalid(
+                "redrive.max_throttled_ratio",
+                "must be more than 0 and at most 1",
+            ));
+        }
+        if !(1..=3_600).contains(&self.window_s) {
+            return Err(ConfigError::invalid(
+                "redrive.window_s",
+                "must be between 1 and 3600",
+            ));
+        }
+        if !(1..=1_000_000).contains(&self.min_attempts) {
+            return Err(ConfigError::invalid(
+                "redrive.min_attempts",
+                "must be between 1 and 1000000",
+            ));
+        }
+        if !(1..=604_800).contains(&self.max_new_work_age_s) {
+            return Err(ConfigError::invalid(
+                "redrive.max_new_work_age_s",
+                "must be between 1 and 604800",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The rules as the ledger applies them.
+    pub fn rules(&self) -> AutoPause {
+        AutoPause {
+            max_throttled_ratio: self.max_throttled_ratio,
+            window: Duration::from_secs(self.window_s),
+            min_attempts: self.min_attempts,
+            max_new_work_age: Duration::from_secs(self.max_new_work_age_s),
+        }
     }
 }
 
@@ -153,6 +233,7 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     sweep_loop(
         &ledger,
         &policy,
+        &config.redrive.rules(),
         Duration::from_millis(config.janitor.interval_ms),
         config.janitor.batch_size,
         shutdown.clone(),
@@ -207,6 +288,41 @@ pub async fn sweep_once(
     })
 }
 
+/// One pass of the redrive feeder over every running redrive.
+pub async fn redrive_once(
+    ledger: &Ledger,
+    rules: &AutoPause,
+    batch_size: u32,
+    at: LedgerTime,
+) -> anyhow::Result<()> {
+    let ticks = ledger
+        .redrive_tick(rules, batch_size, at)
+        .await
+        .context("redrive feeder failed")?;
+    for tick in ticks {
+        if let Some(why) = &tick.paused {
+            warn!(redrive_id = tick.id, reason = %why, "redrive paused itself");
+        }
+        if tick.skipped > 0 {
+            info!(
+                redrive_id = tick.id,
+                skipped = tick.skipped,
+                "redrive passed over items at their turn (expired, tenant paused or moved on)"
+            );
+        }
+        if tick.finished {
+            info!(
+                redrive_id = tick.id,
+                fed = tick.fed,
+                "redrive fed its last items"
+            );
+        } else if tick.fed > 0 {
+            debug!(redrive_id = tick.id, fed = tick.fed, "redrive fed");
+        }
+    }
+    Ok(())
+}
+
 /// How often the orphan watchdog runs, how far back it looks, and how long after a
 /// reminder's time it waits before calling it orphaned (windows and relays are seconds apart).
 const ORPHAN_EVERY: Duration = Duration::from_secs(60);
@@ -236,6 +352,7 @@ pub async fn watch_orphans_once(ledger: &Ledger, batch_size: u32) -> anyhow::Res
 async fn sweep_loop(
     ledger: &Ledger,
     policy: &RetryPolicy,
+    redrive: &AutoPause,
     every: Duration,
     batch_size: u32,
     shutdown: CancellationToken,
@@ -253,6 +370,9 @@ async fn sweep_loop(
             }
             Ok(_) => {}
             Err(e) => error!(error.cause_chain = %format!("{e:#}"), "sweep failed; retrying"),
+        }
+        if let Err(e) = redrive_once(ledger, redrive, batch_size, LedgerTime::Database).await {
+            error!(error.cause_chain = %format!("{e:#}"), "redrive feeder failed; retrying");
         }
         if last_orphan_watch.is_none_or(|at| at.elapsed() >= ORPHAN_EVERY) {
             last_orphan_watch = Some(std::time::Instant::now());

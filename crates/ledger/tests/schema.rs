@@ -146,9 +146,13 @@ async fn deliveries_cannot_be_truncated_directly_or_through_a_cascade(pool: PgPo
         "TRUNCATE tenants CASCADE",
     ] {
         let err = sqlx::query(statement).execute(&pool).await.unwrap_err();
+        // Refused by the deliveries' own trigger, or before it: by a table that must not
+        // lose its rows either, or by a foreign key from one (redrive items).
+        let err = err.to_string();
         assert!(
-            err.to_string()
-                .contains("deliveries may lose owed work: TRUNCATE refused"),
+            err.contains("deliveries may lose owed work: TRUNCATE refused")
+                || err.contains("is append-only: TRUNCATE refused")
+                || err.contains("cannot truncate a table referenced in a foreign key"),
             "{statement}: {err}"
         );
     }

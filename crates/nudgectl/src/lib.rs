@@ -10,6 +10,7 @@ mod config;
 mod estimate;
 mod load;
 mod rate;
+mod redrive;
 mod schedule;
 
 use std::io::Write;
@@ -27,6 +28,7 @@ pub use estimate::{
     expiring_before_turn,
 };
 pub use rate::{RateError, RatePerSecond};
+pub use redrive::{RedriveArgs, RedriveCommand};
 pub use schedule::{CronExpr, CronExprError};
 
 #[derive(Debug, Parser)]
@@ -92,6 +94,15 @@ pub enum Command {
         /// Print JSON instead of a report.
         #[arg(long)]
         json: bool,
+    },
+    /// Send dead-lettered deliveries again at a controlled rate (a dry run unless --execute);
+    /// `redrive status|pause|resume|cancel ID` manage one.
+    #[command(long_about = redrive::REDRIVE_HELP, args_conflicts_with_subcommands = true)]
+    Redrive {
+        #[command(flatten)]
+        args: RedriveArgs,
+        #[command(subcommand)]
+        action: Option<RedriveCommand>,
     },
 }
 
@@ -491,6 +502,10 @@ pub async fn execute(
         Command::EstimateDrain { channel, json } => {
             estimate::estimate_drain(ledger, channel, json, now, out).await?;
         }
+        Command::Redrive { args, action } => match action {
+            Some(action) => redrive::command(ledger, actor, action, out).await?,
+            None => redrive::plan_or_execute(ledger, actor, args, out).await?,
+        },
     }
     Ok(())
 }

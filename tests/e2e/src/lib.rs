@@ -460,7 +460,7 @@ log_filter = "info"
         retry_max_ms: u64,
     ) -> anyhow::Result<usize> {
         let body = format!(
-            "{}\n[janitor]\ninterval_ms = 200\n\n[retry]\nbase_delay_ms = {retry_base_ms}\nmax_delay_ms = {retry_max_ms}\n",
+            "{}\n[janitor]\ninterval_ms = 200\n\n[redrive]\nmax_throttled_ratio = 0.2\nwindow_s = 30\nmin_attempts = 5\n\n[retry]\nbase_delay_ms = {retry_base_ms}\nmax_delay_ms = {retry_max_ms}\n",
             self.common_config()
         );
         let config = self.write_config("janitor", &body)?;

@@ -1,0 +1,217 @@
+//! The recovery drill, against the real processes: a provider rejects a batch of reminders
+//! (they dead-letter), comes back, and the operator redrives them with `nudgectl`. The dry run
+//! counts what the execute then takes; the redrive pauses itself when the provider starts
+//! answering 429 again, resumes by hand, and finishes with every reminder delivered once:
+//! no key accepted twice, nothing sent after its expiry, the attempts tagged with the incident.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
+
+use std::time::Duration;
+
+use chrono::Utc;
+use nudge_domain::Channel;
+use nudge_e2e::{TestEnv, WorkerOptions, keys_report, stats};
+use serde_json::Value;
+
+const REMINDERS: i64 = 30;
+
+/// Runs nudgectl and parses its JSON answer; fails with its stderr.
+fn ctl_json(env: &TestEnv, args: &[&str]) -> Value {
+    let (code, out, err) = env.nudgectl(args).unwrap();
+    assert_eq!(code, 0, "nudgectl {args:?} failed: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("nudgectl {args:?}: {e}: {out}"))
+}
+
+async fn count_in(env: &TestEnv, state: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM deliveries WHERE state = $1")
+        .bind(state)
+        .fetch_one(env.ledger.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_pauses_on_429s_resumes_and_delivers_every_dead_letter_once() {
+    let mut env = TestEnv::start("redrive-drill").await.unwrap();
+    let tenant = env.tenant("clinic-d", 2).await.unwrap();
+    // The incident: the provider rejects every request.
+    env.script("sms-main", serde_json::json!({"default": {"status": 400}}))
+        .await
+        .unwrap();
+    let now = Utc::now();
+    for i in 0..REMINDERS {
+        env.reminder(
+            tenant,
+            &format!("d{i}"),
+            &[Channel::Sms],
+            now,
+            now + chrono::Duration::minutes(30),
+        )
+        .await
+        .unwrap();
+    }
+    env.start_producer("producer").unwrap();
+    env.start_janitor(200, 1_000).unwrap();
+    let options = WorkerOptions {
+        rate: Some((50.0, 5)),
+        ..WorkerOptions::for_channel(Channel::Sms)
+    };
+    env.start_worker(Channel::Sms, "worker-sms", &options)
+        .unwrap();
+    let ledger = env.ledger.clone();
+    env.wait_for(
+        "every reminder to be dead-lettered by the 400s",
+        Duration::from_secs(60),
+        || {
+            let ledger = ledger.clone();
+            async move {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM deliveries WHERE state = 'dead_lettered'",
+                )
+                .fetch_one(ledger.pool())
+                .await?;
+                Ok((n == REMINDERS).then_some(()))
+            }
+        },
+    )
+    .await;
+
+    // The dry run, then the execute: the same count. The provider has come back, but
+    // throttles at first.
+    let plan = ctl_json(
+        &env,
+        &["redrive", "--channel", "sms", "--rate", "10", "--json"],
+    );
+    let eligible = plan["channels"][0]["plan"]["eligible"].as_u64().unwrap();
+    assert_eq!(eligible, REMINDERS as u64, "{plan}");
+    env.script(
+        "sms-main",
+        serde_json::json!({"default": {"status": 429, "retry_after": "1"}}),
+    )
+    .await
+    .unwrap();
+    let started = ctl_json(
+        &env,
+        &[
+            "redrive",
+            "--channel",
+            "sms",
+            "--rate",
+            "10",
+            "--execute",
+            "--reason",
+            "provider back",
+            "--incident",
+            "INC-7",
+            "--json",
+        ],
+    );
+    assert_eq!(started["plan"]["eligible"].as_u64(), Some(eligible));
+    let id = started["id"].as_i64().unwrap().to_string();
+
+    // The 429s pause it, with why.
+    let paused = {
+        let env_ref = &env;
+        let mut found = None;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < deadline {
+            let status = ctl_json(env_ref, &["redrive", "status", &id, "--json"]);
+            if status["state"] == "paused" {
+                found = Some(status);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        found.expect("the redrive paused itself within 30 s of the 429s")
+    };
+    let why = paused["pause_reason"].as_str().unwrap();
+    assert!(why.starts_with("throttled: account sms-main"), "{why}");
+    let fed_when_paused = paused["fed"].as_u64().unwrap();
+    assert!(
+        fed_when_paused < REMINDERS as u64,
+        "paused before feeding everything ({fed_when_paused})"
+    );
+    // Paused means paused: nothing more is fed.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let still = ctl_json(&env, &["redrive", "status", &id, "--json"]);
+    assert_eq!(still["fed"].as_u64(), Some(fed_when_paused));
+
+    // The provider recovers; the operator resumes.
+    env.script("sms-main", serde_json::json!({"default": {"status": 202}}))
+        .await
+        .unwrap();
+    let (code, out, err) = env
+        .nudgectl(&[
+            "redrive",
+            "resume",
+            &id,
+            "--reason",
+            "provider recovered",
+            "--incident",
+            "INC-7",
+        ])
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("resumed"), "{out}");
+    let ledger = env.ledger.clone();
+    env.wait_for(
+        "every redriven reminder to be delivered",
+        Duration::from_secs(90),
+        || {
+            let ledger = ledger.clone();
+            async move {
+                let n: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM deliveries WHERE state = 'delivered'")
+                        .fetch_one(ledger.pool())
+                        .await?;
+                Ok((n == REMINDERS).then_some(()))
+            }
+        },
+    )
+    .await;
+    let done = ctl_json(&env, &["redrive", "status", &id, "--json"]);
+    assert_eq!(done["state"], "finished", "{done}");
+    assert_eq!(done["fed"].as_u64(), Some(REMINDERS as u64));
+
+    // Every key accepted once; nothing sent after its expiry; history kept and tagged.
+    let totals = stats(env.stub_stats().await.unwrap()).unwrap().total;
+    assert_eq!(totals.duplicates, 0, "no key accepted twice: {totals:?}");
+    assert_eq!(totals.accepted, REMINDERS as u64);
+    let keys = keys_report(env.stub_keys().await.unwrap()).unwrap();
+    let expiry = now + chrono::Duration::minutes(30);
+    assert!(
+        keys.keys
+            .iter()
+            .flat_map(|k| &k.requests)
+            .all(|r| r.at < expiry)
+    );
+    assert_eq!(count_in(&env, "expired").await, 0);
+    let (first_lanes, redrive_tagged): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE attempt_number = 1 AND lane = 'new' AND http_status = 400),
+                count(*) FILTER (WHERE lane = 'redrive' AND incident = 'INC-7')
+         FROM attempts",
+    )
+    .fetch_one(env.ledger.pool())
+    .await
+    .unwrap();
+    assert_eq!(first_lanes, REMINDERS, "the 400s stay in the history");
+    assert!(
+        redrive_tagged >= REMINDERS,
+        "every redriven attempt carries the incident ({redrive_tagged})"
+    );
+    let audit: Vec<String> =
+        sqlx::query_scalar("SELECT action FROM audit_log WHERE target = $1 ORDER BY id")
+            .bind(format!("redrive:{id}"))
+            .fetch_all(env.ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        audit,
+        vec!["redrive_start", "redrive_auto_pause", "redrive_resume"]
+    );
+
+    let exits = env.stop_all(Duration::from_secs(10));
+    assert!(
+        exits.iter().all(|(_, code)| *code == Some(0)),
+        "every process stops cleanly: {exits:?}"
+    );
+}
