@@ -21,6 +21,7 @@ mod contacts;
 mod crypto;
 mod dead_letters;
 mod deliveries;
+mod dlq;
 mod error;
 mod estimate;
 mod reminders;
@@ -28,6 +29,7 @@ mod republish;
 mod schedules;
 mod status;
 mod tenants;
+mod trace;
 
 pub use age::AgeBand;
 pub use audit::{AuditEntry, Operator};
@@ -40,6 +42,7 @@ pub use deliveries::{
     LeaseResult, LeasedDelivery, LedgerTime, Material, OutcomeToRecord, Reaped, Recorded, SendSlot,
     Slotted, WorkerRoutes,
 };
+pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
 pub use error::LedgerError;
 pub use estimate::{Backlog, OwedDelivery};
 pub use reminders::{
@@ -49,6 +52,11 @@ pub use reminders::{
 pub use schedules::Schedule;
 pub use status::ChannelStatus;
 pub use tenants::Tenant;
+pub use trace::{
+    AttemptTiming, CLOCK_TOLERANCE_MS, DeliveryTrace, EarlyStart, Findings, LeaseHeld, MatchedAs,
+    RedriveMembership, ReminderSummary, Timeline, Trace, TraceError, TraceId, TraceIdError,
+    findings,
+};
 
 use std::time::Duration;
 
