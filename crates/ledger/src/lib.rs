@@ -21,6 +21,7 @@ mod contacts;
 mod crypto;
 mod dead_letters;
 mod deliveries;
+mod dlq;
 mod error;
 mod estimate;
 mod redrive;
@@ -29,6 +30,7 @@ mod republish;
 mod schedules;
 mod status;
 mod tenants;
+mod trace;
 
 pub use age::AgeBand;
 pub use audit::{AuditEntry, Operator};
@@ -41,6 +43,7 @@ pub use deliveries::{
     LeaseResult, LeasedDelivery, LedgerTime, Material, OutcomeToRecord, Reaped, Recorded, SendSlot,
     Slotted, WorkerRoutes,
 };
+pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
 pub use error::LedgerError;
 pub use estimate::{Backlog, OwedDelivery};
 pub use redrive::{
@@ -54,6 +57,11 @@ pub use reminders::{
 pub use schedules::Schedule;
 pub use status::ChannelStatus;
 pub use tenants::Tenant;
+pub use trace::{
+    AttemptTiming, CLOCK_TOLERANCE_MS, DeliveryTrace, EarlyStart, Findings, LeaseHeld, MatchedAs,
+    RedriveMembership, ReminderSummary, Timeline, Trace, TraceError, TraceId, TraceIdError,
+    findings,
+};
 
 use std::time::Duration;
 

@@ -1,5 +1,6 @@
 //! `nudgectl`, the operator's command line: migrations, tenants (pause, routes, schedules),
-//! bulk reminder loads, rate buckets, status and the drain estimate.
+//! bulk reminder loads, rate buckets, status, the drain estimate, and the read-only trace and
+//! dead-letter views.
 //!
 //! Every command that changes operator state leaves an audit row with the actor and the
 //! reason. Output meant for scripts is available as JSON (`--json`); human output goes to
@@ -7,11 +8,14 @@
 //! subscriber reference or message content.
 
 mod config;
+mod dlq;
 mod estimate;
 mod load;
 mod rate;
 mod redrive;
 mod schedule;
+mod table;
+mod trace;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -19,8 +23,8 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use chrono::Utc;
 use clap::{Parser, Subcommand};
-use nudge_domain::{Channel, ProviderAccount};
-use nudge_ledger::{ChannelStatus, DestinationCipher, Ledger, Operator, Tenant};
+use nudge_domain::{Channel, DeliveryId, ProviderAccount};
+use nudge_ledger::{ChannelStatus, DestinationCipher, Ledger, Operator, Tenant, TraceId};
 
 pub use config::CtlConfig;
 pub use estimate::{
@@ -36,10 +40,12 @@ pub use schedule::{CronExpr, CronExprError};
     name = "nudgectl",
     version,
     about = "Operate nudge: apply migrations, manage tenants, their schedules and provider routes, \
-             bulk-load reminders, set rate buckets, inspect delivery status, estimate drains.",
+             bulk-load reminders, set rate buckets, inspect delivery status, estimate drains, trace \
+             reminders and list dead letters.",
     long_about = "Operate nudge: apply migrations, manage tenants, their schedules and provider \
-        routes, bulk-load reminders, set provider rate buckets, inspect delivery status and \
-        estimate how long a backlog takes to drain.\n\n\
+        routes, bulk-load reminders, set provider rate buckets, inspect delivery status, \
+        estimate how long a backlog takes to drain, trace a reminder's deliveries and list \
+        dead-lettered work.\n\n\
         Configuration comes from defaults, then the TOML file given by --config or NUDGE_CONFIG, \
         then NUDGE_* environment variables (e.g. NUDGE_DATABASE__URL)."
 )]
@@ -103,6 +109,45 @@ pub enum Command {
         args: RedriveArgs,
         #[command(subcommand)]
         action: Option<RedriveCommand>,
+    },
+    /// Show a reminder's deliveries, every attempt, and whether lateness came from
+    /// scheduling, provider throttling or a lease before eligibility.
+    #[command(long_about = trace::HELP)]
+    Trace {
+        /// A delivery id, a reminder id, or TENANT/EVENT_ID.
+        #[arg(value_name = "ID")]
+        id: TraceId,
+        /// Print JSON instead of a report.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inspect dead-lettered and ambiguous deliveries.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// Dead-lettered and ambiguous deliveries counted by channel, state, reason and age, with
+    /// sample ids and what an active redrive already holds; then the dead-letter records.
+    #[command(long_about = dlq::LIST_HELP)]
+    List {
+        /// Only this channel: push, email or sms.
+        #[arg(long)]
+        channel: Option<Channel>,
+        /// Print JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One delivery's history: times, state, attempts and findings, as `trace` shows them.
+    #[command(long_about = dlq::SHOW_HELP)]
+    Show {
+        /// The delivery id.
+        #[arg(value_name = "DELIVERY_ID")]
+        id: DeliveryId,
+        /// Print JSON instead of a report.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -506,6 +551,15 @@ pub async fn execute(
             Some(action) => redrive::command(ledger, actor, action, out).await?,
             None => redrive::plan_or_execute(ledger, actor, args, out).await?,
         },
+        Command::Trace { id, json } => {
+            trace::trace(ledger, &id, json, now, out, err).await?;
+        }
+        Command::Dlq(DlqCommand::List { channel, json }) => {
+            dlq::list(ledger, channel, json, now, out).await?;
+        }
+        Command::Dlq(DlqCommand::Show { id, json }) => {
+            dlq::show(ledger, id, json, now, out, err).await?;
+        }
     }
     Ok(())
 }

@@ -75,6 +75,10 @@ async fn a_redrive_pauses_on_429s_resumes_and_delivers_every_dead_letter_once() 
     )
     .await;
 
+    // The dead-letter queue names them, by reason.
+    let dlq = ctl_json(&env, &["dlq", "list", "--channel", "sms", "--json"]);
+    assert!(dlq.to_string().contains("http_400"), "{dlq}");
+
     // The dry run, then the execute: the same count. The provider has come back, but
     // throttles at first.
     let plan = ctl_json(

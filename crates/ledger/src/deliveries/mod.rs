@@ -136,7 +136,7 @@ pub struct DeliveryRecord {
 }
 
 /// One row of the append-only attempt history.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Attempt {
     pub attempt_number: u32,
     pub generation: u64,
@@ -147,11 +147,30 @@ pub struct Attempt {
     pub http_status: Option<u16>,
     pub retry_after_seen: Option<String>,
     pub retry_after_valid: bool,
+    #[serde(rename = "delay_chosen_ms", serialize_with = "serialize_millis")]
     pub delay_chosen: Option<Duration>,
     pub next_state: DeliveryState,
+    /// When the delivery became eligible again after this attempt (none once settled).
     pub next_attempt_at: Option<DateTime<Utc>>,
     pub reason: Option<String>,
     pub provider_message_id: Option<String>,
+    /// The account the send went through, as routed when it was leased.
+    pub provider_account: Option<String>,
+    /// The worker that made the attempt (its lease owner name).
+    pub worker: Option<String>,
+    /// The incident (a redrive's or a drain's) the attempt was made under.
+    pub incident: Option<String>,
+}
+
+/// A duration as whole milliseconds, the unit the ledger stores and operators read.
+fn serialize_millis<S: serde::Serializer>(
+    value: &Option<Duration>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    match value {
+        Some(d) => serializer.serialize_some(&millis(*d)),
+        None => serializer.serialize_none(),
+    }
 }
 
 #[derive(sqlx::FromRow)]
@@ -244,6 +263,9 @@ struct AttemptRow {
     next_attempt_at: Option<DateTime<Utc>>,
     reason: Option<String>,
     provider_message_id: Option<String>,
+    provider_account: Option<String>,
+    worker: Option<String>,
+    incident: Option<String>,
 }
 
 impl TryFrom<AttemptRow> for Attempt {
@@ -273,6 +295,9 @@ impl TryFrom<AttemptRow> for Attempt {
             next_attempt_at: row.next_attempt_at,
             reason: row.reason,
             provider_message_id: row.provider_message_id,
+            provider_account: row.provider_account,
+            worker: row.worker,
+            incident: row.incident,
         })
     }
 }
@@ -343,7 +368,8 @@ impl Ledger {
         let rows: Vec<AttemptRow> = sqlx::query_as(
             "SELECT attempt_number, generation, lane, started_at, finished_at, outcome_class,
                     http_status, retry_after_seen, retry_after_valid, delay_chosen_ms, next_state,
-                    next_attempt_at, reason, provider_message_id
+                    next_attempt_at, reason, provider_message_id, provider_account, worker,
+                    incident
              FROM attempts WHERE delivery_id = $1 ORDER BY attempt_number",
         )
         .bind(id.as_uuid())
