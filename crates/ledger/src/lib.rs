@@ -17,6 +17,7 @@
 mod age;
 mod audit;
 mod buckets;
+mod channels;
 mod contacts;
 mod crypto;
 mod dead_letters;
@@ -24,6 +25,7 @@ mod deliveries;
 mod dlq;
 mod error;
 mod estimate;
+mod export;
 mod redrive;
 mod reminders;
 mod republish;
@@ -35,6 +37,7 @@ mod trace;
 pub use age::AgeBand;
 pub use audit::{AuditEntry, Operator};
 pub use buckets::{BucketReading, Feedback, FeedbackApplied, RateBucket};
+pub use channels::{ChannelControl, DrainChange, OwnerChange};
 pub use contacts::SubscriberConversion;
 pub use crypto::{Destination, DestinationCipher, SubscriberKey};
 pub use dead_letters::{DeadLetter, DeadLetterAction};
@@ -46,6 +49,7 @@ pub use deliveries::{
 pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
 pub use error::LedgerError;
 pub use estimate::{Backlog, OwedDelivery};
+pub use export::IncidentAttempt;
 pub use redrive::{
     AutoPause, Exclusion, ReasonCount, RedriveFilter, RedrivePlan, RedriveState, RedriveStatus,
     RedriveTick,
@@ -71,10 +75,15 @@ use sqlx::{ConnectOptions, PgPool};
 /// The schema, embedded at build time from the workspace's `migrations/`.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
 
-/// A handle on the ledger. Cheap to clone: it is a connection pool.
+/// The sender a ledger handle works for unless told otherwise ([`Ledger::for_sender`]).
+pub const DEFAULT_SENDER: &str = "nudge";
+
+/// A handle on the ledger. Cheap to clone: a connection pool and the name of the sender
+/// (`deliveries.owner`) whose work this process claims and leases.
 #[derive(Debug, Clone)]
 pub struct Ledger {
     pool: PgPool,
+    sender: std::sync::Arc<str>,
 }
 
 impl Ledger {
@@ -102,12 +111,33 @@ impl Ledger {
             .acquire_timeout(Duration::from_millis(config.acquire_timeout_ms))
             .connect_with(options)
             .await?;
-        Ok(Self { pool })
+        Ok(Self::from_pool(pool))
     }
 
     /// Wraps an existing pool (tests get one per fresh database from `#[sqlx::test]`).
     pub fn from_pool(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            sender: DEFAULT_SENDER.into(),
+        }
+    }
+
+    /// The same ledger, claiming and leasing only deliveries owned by `sender` (the relay's
+    /// `producer.owner`, a worker's `worker.owner`): work handed to another sender with
+    /// `nudgectl owner set` is left to it.
+    pub fn for_sender(mut self, sender: &str) -> Result<Self, LedgerError> {
+        if !is_owner_name(sender) {
+            return Err(LedgerError::InvalidInput(
+                "an owner is 1 to 64 of [a-z0-9_-], starting with a letter or digit",
+            ));
+        }
+        self.sender = sender.into();
+        Ok(self)
+    }
+
+    /// The sender this handle works for.
+    pub fn sender(&self) -> &str {
+        &self.sender
     }
 
     /// Applies every migration not yet applied. Safe to run concurrently and repeatedly.
@@ -119,4 +149,15 @@ impl Ledger {
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+}
+
+/// An owner name as `deliveries.owner` and `channel_controls.owner` accept it.
+pub fn is_owner_name(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    (1..=64).contains(&bytes.len())
+        && bytes[0].is_ascii_alphanumeric()
+        && !bytes[0].is_ascii_uppercase()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'_' || *b == b'-')
 }

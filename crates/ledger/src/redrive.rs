@@ -199,6 +199,8 @@ pub struct RedriveTick {
     pub skipped: u64,
     /// Set when the tick paused the redrive: why.
     pub paused: Option<String>,
+    /// Its channel is draining: nothing fed, the redrive waits for the drain to end.
+    pub held: bool,
     pub finished: bool,
 }
 
@@ -768,12 +770,29 @@ impl Ledger {
             fed: 0,
             skipped: 0,
             paused: None,
+            held: false,
             finished: false,
         };
         let channel: Channel = row
             .channel
             .parse()
             .map_err(|e| LedgerError::corrupt("redrives", e))?;
+        // A draining channel's redrive lane is closed: hold, with no credit for the time.
+        let draining: bool =
+            sqlx::query_scalar("SELECT draining FROM channel_controls WHERE channel = $1")
+                .bind(channel.as_str())
+                .fetch_one(&mut *tx)
+                .await?;
+        if draining {
+            sqlx::query("UPDATE redrives SET fed_until = $2 WHERE id = $1")
+                .bind(id)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            tick.held = true;
+            return Ok(Some(tick));
+        }
 
         if let Some(why) = auto_pause_reason(&mut tx, &row, channel, rules, now).await? {
             pause_in_tx(&mut tx, &row, &why, now).await?;

@@ -776,8 +776,54 @@ pub(crate) async fn materialise_paused_backlog(
     insert_deliveries(tx, tenant_id, &reminders, now).await
 }
 
-/// Inserts one delivery per (reminder, channel), skipping those that exist. The idempotency
-/// key comes from the domain, the one place that defines it.
+/// When a channel's drain ends: every reminder of a tenant that is not paused, not cancelled,
+/// whose time has come or whose window already ran, and that has no delivery on `channel`,
+/// gets it now. Not bounded by the drain's start: a tenant resumed during the drain, or a
+/// window caught up during it, held work too. Returns the deliveries created.
+pub(crate) async fn materialise_held(
+    tx: &mut PgConnection,
+    channel: Channel,
+    now: DateTime<Utc>,
+) -> Result<u64, LedgerError> {
+    let rows: Vec<(uuid::Uuid, uuid::Uuid, DateTime<Utc>, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT r.tenant_id, r.id, r.scheduled_at, r.expires_at FROM reminders r
+         JOIN tenants t ON t.id = r.tenant_id AND NOT t.intake_paused
+         WHERE $1 = ANY(r.channels) AND r.cancelled_at IS NULL
+           AND NOT EXISTS (SELECT 1 FROM deliveries d
+                           WHERE d.reminder_id = r.id AND d.channel = $1)
+           AND (r.scheduled_at <= $2 OR EXISTS (
+                SELECT 1 FROM run_intents ri
+                WHERE ri.tenant_id = r.tenant_id
+                  AND ri.window_start <= r.scheduled_at AND ri.window_end > r.scheduled_at))",
+    )
+    .bind(channel.as_str())
+    .bind(now)
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut by_tenant: BTreeMap<uuid::Uuid, Vec<WindowReminder>> = BTreeMap::new();
+    for (tenant_id, id, scheduled_at, expires_at) in rows {
+        by_tenant
+            .entry(tenant_id)
+            .or_default()
+            .push(WindowReminder {
+                id,
+                channels: vec![channel.as_str().to_owned()],
+                scheduled_at,
+                expires_at,
+            });
+    }
+    let mut created = 0;
+    for (tenant_id, reminders) in by_tenant {
+        created += insert_deliveries(tx, TenantId::from_uuid(tenant_id), &reminders, now).await?;
+    }
+    Ok(created)
+}
+
+/// Inserts one delivery per (reminder, channel), skipping those that exist and those of a
+/// channel that is draining (held until the drain ends), each owned by its channel's owner.
+/// The channels' control rows are read `FOR SHARE`: a drain turned on waits for this
+/// transaction, and this one for a drain being turned on. The idempotency key comes from the
+/// domain, the one place that defines it.
 async fn insert_deliveries(
     tx: &mut PgConnection,
     tenant_id: TenantId,
@@ -811,13 +857,32 @@ async fn insert_deliveries(
     if ids.is_empty() {
         return Ok(0);
     }
+    let open: Vec<(String, String)> = sqlx::query_as(
+        "SELECT channel, owner FROM channel_controls
+         WHERE channel = ANY($1::text[]) AND NOT draining
+         ORDER BY channel FOR SHARE",
+    )
+    .bind(&channels)
+    .fetch_all(&mut *tx)
+    .await?;
+    let owners: Vec<&str> = channels
+        .iter()
+        .map(|c| {
+            open.iter()
+                .find(|(open, _)| open == c)
+                .map_or("", |(_, owner)| owner.as_str())
+        })
+        .collect();
     let done = sqlx::query(
         "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
-                                 scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
+                                 scheduled_at, expires_at, next_attempt_at, created_at, updated_at,
+                                 owner)
          SELECT d.id, d.reminder_id, $1, d.channel, 'scheduled', d.key,
-                d.scheduled_at, d.expires_at, d.scheduled_at, $2, $2
-         FROM UNNEST($3::uuid[], $4::uuid[], $5::text[], $6::text[], $7::timestamptz[], $8::timestamptz[])
-              AS d(id, reminder_id, channel, key, scheduled_at, expires_at)
+                d.scheduled_at, d.expires_at, d.scheduled_at, $2, $2, d.owner
+         FROM UNNEST($3::uuid[], $4::uuid[], $5::text[], $6::text[], $7::timestamptz[],
+                     $8::timestamptz[], $9::text[])
+              AS d(id, reminder_id, channel, key, scheduled_at, expires_at, owner)
+         WHERE d.owner <> ''
          ON CONFLICT (reminder_id, channel) DO NOTHING",
     )
     .bind(tenant_id.as_uuid())
@@ -828,6 +893,7 @@ async fn insert_deliveries(
     .bind(&keys)
     .bind(&scheduled)
     .bind(&expires)
+    .bind(&owners)
     .execute(&mut *tx)
     .await?;
     Ok(done.rows_affected())

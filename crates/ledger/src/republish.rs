@@ -57,7 +57,7 @@ impl Ledger {
         let rows: Vec<UnconsumedRow> = sqlx::query_as(
             "SELECT id, reminder_id, tenant_id, channel, generation, lane, next_attempt_at
              FROM deliveries
-             WHERE state = 'queued' AND channel = $1
+             WHERE state = 'queued' AND channel = $1 AND owner = $5
                AND queued_at <= COALESCE($4, now()) - make_interval(secs => $2)
              ORDER BY queued_at
              LIMIT $3",
@@ -66,6 +66,7 @@ impl Ledger {
         .bind(older_than.as_secs_f64())
         .bind(i64::from(limit))
         .bind(at.bind())
+        .bind(&*self.sender)
         .fetch_all(&self.pool)
         .await?;
         rows.into_iter().map(DueDelivery::try_from).collect()

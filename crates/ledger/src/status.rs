@@ -17,6 +17,12 @@ pub struct ChannelStatus {
     pub ambiguous: u64,
     /// How long the oldest eligible delivery (due, not yet being sent) has waited, in seconds.
     pub oldest_eligible_age_s: Option<i64>,
+    /// Draining: nothing new is scheduled for the channel (see `nudgectl drain`).
+    pub draining: bool,
+    pub drain_incident: Option<String>,
+    pub drain_started_at: Option<DateTime<Utc>>,
+    /// The sender that owns the channel's new work.
+    pub owner: String,
 }
 
 #[derive(sqlx::FromRow)]
@@ -68,8 +74,20 @@ impl Ledger {
                 dead_lettered: 0,
                 ambiguous: 0,
                 oldest_eligible_age_s: None,
+                draining: false,
+                drain_incident: None,
+                drain_started_at: None,
+                owner: crate::DEFAULT_SENDER.to_owned(),
             })
             .collect();
+        for control in self.channel_controls().await? {
+            if let Some(status) = out.iter_mut().find(|s| s.channel == control.channel) {
+                status.draining = control.draining;
+                status.drain_incident = control.drain_incident;
+                status.drain_started_at = control.drain_started_at;
+                status.owner = control.owner;
+            }
+        }
         for row in rows {
             let channel: Channel = row
                 .channel

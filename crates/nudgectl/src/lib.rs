@@ -11,6 +11,7 @@ mod config;
 mod dlq;
 mod estimate;
 mod load;
+mod operations;
 mod rate;
 mod redrive;
 mod schedule;
@@ -31,6 +32,7 @@ pub use estimate::{
     BucketShare, DrainFloor, DrainIteration, Expiring, admitted_rate, drain_floor,
     expiring_before_turn,
 };
+pub use operations::{DrainCommand, OwnerCommand};
 pub use rate::{RateError, RatePerSecond};
 pub use redrive::{RedriveArgs, RedriveCommand};
 pub use schedule::{CronExpr, CronExprError};
@@ -124,6 +126,47 @@ pub enum Command {
     /// Inspect dead-lettered and ambiguous deliveries.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Drain a channel (finish owed work, schedule nothing new), or end the drain.
+    #[command(subcommand, long_about = operations::DRAIN_HELP)]
+    Drain(DrainCommand),
+    /// Which sender owns each channel's work; hand it over.
+    #[command(subcommand)]
+    Owner(OwnerCommand),
+    /// Give a channel back to its previous owner: rate 0, no new leases, wait for the sends in
+    /// flight, hand back what is owed.
+    #[command(long_about = operations::ROLLBACK_HELP)]
+    Rollback {
+        /// push, email or sms.
+        #[arg(long)]
+        channel: Channel,
+        /// Why: recorded in the audit log.
+        #[arg(long)]
+        reason: String,
+        /// The incident this is part of (audit log).
+        #[arg(long, value_name = "ID")]
+        incident: Option<String>,
+        /// How long to wait for the sends in flight, e.g. 90s, 5m.
+        #[arg(long, value_name = "DURATION", default_value = "2m",
+              value_parser = humantime::parse_duration)]
+        wait: std::time::Duration,
+    },
+    /// Export records for an incident review.
+    #[command(subcommand)]
+    Export(ExportCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ExportCommand {
+    /// Every attempt made under an incident, as JSON Lines, without PHI.
+    #[command(long_about = operations::EXPORT_HELP)]
+    Attempts {
+        /// The incident id given to redrive, drain or rollback.
+        #[arg(long, value_name = "ID")]
+        incident: String,
+        /// Write to this file instead of stdout.
+        #[arg(long, value_name = "FILE")]
+        output: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -219,12 +262,20 @@ pub enum TenantCommand {
         /// Unique tenant name, 1 to 200 bytes.
         name: String,
     },
-    /// Stop intake and new run intents for a tenant. Work already owed continues.
+    /// Stop intake and new run intents for a tenant, then wait (bounded) until every running
+    /// producer has acknowledged it. Work already owed continues.
     Pause {
         name: String,
         /// Why: recorded in the audit log.
         #[arg(long)]
         reason: String,
+        /// The incident this is part of (audit log).
+        #[arg(long, value_name = "ID")]
+        incident: Option<String>,
+        /// How long to wait for the producers' acknowledgement (0s: do not wait).
+        #[arg(long, value_name = "DURATION", default_value = "10s",
+              value_parser = humantime::parse_duration)]
+        ack_timeout: std::time::Duration,
     },
     /// Let a paused tenant take new work again.
     Resume {
@@ -232,6 +283,9 @@ pub enum TenantCommand {
         /// Why: recorded in the audit log.
         #[arg(long)]
         reason: String,
+        /// The incident this is part of (audit log).
+        #[arg(long, value_name = "ID")]
+        incident: Option<String>,
     },
     /// Route a tenant's channel to a provider account, or back to the channel's default.
     #[command(
@@ -450,11 +504,41 @@ pub async fn execute(
                 .context("failed to create tenant")?;
             writeln!(out, "{}", tenant.id)?;
         }
-        Command::Tenant(TenantCommand::Pause { name, reason }) => {
-            set_paused(ledger, actor, &name, true, &reason, out).await?;
+        Command::Tenant(TenantCommand::Pause {
+            name,
+            reason,
+            incident,
+            ack_timeout,
+        }) => {
+            set_paused(
+                ledger,
+                actor,
+                &name,
+                true,
+                &reason,
+                incident.as_deref(),
+                out,
+            )
+            .await?;
+            if !ack_timeout.is_zero() {
+                operations::await_producers(ledger, ack_timeout, out).await?;
+            }
         }
-        Command::Tenant(TenantCommand::Resume { name, reason }) => {
-            set_paused(ledger, actor, &name, false, &reason, out).await?;
+        Command::Tenant(TenantCommand::Resume {
+            name,
+            reason,
+            incident,
+        }) => {
+            set_paused(
+                ledger,
+                actor,
+                &name,
+                false,
+                &reason,
+                incident.as_deref(),
+                out,
+            )
+            .await?;
         }
         Command::Tenant(TenantCommand::Route {
             name,
@@ -542,10 +626,54 @@ pub async fn execute(
                 write_status_table(&status, out)?;
                 writeln!(out)?;
                 rate::write_bucket_table(&buckets, out)?;
+                for s in status.iter().filter(|s| s.draining) {
+                    writeln!(
+                        out,
+                        "\n{} draining since {}{}; nothing new is scheduled for it. What remains:",
+                        s.channel,
+                        s.drain_started_at
+                            .map_or_else(|| "-".to_owned(), |t| t.to_rfc3339()),
+                        s.drain_incident
+                            .as_deref()
+                            .map_or_else(String::new, |i| format!(" (incident {i})")),
+                    )?;
+                    estimate::estimate_drain(ledger, Some(s.channel), false, now, out).await?;
+                }
             }
         }
         Command::EstimateDrain { channel, json } => {
             estimate::estimate_drain(ledger, channel, json, now, out).await?;
+        }
+        Command::Drain(command) => operations::drain(ledger, actor, command, out).await?,
+        Command::Owner(command) => operations::owner(ledger, actor, command, out).await?,
+        Command::Rollback {
+            channel,
+            reason,
+            incident,
+            wait,
+        } => {
+            operations::rollback(
+                ledger,
+                actor,
+                channel,
+                &reason,
+                incident.as_deref(),
+                wait,
+                out,
+            )
+            .await?;
+        }
+        Command::Export(ExportCommand::Attempts { incident, output }) => {
+            let written = match output {
+                Some(path) => {
+                    let file = std::fs::File::create(&path)
+                        .with_context(|| format!("failed to create {}", path.display()))?;
+                    let mut file = std::io::BufWriter::new(file);
+                    operations::export_attempts(ledger, &incident, &mut file).await?
+                }
+                None => operations::export_attempts(ledger, &incident, out).await?,
+            };
+            writeln!(err, "{written} attempts exported for incident {incident}")?;
         }
         Command::Redrive { args, action } => match action {
             Some(action) => redrive::command(ledger, actor, action, out).await?,
@@ -570,10 +698,13 @@ async fn set_paused(
     name: &str,
     paused: bool,
     reason: &str,
+    incident: Option<&str>,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     require_reason(reason)?;
-    let by = operator(actor, Some(reason))?;
+    let by = operator(actor, Some(reason))?
+        .with_incident(incident)
+        .context("invalid --incident")?;
     let tenant = find_tenant(ledger, name).await?;
     if !ledger
         .set_intake_paused(tenant.id, paused, &by)

@@ -61,12 +61,18 @@ async fn pausing_a_tenant_sets_the_flag_and_audits_who_and_why(pool: PgPool) {
         Command::Tenant(TenantCommand::Pause {
             name: "clinic-a".into(),
             reason: "sms provider incident".into(),
+            incident: Some("INC-1".into()),
+            ack_timeout: std::time::Duration::from_secs(2),
         }),
     )
     .await
     .unwrap();
 
-    assert_eq!(printed, "tenant clinic-a: intake paused\n");
+    assert_eq!(
+        printed,
+        "tenant clinic-a: intake paused\n\
+         no producer has run in the last 30 s: the change applies when one starts\n"
+    );
     let tenant = ledger.tenant_by_name("clinic-a").await.unwrap().unwrap();
     assert!(tenant.intake_paused);
     assert_eq!(tenant.id.to_string(), id.trim());
@@ -74,7 +80,69 @@ async fn pausing_a_tenant_sets_the_flag_and_audits_who_and_why(pool: PgPool) {
     assert_eq!(audit[0].action, "intake_pause");
     assert_eq!(audit[0].actor, "ops@clinic");
     assert_eq!(audit[0].reason.as_deref(), Some("sms provider incident"));
+    assert_eq!(audit[0].incident.as_deref(), Some("INC-1"));
     assert_eq!(audit[1].action, "tenant_create");
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_pause_waits_for_every_running_producer_to_acknowledge_it(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    create_tenant(&ledger, "clinic-a").await;
+    let now = ledger
+        .clock(nudge_ledger::LedgerTime::Database)
+        .await
+        .unwrap();
+    // Two producers ran a pass a moment ago; one of them stops before the pause.
+    ledger.ack_producer_pass("p-1", now).await.unwrap();
+    ledger.ack_producer_pass("p-2", now).await.unwrap();
+    let acker = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            for _ in 0..20 {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                let now = ledger
+                    .clock(nudge_ledger::LedgerTime::Database)
+                    .await
+                    .unwrap();
+                ledger.ack_producer_pass("p-1", now).await.unwrap();
+            }
+        })
+    };
+    let pause = |name: &str, timeout_ms| {
+        Command::Tenant(TenantCommand::Pause {
+            name: name.into(),
+            reason: "incident".into(),
+            incident: None,
+            ack_timeout: std::time::Duration::from_millis(timeout_ms),
+        })
+    };
+    let printed = run(&ledger, pause("clinic-a", 1_000)).await.unwrap();
+    assert!(
+        printed.contains("not yet acknowledged after 1 s by: p-2"),
+        "{printed}"
+    );
+    // Once p-2 passes too, the next pause is acknowledged by both.
+    acker.await.unwrap();
+    create_tenant(&ledger, "clinic-b").await;
+    let acker = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            let now = ledger
+                .clock(nudge_ledger::LedgerTime::Database)
+                .await
+                .unwrap();
+            for instance in ["p-1", "p-2"] {
+                ledger.ack_producer_pass(instance, now).await.unwrap();
+            }
+        })
+    };
+    let printed = run(&ledger, pause("clinic-b", 5_000)).await.unwrap();
+    acker.await.unwrap();
+    assert!(
+        printed.contains("acknowledged by 2 producer(s) within"),
+        "{printed}"
+    );
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -94,6 +162,8 @@ async fn a_pause_without_a_reason_or_for_an_unknown_tenant_changes_nothing(pool:
         Command::Tenant(TenantCommand::Pause {
             name: "clinic-a".into(),
             reason: "  ".into(),
+            incident: None,
+            ack_timeout: std::time::Duration::ZERO,
         }),
     )
     .await;
@@ -102,6 +172,8 @@ async fn a_pause_without_a_reason_or_for_an_unknown_tenant_changes_nothing(pool:
         Command::Tenant(TenantCommand::Pause {
             name: "nope".into(),
             reason: "x".into(),
+            incident: None,
+            ack_timeout: std::time::Duration::ZERO,
         }),
     )
     .await;

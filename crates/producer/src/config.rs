@@ -47,6 +47,9 @@ pub struct ProducerSection {
     pub in_flight_seconds: f64,
     pub min_in_flight_per_channel: u32,
     pub max_in_flight_per_channel: u32,
+    /// The sender whose deliveries the relay publishes (`deliveries.owner`); work handed to
+    /// another sender with `nudgectl owner set` is left to it.
+    pub owner: String,
 }
 
 impl Default for ProducerSection {
@@ -60,6 +63,7 @@ impl Default for ProducerSection {
             in_flight_seconds: 1.0,
             min_in_flight_per_channel: 20,
             max_in_flight_per_channel: 2_000,
+            owner: nudge_ledger::DEFAULT_SENDER.to_owned(),
         }
     }
 }
@@ -106,6 +110,12 @@ impl Validate for ProducerConfig {
             return Err(ConfigError::invalid(
                 "producer.min_in_flight_per_channel",
                 "must be at least 1 and at most producer.max_in_flight_per_channel",
+            ));
+        }
+        if !nudge_ledger::is_owner_name(&p.owner) {
+            return Err(ConfigError::invalid(
+                "producer.owner",
+                "must be 1 to 64 of [a-z0-9_-], starting with a letter or digit",
             ));
         }
         if !(100..=60_000).contains(&p.schedule_interval_ms) {

@@ -80,7 +80,9 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     let shutdown = nudge_runtime::shutdown_on_signal();
     let ledger = Ledger::connect(&config.database)
         .await
-        .context("failed to connect to PostgreSQL (database.url)")?;
+        .context("failed to connect to PostgreSQL (database.url)")?
+        .for_sender(&config.producer.owner)
+        .context("invalid producer.owner")?;
     let topology = Topology::new(&config.amqp.namespace, config.amqp.delivery_limit)
         .context("invalid amqp.namespace or amqp.delivery_limit")?;
     let broker = Broker::connect(
@@ -118,13 +120,20 @@ pub struct BadSchedule {
 pub struct Clock {
     ledger: Ledger,
     parsed: HashMap<String, cron::Schedule>,
+    /// This process's name in `producer_acks`.
+    instance: String,
 }
 
 impl Clock {
     pub fn new(ledger: Ledger) -> Self {
+        let host = std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.is_empty() && h.len() <= 150)
+            .unwrap_or_else(|| "producer".to_owned());
         Self {
             ledger,
             parsed: HashMap::new(),
+            instance: format!("{host}:{}", std::process::id()),
         }
     }
 
@@ -204,6 +213,12 @@ impl Clock {
             };
             match self.tick(now).await {
                 Ok(outcomes) => {
+                    // Every flag committed before `now` was read by this pass (each window
+                    // locks its tenant row): say so, for `nudgectl tenant pause` to wait on.
+                    if let Err(e) = self.ledger.ack_producer_pass(&self.instance, now).await {
+                        warn!(error.cause_chain = %format!("{:#}", anyhow::Error::from(e)),
+                              "failed to acknowledge the schedule pass");
+                    }
                     for (schedule, outcome) in outcomes {
                         match outcome {
                             // Most windows of a quiet tenant are empty: not worth a line

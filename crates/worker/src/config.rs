@@ -148,6 +148,8 @@ pub struct WorkerSection {
     pub lease_seconds: u64,
     pub shutdown_grace_ms: u64,
     pub batch_size: usize,
+    /// The sender whose deliveries this worker leases (`deliveries.owner`).
+    pub owner: String,
 }
 
 impl Default for WorkerSection {
@@ -156,6 +158,7 @@ impl Default for WorkerSection {
             lease_seconds: 60,
             shutdown_grace_ms: 20_000,
             batch_size: 64,
+            owner: nudge_ledger::DEFAULT_SENDER.to_owned(),
         }
     }
 }
@@ -166,6 +169,12 @@ impl WorkerSection {
             return Err(ConfigError::invalid(
                 format!("{prefix}.lease_seconds"),
                 "must be between 5 and 3600",
+            ));
+        }
+        if !nudge_ledger::is_owner_name(&self.owner) {
+            return Err(ConfigError::invalid(
+                format!("{prefix}.owner"),
+                "must be 1 to 64 of [a-z0-9_-], starting with a letter or digit",
             ));
         }
         if !(1..=1000).contains(&self.batch_size) {

@@ -131,7 +131,9 @@ pub async fn build(
         .context("crypto.destination_key is required")?;
     let ledger = Ledger::connect(&config.database)
         .await
-        .context("failed to connect to PostgreSQL (database.url)")?;
+        .context("failed to connect to PostgreSQL (database.url)")?
+        .for_sender(&config.worker.owner)
+        .context("invalid worker.owner")?;
     let mut providers = Vec::new();
     let mut default = None;
     for (i, cfg) in config

@@ -316,6 +316,10 @@ impl Worker {
                 warn!("message for an unknown delivery dropped");
                 Processed::Stale
             }
+            LeaseOutcome::OwnedBy(owner) => {
+                info!(%owner, "delivery handed to another sender: message dropped");
+                Processed::Dropped("owned_by_another_sender")
+            }
             LeaseOutcome::UnknownAccount(account) => {
                 error!(provider_account = %account,
                        "tenant routed to a provider account this worker has no configuration \

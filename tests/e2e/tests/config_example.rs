@@ -116,7 +116,7 @@ fn the_example_has_every_key_of_the_producer_with_its_default() {
     let checked = check_binary::<ProducerConfig>("nudge-producer", ProducerConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 5 + 4 + 8,
+        6 + 5 + 4 + 9,
         "database, amqp, telemetry, producer"
     );
 }
@@ -126,7 +126,7 @@ fn the_example_has_every_key_of_the_workers_with_its_default() {
     let checked = check_binary::<WorkerConfig>("nudge-worker", WorkerConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 5 + 4 + 2 + 3 + 4 + 3,
+        6 + 5 + 4 + 2 + 4 + 4 + 3,
         "database, amqp, telemetry, crypto, worker, retry, admission"
     );
 }

@@ -12,7 +12,7 @@ use crate::{Ledger, LedgerError};
 const CLAIM_DUE: &str = "WITH due AS (
         SELECT id FROM deliveries
         WHERE channel = $1 AND state IN ('scheduled', 'retry_wait')
-          AND next_attempt_at <= COALESCE($3, now())
+          AND next_attempt_at <= COALESCE($3, now()) AND owner = $4
         ORDER BY next_attempt_at
         LIMIT $2
         FOR UPDATE SKIP LOCKED)
@@ -37,6 +37,7 @@ impl Ledger {
                 .bind(channel.as_str())
                 .bind(i64::from(limit))
                 .bind(at.bind())
+                .bind(&*self.sender)
                 .fetch_all(&self.pool)
                 .await?;
         Ok(lines.join("\n"))
@@ -50,7 +51,8 @@ impl Ledger {
     /// A crash between claim and publish leaves the delivery `queued` with no message, which
     /// [`unconsumed`](Self::unconsumed) finds for the relay to republish after its timeout; a publish that
     /// fails is handed to [`mark_unpublished`](Self::mark_unpublished) so the next tick
-    /// republishes it at once. The lane is the delivery's own: it becomes `retry` when an
+    /// republishes it at once. Only the handle's sender's deliveries are claimed
+    /// ([`Ledger::for_sender`]). The lane is the delivery's own: it becomes `retry` when an
     /// attempt fails, never because a lease was given back.
     pub async fn claim_due(
         &self,
@@ -62,6 +64,7 @@ impl Ledger {
             .bind(channel.as_str())
             .bind(i64::from(limit))
             .bind(at.bind())
+            .bind(&*self.sender)
             .fetch_all(&self.pool)
             .await?;
         sorted(rows)

@@ -109,6 +109,8 @@ pub enum LeaseOutcome {
     NotFound,
     /// Routed to an account this worker has no configuration for: left `queued`.
     UnknownAccount(String),
+    /// Owned by another sender (handed over with `nudgectl owner set`): left as it is.
+    OwnedBy(String),
 }
 
 /// A batch's outcomes (in message order), the database time of the lease, and the buckets
@@ -262,6 +264,7 @@ struct UnleasedRow {
     expired: bool,
     cancelled: bool,
     account: Option<String>,
+    owner: Option<String>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -305,7 +308,7 @@ const CANDIDATES: &str = "WITH input AS (
                   (SELECT tc.provider_account FROM tenant_channels tc
                    WHERE tc.tenant_id = r.tenant_id AND tc.channel = $3),
                   $4) AS account) x) a
-    WHERE d.state = 'queued' AND d.channel = $3 AND r.cancelled_at IS NULL
+    WHERE d.state = 'queued' AND d.channel = $3 AND r.cancelled_at IS NULL AND d.owner = $7
       AND d.next_attempt_at <= COALESCE($5, now()) AND d.expires_at > COALESCE($5, now())
       AND a.account = ANY($6::text[])
     ORDER BY d.id
@@ -364,7 +367,8 @@ const EXPLAIN_UNLEASED: &str = "WITH input AS (
            EXISTS (SELECT 1 FROM expired e WHERE e.id = i.id) AS expired,
            EXISTS (SELECT 1 FROM cancelled c WHERE c.id = i.id) AS cancelled,
            COALESCE((SELECT tc.provider_account FROM tenant_channels tc
-                     WHERE tc.tenant_id = d.tenant_id AND tc.channel = d.channel), $3) AS account
+                     WHERE tc.tenant_id = d.tenant_id AND tc.channel = d.channel), $3) AS account,
+           d.owner
     FROM input i LEFT JOIN deliveries d ON d.id = i.id";
 
 /// Stamps the send start of leases whose slot has come (the fence, inside the admission
@@ -448,6 +452,7 @@ impl Ledger {
             .bind(batch.routes.default.as_str())
             .bind(batch.at.bind())
             .bind(&configured)
+            .bind(&*self.sender)
             .fetch_all(&mut *tx)
             .await?;
         let mut leased_at = rows.first().map(|r| r.db_now);
@@ -469,7 +474,7 @@ impl Ledger {
                 .fetch_all(&mut *tx)
                 .await?;
             for (row, generation) in unleased.into_iter().zip(rest_generations) {
-                let outcome = explain(&row, generation, batch)?;
+                let outcome = explain(&row, generation, batch, &self.sender)?;
                 by_id.insert(row.id, outcome);
             }
         }
@@ -786,6 +791,7 @@ fn explain(
     row: &UnleasedRow,
     generation: i64,
     batch: &LeaseBatch<'_>,
+    sender: &str,
 ) -> Result<LeaseOutcome, LedgerError> {
     if row.expired {
         return Ok(LeaseOutcome::Expired);
@@ -797,6 +803,9 @@ fn explain(
         return Ok(LeaseOutcome::NotFound);
     };
     let state: DeliveryState = parse(state)?;
+    if let Some(owner) = row.owner.as_deref().filter(|o| *o != sender) {
+        return Ok(LeaseOutcome::OwnedBy(owner.to_owned()));
+    }
     if state == DeliveryState::Queued
         && current == generation
         && let Some(account) = row

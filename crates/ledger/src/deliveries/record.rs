@@ -134,11 +134,16 @@ const APPLY: &str = "WITH input AS (
         WHERE d.id = i.id AND d.state = 'sending' AND d.lease_owner = i.owner
           AND d.generation = i.generation
         RETURNING d.id, d.provider_account,
-            -- A redriven delivery's attempts carry its redrive's incident.
-            CASE WHEN d.lane = 'redrive' THEN
-                (SELECT r.incident FROM redrive_items ri JOIN redrives r ON r.id = ri.redrive_id
-                 WHERE ri.delivery_id = d.id AND ri.fed_at IS NOT NULL
-                 ORDER BY ri.redrive_id DESC LIMIT 1) END AS incident)
+            -- A redriven delivery's attempts carry its redrive's incident; any other attempt
+            -- made while its channel drains, the drain's.
+            COALESCE(
+                CASE WHEN d.lane = 'redrive' THEN
+                    (SELECT r.incident FROM redrive_items ri
+                     JOIN redrives r ON r.id = ri.redrive_id
+                     WHERE ri.delivery_id = d.id AND ri.fed_at IS NOT NULL
+                     ORDER BY ri.redrive_id DESC LIMIT 1) END,
+                (SELECT cc.drain_incident FROM channel_controls cc
+                 WHERE cc.channel = d.channel AND cc.draining)) AS incident)
     INSERT INTO attempts (delivery_id, attempt_number, generation, lane, started_at,
         finished_at, outcome_class, http_status, retry_after_seen, retry_after_valid,
         delay_chosen_ms, next_state, next_attempt_at, reason, provider_account,
