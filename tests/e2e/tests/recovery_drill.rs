@@ -219,3 +219,196 @@ async fn a_redrive_pauses_on_429s_resumes_and_delivers_every_dead_letter_once() 
         "every process stops cleanly: {exits:?}"
     );
 }
+
+async fn sms_delivered(env: &TestEnv) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM deliveries WHERE channel = 'sms' AND state = 'delivered'",
+    )
+    .fetch_one(env.ledger.pool())
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_finishes_due_work_while_nothing_new_is_scheduled_then_rollback_hands_it_back() {
+    let mut env = TestEnv::start("drain-drill").await.unwrap();
+    let tenant = env.tenant("clinic-e", 2).await.unwrap();
+    env.script("sms-main", serde_json::json!({"default": {"status": 202}}))
+        .await
+        .unwrap();
+    let now = Utc::now();
+    let expires = now + chrono::Duration::minutes(30);
+    for i in 0..40 {
+        env.reminder(tenant, &format!("owed{i}"), &[Channel::Sms], now, expires)
+            .await
+            .unwrap();
+    }
+    let (code, out, err) = env
+        .nudgectl(&[
+            "drain",
+            "on",
+            "--channel",
+            "sms",
+            "--reason",
+            "provider incident",
+            "--incident",
+            "INC-D",
+        ])
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("sms: draining"), "{out}");
+    // Arriving during the drain: recorded, held.
+    for i in 0..10 {
+        env.reminder(tenant, &format!("held{i}"), &[Channel::Sms], now, expires)
+            .await
+            .unwrap();
+    }
+    env.start_producer("producer").unwrap();
+    env.start_janitor(200, 1_000).unwrap();
+    let options = WorkerOptions {
+        rate: Some((20.0, 5)),
+        ..WorkerOptions::for_channel(Channel::Sms)
+    };
+    env.start_worker(Channel::Sms, "worker-sms", &options)
+        .unwrap();
+    let ledger = env.ledger.clone();
+    env.wait_for(
+        "the 40 owed to be delivered during the drain",
+        Duration::from_secs(60),
+        || {
+            let ledger = ledger.clone();
+            async move {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM deliveries WHERE channel = 'sms' AND state = 'delivered'",
+                )
+                .fetch_one(ledger.pool())
+                .await?;
+                Ok((n == 40).then_some(()))
+            }
+        },
+    )
+    .await;
+    // Nothing new was scheduled: the ten held have no delivery, and status says so.
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM reminders r
+         WHERE r.event_id LIKE 'held%' AND NOT EXISTS (
+             SELECT 1 FROM deliveries d WHERE d.reminder_id = r.id)",
+    )
+    .fetch_one(env.ledger.pool())
+    .await
+    .unwrap();
+    assert_eq!(held, 10);
+    let (_, status, _) = env.nudgectl(&["status"]).unwrap();
+    assert!(status.contains("sms draining since"), "{status}");
+    assert!(status.contains("(incident INC-D)"), "{status}");
+    // The incident's attempts, exported without PHI.
+    let (code, export, err) = env
+        .nudgectl(&["export", "attempts", "--incident", "INC-D"])
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<Value> = export
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 40);
+    assert!(lines.iter().all(|l| l["outcome_class"] == "delivered"));
+    assert!(
+        !export.contains("dest-") && !export.contains("sub-"),
+        "no PHI"
+    );
+
+    // The drain ends: the held ten are scheduled and delivered.
+    let (code, out, err) = env
+        .nudgectl(&[
+            "drain",
+            "off",
+            "--channel",
+            "sms",
+            "--reason",
+            "provider back",
+        ])
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("10 held deliveries scheduled now"), "{out}");
+    let ledger = env.ledger.clone();
+    env.wait_for(
+        "the held ten to be delivered",
+        Duration::from_secs(60),
+        || {
+            let ledger = ledger.clone();
+            async move {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM deliveries WHERE channel = 'sms' AND state = 'delivered'",
+                )
+                .fetch_one(ledger.pool())
+                .await?;
+                Ok((n == 50).then_some(()))
+            }
+        },
+    )
+    .await;
+    assert_eq!(sms_delivered(&env).await, 50);
+
+    // A team that came from another sender rolls the channel back to it.
+    for to in ["legacy", "nudge"] {
+        let (code, _, err) = env
+            .nudgectl(&[
+                "owner",
+                "set",
+                "--channel",
+                "sms",
+                "--to",
+                to,
+                "--reason",
+                "migration",
+            ])
+            .unwrap();
+        assert_eq!(code, 0, "{err}");
+    }
+    let (code, out, err) = env
+        .nudgectl(&[
+            "rollback",
+            "--channel",
+            "sms",
+            "--reason",
+            "back to legacy",
+            "--wait",
+            "30s",
+        ])
+        .unwrap();
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("rolled back to legacy"), "{out}");
+    for i in 0..5 {
+        env.reminder(
+            tenant,
+            &format!("after{i}"),
+            &[Channel::Sms],
+            Utc::now(),
+            expires,
+        )
+        .await
+        .unwrap();
+    }
+    let owners: Vec<(String, String)> = sqlx::query_as(
+        "SELECT d.owner, d.state FROM deliveries d JOIN reminders r ON r.id = d.reminder_id
+         WHERE r.event_id LIKE 'after%'",
+    )
+    .fetch_all(env.ledger.pool())
+    .await
+    .unwrap();
+    assert_eq!(owners.len(), 5);
+    assert!(
+        owners
+            .iter()
+            .all(|(owner, state)| owner == "legacy" && state == "scheduled")
+    );
+
+    let totals = stats(env.stub_stats().await.unwrap()).unwrap().total;
+    assert_eq!(totals.duplicates, 0);
+    assert_eq!(totals.accepted, 50, "nothing sent after the rollback");
+    let exits = env.stop_all(Duration::from_secs(10));
+    assert!(
+        exits.iter().all(|(_, code)| *code == Some(0)),
+        "every process stops cleanly: {exits:?}"
+    );
+}
