@@ -3,6 +3,7 @@
 //! back in the same transaction, so replicas together never admit more than the bucket allows.
 
 use chrono::{DateTime, Utc};
+use nudge_domain::drain::BucketRates;
 use nudge_domain::{
     Admission, AdmissionSettings, BucketConfig, BucketState, Channel, Lane, ProviderAccount,
     admission,
@@ -26,6 +27,17 @@ pub struct RateBucket {
     pub changed_by: String,
     pub changed_at: DateTime<Utc>,
     pub change_reason: Option<String>,
+}
+
+impl RateBucket {
+    /// The rates that decide whether the bucket admits anything now (`nudge_domain::drain`).
+    pub fn rates(&self) -> BucketRates {
+        BucketRates {
+            rate_per_second: self.rate_per_second,
+            effective_rate: self.effective_rate,
+            paused_until: self.paused_until,
+        }
+    }
 }
 
 /// What a provider's answer says about the bucket.
