@@ -9,6 +9,11 @@
 //! at `now`, its configured rate is above 0 and its effective rate is above 0
 //! ([`BucketRates::idle_at`]); R is the sum of the effective rates of the buckets that count
 //! ([`admitted_rate`]). A channel with no bucket at all is not limited by admission (`None`).
+//! This Rust is the one definition wherever a round trip allows it: the relay
+//! (`Ledger::channel_rate`) reads its channel's bucket rows in the one query it made before and
+//! calls [`admitted_rate`]. The worker's fence (the last statement before a send) keeps its own
+//! SQL form of [`BucketRates::idle_at`] inside its conditional `UPDATE`, because asking Rust
+//! there would cost a round trip per send; a ledger test holds the two together.
 //!
 //! **Turns.** At R, owed work is sent one slot of `1 / R` seconds after another: the k-th
 //! (from 1) has its turn at the start of its slot, `now + (k - 1) / R` ([`turn_at`]), and its
@@ -61,6 +66,10 @@ pub enum Idle {
 
 impl BucketRates {
     /// Why the bucket admits nothing at `now`; `None` when its effective rate counts.
+    ///
+    /// The worker's fence (`FENCE` in `nudge-ledger`'s `deliveries/lease.rs`) holds the same
+    /// rule in SQL (`rate_per_second <= 0 OR effective_rate <= 0 OR paused_until > now`); the
+    /// ledger's bucket tests compare the two on the same rows.
     pub fn idle_at(&self, now: DateTime<Utc>) -> Option<Idle> {
         if let Some(until) = self.paused_until.filter(|until| *until > now) {
             Some(Idle::Paused { until })
