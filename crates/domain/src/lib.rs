@@ -3,8 +3,10 @@
 //! This crate owns what a delivery *is* and what may happen to it: identifiers parsed at the edge
 //! ([`ids`]), the delivery state machine ([`state`]), the `Retry-After` header ([`retry_after`]),
 //! the retry policy with injected jitter ([`policy`]), how a provider answer is classified
-//! ([`mod@classify`]) and the one function that turns an attempt's outcome into the next state
-//! ([`mod@decide`]). Every other crate asks these questions here instead of answering them again.
+//! ([`mod@classify`]), the one function that turns an attempt's outcome into the next state
+//! ([`mod@decide`]) and the drain model: a channel's admitted rate, the time of each turn at it
+//! and the drain floor ([`drain`]). Every other crate asks these questions here instead of
+//! answering them again.
 //!
 //! It must never do I/O: no clock reads inside the rules (time is a parameter), no network, no
 //! database, no async runtime and no logging. Randomness only arrives through the [`Jitter`] trait
@@ -13,6 +15,7 @@
 pub mod admission;
 pub mod classify;
 pub mod decide;
+pub mod drain;
 pub mod ids;
 pub mod lane;
 pub mod policy;

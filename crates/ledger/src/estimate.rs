@@ -6,6 +6,8 @@
 //! `deliveries_lease_idx` for what is in flight, `reminders_window_idx` per tenant).
 
 use chrono::{DateTime, Utc};
+/// The owed deliveries come back as the drain model walks them.
+pub use nudge_domain::drain::OwedDelivery;
 use nudge_domain::{Channel, DeliveryId};
 
 use crate::{Ledger, LedgerError};
@@ -24,17 +26,6 @@ impl Backlog {
     pub fn total(&self) -> u64 {
         self.due.saturating_add(self.sending)
     }
-}
-
-/// One owed delivery as the drain estimate walks it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OwedDelivery {
-    pub id: DeliveryId,
-    /// When it came due (for one in flight: when it last came due, else its last attempt).
-    pub next_attempt_at: DateTime<Utc>,
-    pub expires_at: DateTime<Utc>,
-    /// Leased by a worker: already admitted, not waiting for a send slot.
-    pub in_flight: bool,
 }
 
 #[derive(sqlx::FromRow)]

@@ -15,7 +15,8 @@
 //! Selection, in this order of exclusion: `ambiguous` (never resent automatically), already
 //! waiting in an active redrive, expired, tenant paused, older than `max_age` (counted from
 //! `scheduled_at`), would expire before its turn at the redrive's rate, over the limit. The
-//! eligible go earliest deadline first; the k-th (from 1) has its turn at `now + (k - 1) / rate`.
+//! eligible go earliest deadline first; the k-th (from 1) has its turn at `now + (k - 1) / rate`
+//! (`nudge_domain::drain::turn_at`).
 //!
 //! Pacing lives in the row (`fed_until`), so a janitor that crashes loses nothing and several
 //! replicas take turns (the row is locked with `SKIP LOCKED`). No credit builds up while the
@@ -25,7 +26,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, TenantId};
+use nudge_domain::{Channel, TenantId, drain};
 use sqlx::PgConnection;
 
 use crate::age::{AgeBand, age_band_sql};
@@ -108,7 +109,8 @@ pub struct RedrivePlan {
     pub excluded: BTreeMap<Exclusion, u64>,
     /// The eligible deliveries' stored reasons, most frequent first (at most 10).
     pub reasons: Vec<ReasonCount>,
-    /// `eligible / rate`: the least time the redrive takes to feed everything.
+    /// `eligible / rate` (`nudge_domain::drain::drain_s`): the least time the redrive takes to
+    /// feed everything.
     pub expected_drain_s: f64,
 }
 
@@ -206,6 +208,11 @@ pub struct RedriveTick {
 
 /// The selection, shared by the dry run and the execute. Binds: $1 now (NULL = database
 /// clock), $2 channel, $3 tenant, $4 max age in seconds, $5 rate, $6 limit.
+///
+/// "Would expire before its turn" is `expires_at <= nudge_domain::drain::turn_at(now, k, rate)`
+/// for the k-th eligible, earliest deadline first, computed here in SQL so the selection stays
+/// one statement that the dry run and the execute share; the redrive test
+/// `the_turn_rule_in_sql_is_the_drain_models` checks the two agree.
 fn selection_cte() -> String {
     let band = age_band_sql("f.scheduled_at", "f.now");
     format!(
@@ -232,6 +239,7 @@ fn selection_cte() -> String {
                                            ORDER BY c.expires_at, c.id) AS turn
             FROM c),
          timed AS (
+            -- The k-th eligible's turn, now + (k - 1) / rate, is nudge_domain::drain::turn_at.
             SELECT t.id, t.scheduled_at, t.expires_at, t.last_error_reason, t.now,
                 CASE WHEN t.excluded IS NULL
                           AND t.expires_at <= t.now
@@ -309,7 +317,7 @@ fn fold_plan(
     reasons.sort_by(|a, b| b.count.cmp(&a.count).then_with(|| a.reason.cmp(&b.reason)));
     reasons.truncate(10);
     plan.reasons = reasons;
-    plan.expected_drain_s = plan.eligible as f64 / rate;
+    plan.expected_drain_s = drain::drain_s(plan.eligible, rate);
     Ok(plan)
 }
 
@@ -401,7 +409,7 @@ impl RedriveRow {
             finished_at: self.finished_at,
             fed_by_state,
             skipped_by_reason,
-            remaining_s: remaining as f64 / self.rate_per_second,
+            remaining_s: drain::drain_s(remaining, self.rate_per_second),
         })
     }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use common::*;
+use nudge_domain::drain::{self, BucketRates};
 use nudge_domain::{
     AdmissionSettings, Channel, DeferReason, DeliveryState, IdempotencySupport, ProviderAccount,
 };
@@ -598,4 +599,86 @@ async fn a_bucket_row_held_by_a_stalled_peer_stops_a_lease_at_the_lock_timeout(p
         .await
         .unwrap();
     assert!(matches!(result.outcomes[0], LeaseOutcome::Leased { .. }));
+}
+
+/// The fence checks its bucket in SQL, inside the send's one conditional UPDATE, and the relay's
+/// `channel_rate` counts buckets with `nudge_domain::drain`: on the same rows, a bucket the
+/// fence refuses is one the drain model leaves out of the admitted rate, and no other.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_fence_refuses_exactly_the_buckets_the_drain_model_leaves_out(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    ledger
+        .ensure_bucket(&main_account(), Channel::Sms, 20.0, 5, t0())
+        .await
+        .unwrap();
+    let now = t0() + secs(1);
+    let rates = |rate_per_second, effective_rate, paused_until| BucketRates {
+        rate_per_second,
+        effective_rate,
+        paused_until,
+    };
+    let cases = [
+        rates(20.0, 20.0, None),
+        rates(20.0, 5.0, None),
+        rates(0.0, 0.0, None),
+        rates(20.0, 0.0, None),
+        rates(20.0, 20.0, Some(now + secs(5))),
+        rates(20.0, 20.0, Some(now - secs(5))),
+        rates(20.0, 20.0, Some(now)),
+    ];
+    for case in cases {
+        // A fresh bucket, so the next lease waits for its slot, then the case's rates.
+        sqlx::query(
+            "UPDATE rate_buckets SET rate_per_second = 20, effective_rate = 20,
+                 paused_until = NULL, tat = NULL, tat_new = NULL, tat_recovery = NULL,
+                 last_decrease_at = NULL",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let due = due(&ledger, 6).await;
+        let (waiting, reserved_at) = lease_batch(&ledger, &due, "worker-1", &wait(500), t0())
+            .await
+            .into_iter()
+            .find_map(|outcome| match outcome {
+                LeaseOutcome::Leased {
+                    lease,
+                    slot: SendSlot::At { reserved_at, .. },
+                    ..
+                } => Some((lease, reserved_at)),
+                _ => None,
+            })
+            .expect("the sixth lease of a burst-5 bucket waits for its slot");
+        sqlx::query(
+            "UPDATE rate_buckets SET rate_per_second = $1, effective_rate = $2, paused_until = $3",
+        )
+        .bind(case.rate_per_second)
+        .bind(case.effective_rate)
+        .bind(case.paused_until)
+        .execute(&pool)
+        .await
+        .unwrap();
+
+        let fenced = ledger
+            .fence(
+                &waiting,
+                reserved_at,
+                LEASE,
+                Duration::from_secs(10),
+                at(now),
+            )
+            .await
+            .unwrap();
+        let channel_rate = ledger.channel_rate(Channel::Sms, at(now)).await.unwrap();
+
+        let idle = case.idle_at(now);
+        assert_eq!(fenced.is_ok(), idle.is_none(), "{case:?}: {fenced:?}");
+        if idle.is_some() {
+            assert!(
+                matches!(fenced, Err(FenceRefused::BucketClosedUntil(_))),
+                "{case:?}: {fenced:?}"
+            );
+        }
+        assert_eq!(channel_rate, drain::admitted_rate([case], now), "{case:?}");
+    }
 }

@@ -489,3 +489,72 @@ async fn a_canary_holds_the_rest_until_it_settles_and_stops_it_on_a_5xx(pool: Pg
     let status = ledger.redrive_status(second).await.unwrap().unwrap();
     assert_eq!((status.fed, status.state), (3, RedriveState::Finished));
 }
+
+/// The selection's "would expire before its turn" is SQL; on the same dead letters it must
+/// exclude exactly those the drain model's `turn_at` says miss their turn: the k-th eligible,
+/// earliest deadline first, is excluded when it expires at or before `turn_at(now, k, rate)`.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_turn_rule_in_sql_is_the_drain_models(pool: PgPool) {
+    use nudge_domain::drain::turn_at;
+
+    let ledger = Ledger::from_pool(pool);
+    let a = tenant(&ledger).await;
+    // Seconds from now to each expiry: at 0.5/s the turns are 2 s apart (0, 2, 4, ...), so
+    // some expire exactly at their turn, some just before, some after; one has expired.
+    for (i, s) in [1, 2, 2, 5, 7, 8, 13, 20, 600, -10].into_iter().enumerate() {
+        dead_letter(&ledger, a.id, &format!("dl-{i}"), t0(), secs(3600 + s)).await;
+    }
+    let mut dead: Vec<(uuid::Uuid, DateTime<Utc>)> =
+        sqlx::query_as("SELECT id, expires_at FROM deliveries WHERE state = 'dead_lettered'")
+            .fetch_all(ledger.pool())
+            .await
+            .unwrap();
+    dead.sort_by_key(|&(id, expires_at)| (expires_at, id));
+    // Turns are numbered among those no earlier rule excludes (here: the expired one).
+    let candidates: Vec<_> = dead.iter().filter(|(_, e)| *e > now()).collect();
+    let model = |rate: f64| -> Vec<uuid::Uuid> {
+        (1u64..)
+            .zip(&candidates)
+            .filter(|(k, (_, expires_at))| {
+                turn_at(now(), *k, rate).is_some_and(|turn| *expires_at > turn)
+            })
+            .map(|(_, (id, _))| *id)
+            .collect()
+    };
+
+    for rate in [0.5, 0.1, 3.0] {
+        let plan = ledger.plan_redrive(&sms(), rate, at(now())).await.unwrap();
+        let eligible = model(rate);
+        assert_eq!(
+            plan.eligible,
+            eligible.len() as u64,
+            "at {rate}/s: {plan:?}"
+        );
+        assert_eq!(
+            plan.excluded
+                .get(&Exclusion::WouldExpireBeforeTurn)
+                .copied()
+                .unwrap_or(0),
+            (candidates.len() - eligible.len()) as u64,
+            "at {rate}/s: {plan:?}"
+        );
+    }
+
+    let (id, _) = ledger
+        .execute_redrive(&sms(), 0.5, None, &incident_ops(now()), at(now()))
+        .await
+        .unwrap();
+    let mut selected: Vec<uuid::Uuid> =
+        sqlx::query_scalar("SELECT delivery_id FROM redrive_items WHERE redrive_id = $1")
+            .bind(id)
+            .fetch_all(ledger.pool())
+            .await
+            .unwrap();
+    selected.sort();
+    let mut eligible = model(0.5);
+    eligible.sort();
+    // Turns at 0, 2, 4, ... s: 1 s is after the first (now), 13 s, 20 s and 600 s after the
+    // 7th, 8th and 9th (12, 14 and 16 s); 2 s is exactly the second's turn and misses it.
+    assert_eq!(eligible.len(), 4);
+    assert_eq!(selected, eligible);
+}

@@ -28,10 +28,6 @@ use nudge_domain::{Channel, DeliveryId, ProviderAccount};
 use nudge_ledger::{ChannelStatus, DestinationCipher, Ledger, Operator, Tenant, TraceId};
 
 pub use config::CtlConfig;
-pub use estimate::{
-    BucketShare, DrainFloor, DrainIteration, Expiring, admitted_rate, drain_floor,
-    expiring_before_turn,
-};
 pub use operations::{DrainCommand, OwnerCommand};
 pub use rate::{RateError, RatePerSecond};
 pub use redrive::{RedriveArgs, RedriveCommand};

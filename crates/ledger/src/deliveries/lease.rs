@@ -396,6 +396,10 @@ const STAMP_AND_RELEASE: &str = "WITH started AS (
         RETURNING d.id)
     SELECT id, lease_expires_at FROM started";
 
+/// The bucket check (`rate_per_second <= 0 OR effective_rate <= 0 OR paused_until > now`) is
+/// `nudge_domain::drain::BucketRates::idle_at` in SQL, kept here because the fence is the one
+/// statement before a send: asking Rust would add a round trip per send. The bucket test
+/// `the_fence_refuses_exactly_the_buckets_the_drain_model_leaves_out` holds them together.
 const FENCE: &str = "UPDATE deliveries d
     SET send_started_at = COALESCE($6, clock_timestamp()),
         lease_expires_at = COALESCE($6, clock_timestamp()) + $5 * interval '1 millisecond',
