@@ -130,7 +130,8 @@ impl Ledger {
 
     /// How much work of `channel` falls due in `(from, to]`: deliveries waiting for a later
     /// `next_attempt_at`, plus reminders scheduled then on that channel that have no delivery
-    /// yet (not materialised by the producer). Cancelled reminders do not count.
+    /// yet (not materialised by the producer). Cancelled reminders do not count, nor do
+    /// unmaterialised ones while the channel drains (they are held until the drain ends).
     pub async fn arrivals(
         &self,
         channel: Channel,
@@ -147,6 +148,7 @@ impl Ledger {
                        AND next_attempt_at > $2 AND next_attempt_at <= $3)
                   + (SELECT count(*)
                      FROM tenants t
+                     JOIN channel_controls cc ON cc.channel = $1 AND NOT cc.draining
                      CROSS JOIN LATERAL (
                          SELECT 1 FROM reminders r
                          WHERE r.tenant_id = t.id AND r.cancelled_at IS NULL

@@ -558,3 +558,114 @@ async fn the_turn_rule_in_sql_is_the_drain_models(pool: PgPool) {
     assert_eq!(eligible.len(), 4);
     assert_eq!(selected, eligible);
 }
+
+/// Decides a 503 with `policy` for a held lease, counting attempts from its last redrive as
+/// the worker does, and records it.
+async fn answer_503(
+    ledger: &Ledger,
+    lease: &LeasedDelivery,
+    policy: &RetryPolicy,
+    now: DateTime<Utc>,
+) -> nudge_domain::Decision {
+    let ctx = AttemptContext {
+        attempt_number: lease.attempt_number - lease.attempt_base,
+        expires_at: lease.expires_at,
+        idempotency: IdempotencySupport::Honoured,
+    };
+    let decision = decide(
+        &ctx,
+        &response(503),
+        now,
+        policy,
+        &mut FixedJitter::new(1_000),
+    );
+    let attempt = AttemptRecord {
+        started_at: now,
+        finished_at: now,
+        worker: "worker-1".into(),
+        correlation_id: None,
+    };
+    assert_eq!(
+        record(ledger, lease, &decision, &attempt, now).await,
+        Recorded::Applied
+    );
+    decision
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_attempt_limit_dead_letters_with_the_deadline_kept_and_a_redrive_gets_a_fresh_budget(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool);
+    let a = tenant(&ledger).await;
+    let policy = RetryPolicy::new(
+        Duration::from_secs(1),
+        Duration::from_secs(1),
+        3,
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let created = ledger
+        .create_reminder(
+            &NewReminder::new(
+                a.id,
+                EventId::parse("limited").unwrap(),
+                SubscriberRef::parse("patient-0001").unwrap(),
+                &[Channel::Sms],
+                t0(),
+                t0() + secs(86_400),
+            )
+            .unwrap(),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+    ledger
+        .materialise_reminder(a.id, created.id, t0())
+        .await
+        .unwrap();
+    // Three 503s, the clock moved past each backoff instead of sleeping.
+    let mut clock = t0();
+    let mut last = None;
+    for _ in 0..3 {
+        let due = ledger.claim_due(Channel::Sms, 10, at(clock)).await.unwrap();
+        assert_eq!(due.len(), 1, "due again at {clock}");
+        let lease = leased(lease(&ledger, &due[0], clock).await);
+        last = Some(answer_503(&ledger, &lease, &policy, clock).await);
+        clock += secs(2);
+    }
+    let last = last.unwrap();
+    assert_eq!(last.next_state, DeliveryState::DeadLettered);
+    assert_eq!(
+        last.facts.reason.as_deref(),
+        Some("attempts_exhausted: http_503")
+    );
+    let id = ledger.deliveries_of_reminder(created.id).await.unwrap()[0].id;
+    let dead = ledger.delivery(id).await.unwrap().unwrap();
+    assert_eq!(dead.expires_at, t0() + secs(86_400), "the deadline is kept");
+
+    // Redriven: the same deadline, a fourth attempt, and a fresh budget of three.
+    let (redrive, _) = ledger
+        .execute_redrive(&sms(), 10.0, None, &incident_ops(clock), at(clock))
+        .await
+        .unwrap();
+    ledger
+        .redrive_tick(&rules(), 100, at(clock + secs(1)))
+        .await
+        .unwrap();
+    clock += secs(2);
+    let due = ledger.claim_due(Channel::Sms, 10, at(clock)).await.unwrap();
+    let lease = leased(lease(&ledger, &due[0], clock).await);
+    assert_eq!((lease.attempt_number, lease.attempt_base), (4, 3));
+    assert_eq!(lease.expires_at, t0() + secs(86_400));
+    let decision = answer_503(&ledger, &lease, &policy, clock).await;
+    assert_eq!(
+        decision.next_state,
+        DeliveryState::RetryWait,
+        "the first attempt of the redrive is 1 of 3, not 4 of 3"
+    );
+    assert_eq!(ledger.attempts(id).await.unwrap().len(), 4, "history kept");
+    let status = ledger.redrive_status(redrive).await.unwrap().unwrap();
+    assert_eq!(status.fed_by_state.get("retry_wait"), Some(&1));
+}
