@@ -115,6 +115,14 @@ async fn a_draining_channel_gets_nothing_new_until_the_drain_ends(pool: PgPool) 
         1,
         "email is not draining"
     );
+    // The drain estimate counts no held reminder as arriving work.
+    assert_eq!(
+        ledger
+            .arrivals(Channel::Sms, t0() + secs(1), t0() + secs(60))
+            .await
+            .unwrap(),
+        0
+    );
 
     // The owed work finishes, its attempt tagged with the drain's incident.
     assert_eq!(deliver(&ledger, Channel::Sms, t0() + secs(1)).await, 1);
@@ -168,6 +176,14 @@ async fn a_draining_channel_gets_nothing_new_until_the_drain_ends(pool: PgPool) 
         .unwrap();
     assert_eq!(off.released, 2, "the due one and the windowed one");
     assert_eq!(deliveries_on(&ledger, Channel::Sms).await, 3);
+    assert_eq!(
+        ledger
+            .arrivals(Channel::Sms, t0() + secs(1), t0() + secs(60))
+            .await
+            .unwrap(),
+        1,
+        "the windowed one, now scheduled"
+    );
     let ticks = ledger
         .redrive_tick(&rules, 100, at(t0() + secs(5)))
         .await
