@@ -14,7 +14,8 @@
 //!
 //! - Redrive feeder: each running redrive (`nudgectl redrive --execute`) is fed its next
 //!   dead letters at its rate, paused when its channel's provider answers too many 429s or
-//!   new work waits too long (`[redrive]`), and held behind its canary until that settles.
+//!   new work waits too long (`[redrive]`; the latter resumes by itself once new work has
+//!   caught up), held while its channel drains, and behind its canary until that settles.
 //!
 //! - Orphan watchdog (every minute): a reminder whose time came two minutes ago or more, of a
 //!   tenant that is not paused, with no delivery at all, is materialised and logged as a bug.
@@ -106,7 +107,8 @@ pub struct RedriveSection {
     pub window_s: u64,
     /// ...and made at least this many attempts in that window (fewer say nothing).
     pub min_attempts: u32,
-    /// Pause when the channel's oldest due new delivery has waited longer than this.
+    /// Pause when the channel's oldest due new delivery has waited longer than this; resume by
+    /// itself once it waits less than half of it.
     pub max_new_work_age_s: u64,
 }
 
@@ -302,6 +304,12 @@ pub async fn redrive_once(
     for tick in ticks {
         if let Some(why) = &tick.paused {
             warn!(redrive_id = tick.id, reason = %why, "redrive paused itself");
+        }
+        if tick.resumed {
+            info!(
+                redrive_id = tick.id,
+                "new work caught up: redrive resumed itself"
+            );
         }
         if tick.skipped > 0 {
             info!(

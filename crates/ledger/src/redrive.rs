@@ -203,6 +203,8 @@ pub struct RedriveTick {
     pub paused: Option<String>,
     /// Its channel is draining: nothing fed, the redrive waits for the drain to end.
     pub held: bool,
+    /// It had paused itself for late new work, and new work has caught up: running again.
+    pub resumed: bool,
     pub finished: bool,
 }
 
@@ -731,10 +733,13 @@ impl Ledger {
         batch: u32,
         at: LedgerTime,
     ) -> Result<Vec<RedriveTick>, LedgerError> {
-        let ids: Vec<i64> =
-            sqlx::query_scalar("SELECT id FROM redrives WHERE state = 'running' ORDER BY id")
-                .fetch_all(&self.pool)
-                .await?;
+        let ids: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT id FROM redrives WHERE state = 'running'
+                    OR (state = 'paused' AND pause_reason LIKE '{NEW_WORK_WAITING}%')
+                 ORDER BY id"
+        )))
+        .fetch_all(&self.pool)
+        .await?;
         let mut ticks = Vec::with_capacity(ids.len());
         for id in ids {
             if let Some(tick) = self.tick_one(id, rules, batch, at).await? {
@@ -755,7 +760,9 @@ impl Ledger {
         let row: Option<(RedriveRow, DateTime<Utc>)> = {
             let sql = format!(
                 "SELECT {REDRIVE_COLUMNS}, COALESCE($2, now()) AS tick_now FROM redrives
-                 WHERE id = $1 AND state = 'running' FOR UPDATE SKIP LOCKED"
+                 WHERE id = $1 AND (state = 'running'
+                     OR (state = 'paused' AND pause_reason LIKE '{NEW_WORK_WAITING}%'))
+                 FOR UPDATE SKIP LOCKED"
             );
             let found = sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(id)
@@ -779,12 +786,48 @@ impl Ledger {
             skipped: 0,
             paused: None,
             held: false,
+            resumed: false,
             finished: false,
         };
         let channel: Channel = row
             .channel
             .parse()
             .map_err(|e| LedgerError::corrupt("redrives", e))?;
+        // Paused because new work was late: it goes on by itself once new work has caught up
+        // (its oldest due delivery waits less than half the limit), counting from then.
+        if row.state == "paused" {
+            let waited = oldest_new_work_age(&mut tx, channel, now).await?;
+            if waited.is_none_or(|w| w * 2 <= rules.max_new_work_age) {
+                sqlx::query(
+                    "UPDATE redrives SET state = 'running', pause_reason = NULL,
+                         running_since = $2, fed_until = $2, updated_at = $2
+                     WHERE id = $1",
+                )
+                .bind(id)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+                audit::insert(
+                    &mut tx,
+                    &crate::AuditEntry {
+                        at: now,
+                        actor: "nudge-janitor".to_owned(),
+                        action: "redrive_auto_resume".to_owned(),
+                        target: Some(format!("redrive:{id}")),
+                        reason: Some(format!(
+                            "new work caught up: the oldest due new {channel} delivery waits {}s",
+                            waited.unwrap_or_default().as_secs()
+                        )),
+                        incident: row.incident.clone(),
+                        details: serde_json::json!({"paused_for": row.pause_reason}),
+                    },
+                )
+                .await?;
+                tick.resumed = true;
+            }
+            tx.commit().await?;
+            return Ok(Some(tick));
+        }
         // A draining channel's redrive lane is closed: hold, with no credit for the time.
         let draining: bool =
             sqlx::query_scalar("SELECT draining FROM channel_controls WHERE channel = $1")
@@ -957,7 +1000,30 @@ async fn auto_pause_reason(
             )));
         }
     }
-    let oldest_new: Option<DateTime<Utc>> = sqlx::query_scalar(
+    if let Some(waited) = oldest_new_work_age(conn, channel, now).await? {
+        if waited > rules.max_new_work_age {
+            return Ok(Some(format!(
+                "{NEW_WORK_WAITING}: the oldest due new {channel} delivery has waited {}s \
+                 (more than {}s)",
+                waited.as_secs(),
+                rules.max_new_work_age.as_secs()
+            )));
+        }
+    }
+    Ok(None)
+}
+
+/// The pause reason the janitor lifts by itself once new work has caught up.
+const NEW_WORK_WAITING: &str = "new_work_waiting";
+
+/// How long the channel's oldest due new delivery (first attempt, not being sent) has
+/// waited, if any is due.
+async fn oldest_new_work_age(
+    conn: &mut PgConnection,
+    channel: Channel,
+    now: DateTime<Utc>,
+) -> Result<Option<Duration>, LedgerError> {
+    let oldest: Option<DateTime<Utc>> = sqlx::query_scalar(
         "SELECT min(next_attempt_at) FROM deliveries
          WHERE channel = $1 AND lane = 'new' AND state IN ('scheduled', 'queued', 'retry_wait')
            AND next_attempt_at <= $2",
@@ -966,18 +1032,7 @@ async fn auto_pause_reason(
     .bind(now)
     .fetch_one(&mut *conn)
     .await?;
-    if let Some(oldest) = oldest_new {
-        let waited = (now - oldest).to_std().unwrap_or_default();
-        if waited > rules.max_new_work_age {
-            return Ok(Some(format!(
-                "new_work_waiting: the oldest due new {channel} delivery has waited {}s \
-                 (more than {}s)",
-                waited.as_secs(),
-                rules.max_new_work_age.as_secs()
-            )));
-        }
-    }
-    Ok(None)
+    Ok(oldest.map(|t| (now - t).to_std().unwrap_or_default()))
 }
 
 enum Canary {

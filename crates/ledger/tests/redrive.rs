@@ -408,6 +408,52 @@ async fn a_redrive_pauses_while_new_work_waits_too_long(pool: PgPool) {
     assert!(why.starts_with("new_work_waiting"), "{why}");
     let status = ledger.redrive_status(id).await.unwrap().unwrap();
     assert_eq!((status.state, status.fed), (RedriveState::Paused, 0));
+
+    // Still late: it stays paused. Once the new work is sent, it resumes by itself, and
+    // feeds from the next tick on.
+    let ticks = ledger
+        .redrive_tick(&rules(), 1000, at(now() + secs(1)))
+        .await
+        .unwrap();
+    assert!(!ticks[0].resumed);
+    let late = ledger
+        .claim_due(Channel::Sms, 10, at(now() + secs(1)))
+        .await
+        .unwrap();
+    assert_eq!(late.len(), 1);
+    let lease = leased(lease(&ledger, &late[0], now() + secs(1)).await);
+    answer(&ledger, &lease, response(202), now() + secs(1)).await;
+    let ticks = ledger
+        .redrive_tick(&rules(), 1000, at(now() + secs(2)))
+        .await
+        .unwrap();
+    assert!(ticks[0].resumed, "{ticks:?}");
+    let ticks = ledger
+        .redrive_tick(&rules(), 1000, at(now() + secs(4)))
+        .await
+        .unwrap();
+    assert_eq!((ticks[0].fed, ticks[0].finished), (1, true));
+    let audit = ledger.recent_audit(1).await.unwrap();
+    assert_eq!(audit[0].action, "redrive_auto_resume");
+    // A redrive paused for 429s is not resumed by itself.
+    let (throttled, _) = ledger
+        .execute_redrive(&sms(), 1.0, None, &incident_ops(now()), at(now() + secs(5)))
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE redrives SET state = 'paused', pause_reason = 'throttled: test' WHERE id = $1",
+    )
+    .bind(throttled)
+    .execute(ledger.pool())
+    .await
+    .unwrap();
+    assert!(
+        ledger
+            .redrive_tick(&rules(), 1000, at(now() + secs(6)))
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]

@@ -459,8 +459,19 @@ log_filter = "info"
         retry_base_ms: u64,
         retry_max_ms: u64,
     ) -> anyhow::Result<usize> {
+        self.start_janitor_with(retry_base_ms, retry_max_ms, 600)
+    }
+
+    /// Starts `nudge-janitor` whose redrives pause while new work waits longer than
+    /// `max_new_work_age_s`; returns its index.
+    pub fn start_janitor_with(
+        &mut self,
+        retry_base_ms: u64,
+        retry_max_ms: u64,
+        max_new_work_age_s: u64,
+    ) -> anyhow::Result<usize> {
         let body = format!(
-            "{}\n[janitor]\ninterval_ms = 200\n\n[redrive]\nmax_throttled_ratio = 0.2\nwindow_s = 30\nmin_attempts = 5\n\n[retry]\nbase_delay_ms = {retry_base_ms}\nmax_delay_ms = {retry_max_ms}\n",
+            "{}\n[janitor]\ninterval_ms = 200\n\n[redrive]\nmax_throttled_ratio = 0.2\nwindow_s = 30\nmin_attempts = 5\nmax_new_work_age_s = {max_new_work_age_s}\n\n[retry]\nbase_delay_ms = {retry_base_ms}\nmax_delay_ms = {retry_max_ms}\n",
             self.common_config()
         );
         let config = self.write_config("janitor", &body)?;
