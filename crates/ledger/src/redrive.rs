@@ -1000,15 +1000,15 @@ async fn auto_pause_reason(
             )));
         }
     }
-    if let Some(waited) = oldest_new_work_age(conn, channel, now).await? {
-        if waited > rules.max_new_work_age {
-            return Ok(Some(format!(
-                "{NEW_WORK_WAITING}: the oldest due new {channel} delivery has waited {}s \
-                 (more than {}s)",
-                waited.as_secs(),
-                rules.max_new_work_age.as_secs()
-            )));
-        }
+    if let Some(waited) = oldest_new_work_age(conn, channel, now).await?
+        && waited > rules.max_new_work_age
+    {
+        return Ok(Some(format!(
+            "{NEW_WORK_WAITING}: the oldest due new {channel} delivery has waited {}s \
+             (more than {}s)",
+            waited.as_secs(),
+            rules.max_new_work_age.as_secs()
+        )));
     }
     Ok(None)
 }
