@@ -743,11 +743,14 @@ async fn materialise_created(
                 scheduled_at: reminder.scheduled_at,
                 expires_at: reminder.expires_at,
             });
-        // A reminder created in this transaction has no delivery yet: one per channel.
-        counts.insert(row.id.as_uuid(), reminder.channels.len() as u64);
     }
+    // One per channel, less those of a draining channel (held until the drain ends).
     for (tenant_id, reminders) in by_tenant {
-        insert_deliveries(tx, TenantId::from_uuid(tenant_id), &reminders, now).await?;
+        for reminder_id in
+            inserted_deliveries(tx, TenantId::from_uuid(tenant_id), &reminders, now).await?
+        {
+            *counts.entry(reminder_id).or_insert(0) += 1;
+        }
     }
     Ok(counts)
 }
@@ -830,6 +833,18 @@ async fn insert_deliveries(
     reminders: &[WindowReminder],
     now: DateTime<Utc>,
 ) -> Result<u64, LedgerError> {
+    Ok(inserted_deliveries(tx, tenant_id, reminders, now)
+        .await?
+        .len() as u64)
+}
+
+/// [`insert_deliveries`], returning the reminder id of each delivery created.
+async fn inserted_deliveries(
+    tx: &mut PgConnection,
+    tenant_id: TenantId,
+    reminders: &[WindowReminder],
+    now: DateTime<Utc>,
+) -> Result<Vec<uuid::Uuid>, LedgerError> {
     let mut ids = Vec::new();
     let mut reminder_ids = Vec::new();
     let mut channels = Vec::new();
@@ -855,7 +870,7 @@ async fn insert_deliveries(
         }
     }
     if ids.is_empty() {
-        return Ok(0);
+        return Ok(Vec::new());
     }
     let open: Vec<(String, String)> = sqlx::query_as(
         "SELECT channel, owner FROM channel_controls
@@ -873,7 +888,7 @@ async fn insert_deliveries(
                 .map_or("", |(_, owner)| owner.as_str())
         })
         .collect();
-    let done = sqlx::query(
+    let done: Vec<uuid::Uuid> = sqlx::query_scalar(
         "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
                                  scheduled_at, expires_at, next_attempt_at, created_at, updated_at,
                                  owner)
@@ -883,7 +898,8 @@ async fn insert_deliveries(
                      $8::timestamptz[], $9::text[])
               AS d(id, reminder_id, channel, key, scheduled_at, expires_at, owner)
          WHERE d.owner <> ''
-         ON CONFLICT (reminder_id, channel) DO NOTHING",
+         ON CONFLICT (reminder_id, channel) DO NOTHING
+         RETURNING reminder_id",
     )
     .bind(tenant_id.as_uuid())
     .bind(now)
@@ -894,7 +910,7 @@ async fn insert_deliveries(
     .bind(&scheduled)
     .bind(&expires)
     .bind(&owners)
-    .execute(&mut *tx)
+    .fetch_all(&mut *tx)
     .await?;
-    Ok(done.rows_affected())
+    Ok(done)
 }
