@@ -71,7 +71,7 @@ const CONTROL_COLUMNS: &str = "channel, draining, drain_incident, drain_started_
 /// What `drain on|off` did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DrainChange {
-    /// False when the channel already was in the asked state (nothing changed or audited).
+    /// False when the channel already was in the asked state (the flag was not changed).
     pub changed: bool,
     /// On `off`: held deliveries created now (their time had come or their window had run).
     pub released: u64,
@@ -100,7 +100,14 @@ impl Ledger {
     }
 
     /// Turns a channel's drain on or off, audited (`drain_on` / `drain_off`) with the
-    /// operator's incident. Off releases the held work in the same transaction.
+    /// operator's incident.
+    ///
+    /// Off is two transactions: the flag (and its audit row), then the release of the held
+    /// work. Releasing inserts deliveries, which waits for any window holding its tenant's
+    /// row; doing that while holding the channel's row would deadlock with a window waiting
+    /// for that row. The release is idempotent, so `off` on a channel that is not draining
+    /// still releases anything held (a release that failed after its flag committed is
+    /// finished by running `off` again).
     pub async fn set_draining(
         &self,
         channel: Channel,
@@ -114,59 +121,69 @@ impl Ledger {
         .bind(channel.as_str())
         .fetch_one(&mut *tx)
         .await?;
-        if row.draining == draining {
-            return Ok(DrainChange {
-                changed: false,
-                released: 0,
-            });
-        }
+        let changed = row.draining != draining;
         let now = by.at();
-        let mut released = 0;
-        if draining {
-            sqlx::query(
-                "UPDATE channel_controls SET draining = true, drain_incident = $2,
-                     drain_started_at = $3, changed_by = $4, changed_at = $3, change_reason = $5
-                 WHERE channel = $1",
+        if changed {
+            if draining {
+                sqlx::query(
+                    "UPDATE channel_controls SET draining = true, drain_incident = $2,
+                         drain_started_at = $3, changed_by = $4, changed_at = $3,
+                         change_reason = $5
+                     WHERE channel = $1",
+                )
+                .bind(channel.as_str())
+                .bind(by.incident())
+                .bind(now)
+                .bind(by.actor())
+                .bind(by.reason())
+                .execute(&mut *tx)
+                .await?;
+            } else {
+                sqlx::query(
+                    "UPDATE channel_controls SET draining = false, drain_incident = NULL,
+                         drain_started_at = NULL, changed_by = $3, changed_at = $2,
+                         change_reason = $4
+                     WHERE channel = $1",
+                )
+                .bind(channel.as_str())
+                .bind(now)
+                .bind(by.actor())
+                .bind(by.reason())
+                .execute(&mut *tx)
+                .await?;
+            }
+            audit::insert(
+                &mut tx,
+                &by.entry(
+                    if draining { "drain_on" } else { "drain_off" },
+                    format!("channel:{channel}"),
+                    serde_json::json!({
+                        "drain_started_at": row.drain_started_at,
+                        "drain_incident": row.drain_incident,
+                    }),
+                ),
             )
-            .bind(channel.as_str())
-            .bind(by.incident())
-            .bind(now)
-            .bind(by.actor())
-            .bind(by.reason())
-            .execute(&mut *tx)
             .await?;
-        } else {
-            sqlx::query(
-                "UPDATE channel_controls SET draining = false, drain_incident = NULL,
-                     drain_started_at = NULL, changed_by = $3, changed_at = $2, change_reason = $4
-                 WHERE channel = $1",
-            )
-            .bind(channel.as_str())
-            .bind(now)
-            .bind(by.actor())
-            .bind(by.reason())
-            .execute(&mut *tx)
-            .await?;
-            released = crate::reminders::materialise_held(&mut tx, channel, now).await?;
         }
-        audit::insert(
-            &mut tx,
-            &by.entry(
-                if draining { "drain_on" } else { "drain_off" },
-                format!("channel:{channel}"),
-                serde_json::json!({
-                    "drain_started_at": row.drain_started_at,
-                    "drain_incident": row.drain_incident,
-                    "released": released,
-                }),
-            ),
-        )
-        .await?;
         tx.commit().await?;
-        Ok(DrainChange {
-            changed: true,
-            released,
-        })
+        let mut released = 0;
+        if !draining {
+            let mut tx = self.pool.begin().await?;
+            released = crate::reminders::materialise_held(&mut tx, channel, now).await?;
+            if released > 0 {
+                audit::insert(
+                    &mut tx,
+                    &by.entry(
+                        "drain_release",
+                        format!("channel:{channel}"),
+                        serde_json::json!({"released": released}),
+                    ),
+                )
+                .await?;
+            }
+            tx.commit().await?;
+        }
+        Ok(DrainChange { changed, released })
     }
 
     /// Hands a channel's owed, unleased work and its new work to `to`, audited

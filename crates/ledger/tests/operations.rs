@@ -199,7 +199,13 @@ async fn a_draining_channel_gets_nothing_new_until_the_drain_ends(pool: PgPool) 
         .map(|e| e.action)
         .collect();
     assert!(actions.contains(&"drain_on".to_owned()));
-    assert_eq!(actions[0], "drain_off");
+    assert_eq!(actions[..2], ["drain_release", "drain_off"]);
+    // Off again: nothing changes, nothing is held.
+    let again = ledger
+        .set_draining(Channel::Sms, false, &incident_ops("INC-9"))
+        .await
+        .unwrap();
+    assert_eq!((again.changed, again.released), (false, 0));
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]

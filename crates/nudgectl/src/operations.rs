@@ -142,7 +142,11 @@ pub async fn drain(
             "{channel}: drain ended; {} held deliveries scheduled now",
             change.released
         )?,
-        (false, false) => writeln!(out, "{channel}: not draining; nothing changed")?,
+        (false, false) => writeln!(
+            out,
+            "{channel}: not draining; {} held deliveries scheduled now",
+            change.released
+        )?,
     }
     Ok(())
 }
