@@ -18,7 +18,8 @@
 //!   caught up), held while its channel drains, and behind its canary until that settles.
 //!
 //! - Orphan watchdog (every minute): a reminder whose time came two minutes ago or more, of a
-//!   tenant that is not paused, with no delivery at all, is materialised and logged as a bug.
+//!   tenant that is not paused, missing a delivery on a channel that is not draining, is
+//!   materialised and logged as a bug.
 //!
 //! It must never delete anything (retention is a separate, counted operation), touch a
 //! delivery that a live lease holds, or acknowledge a dead letter before it is recorded.

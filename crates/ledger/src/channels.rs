@@ -3,9 +3,10 @@
 //!
 //! Drain: while a channel drains, [`insert_deliveries`](crate::reminders) creates no delivery
 //! for it (reminders are recorded and held), the redrive feeder holds, and attempts carry the
-//! drain's incident. Turning it off materialises, in the same transaction, every held delivery
-//! whose time has come or whose window already ran. The delivery inserts take the channel
-//! rows `FOR SHARE` and a drain change takes its row `FOR UPDATE`, so once `drain on` has
+//! drain's incident. Turning it off commits the flag, then, in a second transaction,
+//! materialises every held delivery whose time has come or whose window already ran (running
+//! `off` again finishes a release that failed). The delivery inserts take the channel rows
+//! `FOR SHARE` and a drain change takes its row `FOR UPDATE`, so once `drain on` has
 //! committed no transaction still in flight creates work for the channel.
 //!
 //! Ownership: every delivery has an owner; a relay and a worker claim and lease only their
@@ -16,7 +17,7 @@
 use chrono::{DateTime, Utc};
 use nudge_domain::Channel;
 
-use crate::{Ledger, LedgerError, Operator, audit, is_owner_name};
+use crate::{Ledger, LedgerError, LedgerTime, Operator, audit, is_owner_name};
 
 /// One channel's operator controls.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -108,11 +109,14 @@ impl Ledger {
     /// for that row. The release is idempotent, so `off` on a channel that is not draining
     /// still releases anything held (a release that failed after its flag committed is
     /// finished by running `off` again).
+    ///
+    /// Which held reminders are due is decided by the database's clock (`at` in tests).
     pub async fn set_draining(
         &self,
         channel: Channel,
         draining: bool,
         by: &Operator,
+        at: LedgerTime,
     ) -> Result<DrainChange, LedgerError> {
         let mut tx = self.pool.begin().await?;
         let row: ControlRow = sqlx::query_as(sqlx::AssertSqlSafe(format!(
@@ -169,7 +173,11 @@ impl Ledger {
         let mut released = 0;
         if !draining {
             let mut tx = self.pool.begin().await?;
-            released = crate::reminders::materialise_held(&mut tx, channel, now).await?;
+            let db_now: DateTime<Utc> = sqlx::query_scalar("SELECT COALESCE($1, now())")
+                .bind(at.bind())
+                .fetch_one(&mut *tx)
+                .await?;
+            released = crate::reminders::materialise_held(&mut tx, channel, db_now).await?;
             if released > 0 {
                 audit::insert(
                     &mut tx,
@@ -186,10 +194,16 @@ impl Ledger {
         Ok(DrainChange { changed, released })
     }
 
-    /// Hands a channel's owed, unleased work and its new work to `to`, audited
-    /// (`owner_set`). The owner it replaces is kept as `previous_owner` (where a rollback
+    /// Hands a channel's owed, unleased work and its new work to `to`, audited (`owner_set`
+    /// with the change, `owner_moved` with the counts once the work has moved). The owner it replaces is kept as `previous_owner` (where a rollback
     /// returns the work); setting the owner it already has only sweeps owed work still
     /// under another owner (leases that finished since the last change).
+    ///
+    /// The channel's row changes first, in its own transaction (new work follows the new
+    /// owner from then on); the owed work then moves in batches of 1,000 in id order, the
+    /// order leases lock in, skipping rows a lease holds this instant. So no intake or window
+    /// waits on the channel's row for the whole move, and a large move does not take every
+    /// row lock at once.
     pub async fn set_channel_owner(
         &self,
         channel: Channel,
@@ -221,29 +235,52 @@ impl Ledger {
             .execute(&mut *tx)
             .await?;
         }
-        let moved = sqlx::query(
-            "UPDATE deliveries SET owner = $2, updated_at = $3
-             WHERE channel = $1 AND owner <> $2 AND state IN ('scheduled', 'queued', 'retry_wait')",
+        audit::insert(
+            &mut tx,
+            &by.entry(
+                "owner_set",
+                format!("channel:{channel}"),
+                serde_json::json!({"previous": previous, "owner": to}),
+            ),
         )
-        .bind(channel.as_str())
-        .bind(to)
-        .bind(by.at())
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+        .await?;
+        tx.commit().await?;
+        let mut moved = 0;
+        loop {
+            let batch = sqlx::query(
+                "UPDATE deliveries SET owner = $2, updated_at = $3
+                 WHERE id IN (
+                     SELECT id FROM deliveries
+                     WHERE channel = $1 AND owner <> $2
+                       AND state IN ('scheduled', 'queued', 'retry_wait')
+                     ORDER BY id LIMIT 1000
+                     FOR UPDATE SKIP LOCKED)",
+            )
+            .bind(channel.as_str())
+            .bind(to)
+            .bind(by.at())
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+            moved += batch;
+            if batch < 1000 {
+                break;
+            }
+        }
         let in_flight: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM deliveries
              WHERE channel = $1 AND owner <> $2 AND state = 'sending'",
         )
         .bind(channel.as_str())
         .bind(to)
-        .fetch_one(&mut *tx)
+        .fetch_one(&self.pool)
         .await?;
         let in_flight = u64::try_from(in_flight).unwrap_or(0);
+        let mut conn = self.pool.acquire().await?;
         audit::insert(
-            &mut tx,
+            &mut conn,
             &by.entry(
-                "owner_set",
+                "owner_moved",
                 format!("channel:{channel}"),
                 serde_json::json!({
                     "previous": previous,
@@ -254,7 +291,6 @@ impl Ledger {
             ),
         )
         .await?;
-        tx.commit().await?;
         Ok(OwnerChange {
             previous,
             moved,

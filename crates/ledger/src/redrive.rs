@@ -20,7 +20,10 @@
 //!
 //! Pacing lives in the row (`fed_until`), so a janitor that crashes loses nothing and several
 //! replicas take turns (the row is locked with `SKIP LOCKED`). No credit builds up while the
-//! redrive is paused or no janitor runs: at most one second's worth is fed at once.
+//! redrive is paused, and a janitor that was away gets at most five seconds' worth.
+//!
+//! Only the handle's sender's dead letters are selected and fed (`deliveries.owner`); the
+//! new-work rule looks at that sender's new work only.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -209,7 +212,7 @@ pub struct RedriveTick {
 }
 
 /// The selection, shared by the dry run and the execute. Binds: $1 now (NULL = database
-/// clock), $2 channel, $3 tenant, $4 max age in seconds, $5 rate, $6 limit.
+/// clock), $2 channel, $3 tenant, $4 max age in seconds, $5 rate, $6 limit, $7 owner.
 ///
 /// "Would expire before its turn" is `expires_at <= nudge_domain::drain::turn_at(now, k, rate)`
 /// for the k-th eligible, earliest deadline first, computed here in SQL so the selection stays
@@ -234,7 +237,7 @@ fn selection_cte() -> String {
                          THEN 'older_than_max_age'
                 END AS excluded
             FROM deliveries d JOIN tenants t ON t.id = d.tenant_id CROSS JOIN params p
-            WHERE d.channel = $2 AND d.state IN ('dead_lettered', 'ambiguous')
+            WHERE d.channel = $2 AND d.state IN ('dead_lettered', 'ambiguous') AND d.owner = $7
               AND ($3::uuid IS NULL OR d.tenant_id = $3)),
          turns AS (
             SELECT c.*, row_number() OVER (PARTITION BY c.excluded IS NULL
@@ -438,6 +441,7 @@ impl Ledger {
             .bind(max_age_s(filter))
             .bind(rate_per_second)
             .bind(filter.limit.map(i64::from))
+            .bind(&*self.sender)
             .fetch_all(&self.pool)
             .await?;
         let now = self.clock(at).await?;
@@ -509,7 +513,7 @@ impl Ledger {
         let sql = format!(
             "{}, items AS (
                 INSERT INTO redrive_items (redrive_id, position, delivery_id)
-                SELECT $7, f.position, f.id FROM f WHERE f.excluded IS NULL
+                SELECT $8, f.position, f.id FROM f WHERE f.excluded IS NULL
                 RETURNING 1)
              {COUNTS}",
             selection_cte()
@@ -521,6 +525,7 @@ impl Ledger {
             .bind(max_age_s(filter))
             .bind(rate_per_second)
             .bind(filter.limit.map(i64::from))
+            .bind(&*self.sender)
             .bind(id)
             .fetch_all(&mut *tx)
             .await?;
@@ -607,8 +612,15 @@ impl Ledger {
         row.status(to_map(fed), to_map(skipped))
     }
 
-    /// Pauses a running redrive by hand; what it already fed carries on. Audited.
-    pub async fn pause_redrive(&self, id: i64, operator: &Operator) -> Result<(), LedgerError> {
+    /// Pauses a running redrive by hand; what it already fed carries on. A redrive that
+    /// paused itself for late new work can be paused by hand too: it then stays paused until
+    /// an operator resumes it. Audited.
+    pub async fn pause_redrive(
+        &self,
+        id: i64,
+        operator: &Operator,
+        at: LedgerTime,
+    ) -> Result<(), LedgerError> {
         let why = format!(
             "operator: {}",
             operator.reason().unwrap_or("paused by an operator")
@@ -617,10 +629,12 @@ impl Ledger {
             id,
             operator,
             "redrive_pause",
-            &[RedriveState::Running],
-            "UPDATE redrives SET state = 'paused', pause_reason = $2, updated_at = $3
+            &[RedriveState::Running, RedriveState::Paused],
+            "UPDATE redrives SET state = 'paused', pause_reason = $2,
+                 updated_at = COALESCE($3, now())
              WHERE id = $1",
             Some(why),
+            at,
         )
         .await
     }
@@ -628,34 +642,48 @@ impl Ledger {
     /// Resumes a paused redrive at its rate, with no credit for the time it was paused; its
     /// auto-pause rules look at attempts from now on. A redrive paused by a failed canary
     /// goes on past it (the operator has looked). Audited.
-    pub async fn resume_redrive(&self, id: i64, operator: &Operator) -> Result<(), LedgerError> {
+    /// Its pacing and rules restart at the database's clock (`at` in tests).
+    pub async fn resume_redrive(
+        &self,
+        id: i64,
+        operator: &Operator,
+        at: LedgerTime,
+    ) -> Result<(), LedgerError> {
         self.change_redrive(
             id,
             operator,
             "redrive_resume",
             &[RedriveState::Paused],
-            "UPDATE redrives SET state = 'running', pause_reason = $2, updated_at = $3,
-                 running_since = $3, fed_until = $3,
+            "UPDATE redrives SET state = 'running', pause_reason = $2,
+                 updated_at = COALESCE($3, now()), running_since = COALESCE($3, now()),
+                 fed_until = COALESCE($3, now()),
                  canary_passed_at = COALESCE(canary_passed_at,
-                     CASE WHEN pause_reason LIKE 'canary_failed%' THEN $3 END)
+                     CASE WHEN pause_reason LIKE 'canary_failed%' THEN COALESCE($3, now()) END)
              WHERE id = $1",
             None,
+            at,
         )
         .await
     }
 
     /// Cancels a running or paused redrive: nothing more is fed; items not yet fed stay
     /// dead-lettered (redrivable later), those fed are owed work and carry on. Audited.
-    pub async fn cancel_redrive(&self, id: i64, operator: &Operator) -> Result<(), LedgerError> {
+    pub async fn cancel_redrive(
+        &self,
+        id: i64,
+        operator: &Operator,
+        at: LedgerTime,
+    ) -> Result<(), LedgerError> {
         self.change_redrive(
             id,
             operator,
             "redrive_cancel",
             &[RedriveState::Running, RedriveState::Paused],
-            "UPDATE redrives SET state = 'cancelled', pause_reason = $2, updated_at = $3,
-                 finished_at = $3
+            "UPDATE redrives SET state = 'cancelled', pause_reason = $2,
+                 updated_at = COALESCE($3, now()), finished_at = COALESCE($3, now())
              WHERE id = $1",
             None,
+            at,
         )
         .await
     }
@@ -668,6 +696,7 @@ impl Ledger {
         from: &[RedriveState],
         sql: &'static str,
         pause_reason: Option<String>,
+        at: LedgerTime,
     ) -> Result<(), LedgerError> {
         let mut tx = self.pool.begin().await?;
         let state: Option<String> =
@@ -685,7 +714,7 @@ impl Ledger {
         sqlx::query(sql)
             .bind(id)
             .bind(pause_reason)
-            .bind(operator.at())
+            .bind(at.bind())
             .execute(&mut *tx)
             .await?;
         audit::insert(
@@ -796,7 +825,7 @@ impl Ledger {
         // Paused because new work was late: it goes on by itself once new work has caught up
         // (its oldest due delivery waits less than half the limit), counting from then.
         if row.state == "paused" {
-            let waited = oldest_new_work_age(&mut tx, channel, now).await?;
+            let waited = oldest_new_work_age(&mut tx, channel, &self.sender, now).await?;
             if waited.is_none_or(|w| w * 2 <= rules.max_new_work_age) {
                 sqlx::query(
                     "UPDATE redrives SET state = 'running', pause_reason = NULL,
@@ -845,7 +874,9 @@ impl Ledger {
             return Ok(Some(tick));
         }
 
-        if let Some(why) = auto_pause_reason(&mut tx, &row, channel, rules, now).await? {
+        if let Some(why) =
+            auto_pause_reason(&mut tx, &row, channel, &self.sender, rules, now).await?
+        {
             pause_in_tx(&mut tx, &row, &why, now).await?;
             tx.commit().await?;
             tick.paused = Some(why);
@@ -881,8 +912,12 @@ impl Ledger {
             }
         }
 
-        // Pacing: credit from fed_until, never more than one second's worth.
-        let credit_from = row.fed_until.max(now - chrono::Duration::seconds(1));
+        // Pacing: the credit since fed_until, which advances by exactly what was fed (the
+        // fraction of an item left over carries to the next tick, so a rate below one a second
+        // or a tick slower than a second still feeds at the rate). A janitor that was away
+        // gets at most five seconds' worth (two items at a rate below 0.4/s): no burst.
+        let cap = micros((2.0 / row.rate_per_second).max(5.0));
+        let credit_from = row.fed_until.max(now - cap);
         let elapsed = (now - credit_from).num_microseconds().unwrap_or(0) as f64 / 1e6;
         let credit = (elapsed * row.rate_per_second).floor().max(0.0) as u64;
         let take = credit.min(allowance).min(u64::from(batch));
@@ -893,13 +928,13 @@ impl Ledger {
                 .bind(now)
                 .bind(credit_from)
                 .bind(row.rate_per_second)
+                .bind(&*self.sender)
                 .fetch_one(&mut *tx)
                 .await?;
             tick.fed = u64::try_from(fed).unwrap_or(0);
             tick.skipped = u64::try_from(skipped).unwrap_or(0);
         }
-        let fed_until =
-            credit_from + micros(tick.fed as f64 / row.rate_per_second).min(now - credit_from);
+        let fed_until = credit_from + micros(tick.fed as f64 / row.rate_per_second);
         let finished = done + tick.fed + tick.skipped >= count(row.selected);
         sqlx::query(
             "UPDATE redrives SET fed = fed + $2, skipped = skipped + $3, fed_until = $4,
@@ -926,11 +961,11 @@ fn micros(seconds: f64) -> chrono::Duration {
     chrono::Duration::microseconds((seconds * 1e6).round() as i64)
 }
 
-/// Feeds the next `$2` items of redrive `$1` at `$3` (now): each still dead-lettered, not
-/// expired and of a tenant not paused goes back `retry_wait` in the `redrive` lane, spaced
-/// `1 / $5` apart from `$4`; the rest are marked skipped with why.
+/// Feeds the next `$2` items of redrive `$1` at `$3` (now): each still dead-lettered, still
+/// owned by sender `$6`, not expired and of a tenant not paused goes back `retry_wait` in the
+/// `redrive` lane, spaced `1 / $5` apart from `$4`; the rest are marked skipped with why.
 const FEED: &str = "WITH next AS (
-        SELECT ri.position, ri.delivery_id, d.state, d.expires_at, t.intake_paused
+        SELECT ri.position, ri.delivery_id, d.state, d.expires_at, d.owner, t.intake_paused
         FROM redrive_items ri
         JOIN deliveries d ON d.id = ri.delivery_id
         JOIN tenants t ON t.id = d.tenant_id
@@ -939,7 +974,7 @@ const FEED: &str = "WITH next AS (
         FOR UPDATE OF ri, d),
     judged AS (
         SELECT n.position, n.delivery_id,
-            CASE WHEN n.state <> 'dead_lettered' THEN 'moved_on'
+            CASE WHEN n.state <> 'dead_lettered' OR n.owner <> $6 THEN 'moved_on'
                  WHEN n.expires_at <= $3 THEN 'expired_before_turn'
                  WHEN n.intake_paused THEN 'tenant_paused' END AS skip
         FROM next n),
@@ -969,6 +1004,7 @@ async fn auto_pause_reason(
     conn: &mut PgConnection,
     row: &RedriveRow,
     channel: Channel,
+    sender: &str,
     rules: &AutoPause,
     now: DateTime<Utc>,
 ) -> Result<Option<String>, LedgerError> {
@@ -1000,7 +1036,7 @@ async fn auto_pause_reason(
             )));
         }
     }
-    if let Some(waited) = oldest_new_work_age(conn, channel, now).await?
+    if let Some(waited) = oldest_new_work_age(conn, channel, sender, now).await?
         && waited > rules.max_new_work_age
     {
         return Ok(Some(format!(
@@ -1021,15 +1057,17 @@ const NEW_WORK_WAITING: &str = "new_work_waiting";
 async fn oldest_new_work_age(
     conn: &mut PgConnection,
     channel: Channel,
+    sender: &str,
     now: DateTime<Utc>,
 ) -> Result<Option<Duration>, LedgerError> {
     let oldest: Option<DateTime<Utc>> = sqlx::query_scalar(
         "SELECT min(next_attempt_at) FROM deliveries
          WHERE channel = $1 AND lane = 'new' AND state IN ('scheduled', 'queued', 'retry_wait')
-           AND next_attempt_at <= $2",
+           AND next_attempt_at <= $2 AND owner = $3",
     )
     .bind(channel.as_str())
     .bind(now)
+    .bind(sender)
     .fetch_one(&mut *conn)
     .await?;
     Ok(oldest.map(|t| (now - t).to_std().unwrap_or_default()))
@@ -1042,12 +1080,14 @@ enum Canary {
 }
 
 /// The canary's items: failed as soon as one was answered 429 or 5xx (or may have been
-/// sent), passed once all settled without that.
+/// sent), or once all settled and one was not delivered (dead-lettered again, expired,
+/// cancelled: the rest would likely fare no better); passed once all were delivered.
 async fn canary_verdict(conn: &mut PgConnection, row: &RedriveRow) -> Result<Canary, LedgerError> {
-    let (total, settled, failed): (i64, i64, i64) = sqlx::query_as(
+    let (total, settled, delivered, failed): (i64, i64, i64, i64) = sqlx::query_as(
         "SELECT count(*),
                 count(*) FILTER (WHERE d.state IN ('delivered', 'dead_lettered', 'expired',
                                                    'cancelled', 'ambiguous')),
+                count(*) FILTER (WHERE d.state = 'delivered'),
                 count(*) FILTER (WHERE EXISTS (
                     SELECT 1 FROM attempts a
                     WHERE a.delivery_id = d.id AND a.lane = 'redrive'
@@ -1065,6 +1105,11 @@ async fn canary_verdict(conn: &mut PgConnection, row: &RedriveRow) -> Result<Can
         Canary::Failed(format!(
             "canary_failed: {failed} of {total} canary deliveries were answered 429 or 5xx \
              or may have been sent"
+        ))
+    } else if settled == total && delivered < total {
+        Canary::Failed(format!(
+            "canary_failed: {} of {total} canary deliveries settled without being delivered",
+            total - delivered
         ))
     } else if settled == total {
         Canary::Passed

@@ -417,9 +417,10 @@ impl Ledger {
     }
 
     /// The watchdog for "no reminder is silently dropped": reminders of tenants that are not
-    /// paused, not cancelled, whose time came between `since` and `now - grace`, yet that have
-    /// no delivery at all. Each one gets its deliveries (they then send, or expire, visibly);
-    /// returns how many reminders were repaired, which should always be 0.
+    /// paused, not cancelled, whose time came between `since` and `now - grace`, yet that miss
+    /// a delivery on one of their channels that is not draining (a draining channel holds its
+    /// deliveries on purpose). Each one gets its missing deliveries (they then send, or
+    /// expire, visibly); returns how many reminders were repaired, which should always be 0.
     pub async fn repair_orphaned_reminders(
         &self,
         since: DateTime<Utc>,
@@ -432,7 +433,11 @@ impl Ledger {
             "SELECT r.tenant_id, r.id FROM reminders r
              JOIN tenants t ON t.id = r.tenant_id AND NOT t.intake_paused
              WHERE r.cancelled_at IS NULL AND r.scheduled_at >= $1 AND r.scheduled_at <= $2
-               AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.reminder_id = r.id)
+               AND EXISTS (
+                   SELECT 1 FROM unnest(r.channels) c
+                   JOIN channel_controls cc ON cc.channel = c AND NOT cc.draining
+                   WHERE NOT EXISTS (SELECT 1 FROM deliveries d
+                                     WHERE d.reminder_id = r.id AND d.channel = c))
              ORDER BY r.scheduled_at LIMIT $3",
         )
         .bind(since)
@@ -755,8 +760,10 @@ async fn materialise_created(
     Ok(counts)
 }
 
-/// On resume: the reminders created while the tenant was paused whose window already ran (or
-/// whose time has come) get their deliveries now; later windows take the rest.
+/// On resume: the reminders created while the tenant was paused, and any earlier one still
+/// missing a delivery on one of its channels (held by a drain that ended while the tenant was
+/// paused), whose window already ran (or whose time has come) get their deliveries now; later
+/// windows take the rest. A channel still draining stays held.
 pub(crate) async fn materialise_paused_backlog(
     tx: &mut PgConnection,
     tenant_id: TenantId,
@@ -765,7 +772,11 @@ pub(crate) async fn materialise_paused_backlog(
 ) -> Result<u64, LedgerError> {
     let reminders: Vec<WindowReminder> = sqlx::query_as(
         "SELECT r.id, r.channels, r.scheduled_at, r.expires_at FROM reminders r
-         WHERE r.tenant_id = $1 AND r.created_at >= $2 AND r.cancelled_at IS NULL
+         WHERE r.tenant_id = $1 AND r.cancelled_at IS NULL
+           AND (r.created_at >= $2 OR EXISTS (
+                SELECT 1 FROM unnest(r.channels) c
+                WHERE NOT EXISTS (SELECT 1 FROM deliveries d
+                                  WHERE d.reminder_id = r.id AND d.channel = c)))
            AND (r.scheduled_at <= $3 OR EXISTS (
                 SELECT 1 FROM run_intents ri
                 WHERE ri.tenant_id = r.tenant_id

@@ -68,13 +68,13 @@ async fn a_draining_channel_gets_nothing_new_until_the_drain_ends(pool: PgPool) 
     owed(&ledger, a.id, "before", &[Channel::Sms], t0()).await;
 
     let change = ledger
-        .set_draining(Channel::Sms, true, &incident_ops("INC-9"))
+        .set_draining(Channel::Sms, true, &incident_ops("INC-9"), at(t0()))
         .await
         .unwrap();
     assert!(change.changed);
     assert!(
         !ledger
-            .set_draining(Channel::Sms, true, &incident_ops("INC-9"))
+            .set_draining(Channel::Sms, true, &incident_ops("INC-9"), at(t0()))
             .await
             .unwrap()
             .changed,
@@ -173,7 +173,7 @@ async fn a_draining_channel_gets_nothing_new_until_the_drain_ends(pool: PgPool) 
 
     // Off: the held deliveries whose time has come or whose window ran are created at once.
     let off = ledger
-        .set_draining(Channel::Sms, false, &incident_ops("INC-9"))
+        .set_draining(Channel::Sms, false, &incident_ops("INC-9"), at(t0()))
         .await
         .unwrap();
     assert_eq!(off.released, 2, "the due one and the windowed one");
@@ -202,7 +202,7 @@ async fn a_draining_channel_gets_nothing_new_until_the_drain_ends(pool: PgPool) 
     assert_eq!(actions[..2], ["drain_release", "drain_off"]);
     // Off again: nothing changes, nothing is held.
     let again = ledger
-        .set_draining(Channel::Sms, false, &incident_ops("INC-9"))
+        .set_draining(Channel::Sms, false, &incident_ops("INC-9"), at(t0()))
         .await
         .unwrap();
     assert_eq!((again.changed, again.released), (false, 0));
@@ -242,6 +242,31 @@ async fn work_handed_to_another_sender_is_neither_claimed_nor_leased(pool: PgPoo
         lease(&ledger, &queued[0], t0()).await,
         LeaseOutcome::OwnedBy(owner) if owner == "legacy"
     ));
+    // Nor does a redrive take a dead letter of theirs.
+    sqlx::query(
+        "UPDATE deliveries SET state = 'dead_lettered', settled_at = now(), next_attempt_at = NULL
+         WHERE id = (SELECT d.id FROM deliveries d JOIN reminders r ON r.id = d.reminder_id
+                     WHERE r.event_id = 'scheduled')",
+    )
+    .execute(ledger.pool())
+    .await
+    .unwrap();
+    let filter = RedriveFilter {
+        channel: Channel::Sms,
+        tenant: None,
+        max_age: None,
+        limit: None,
+    };
+    let plan = ledger.plan_redrive(&filter, 1.0, at(t0())).await.unwrap();
+    assert_eq!(plan.eligible, 0);
+    sqlx::query(
+        "UPDATE deliveries SET state = 'scheduled', settled_at = NULL, next_attempt_at = $1
+         WHERE state = 'dead_lettered'",
+    )
+    .bind(t0())
+    .execute(ledger.pool())
+    .await
+    .unwrap();
     // The other sender's handle does.
     let legacy = ledger.clone().for_sender("legacy").unwrap();
     assert_eq!(
@@ -286,7 +311,7 @@ async fn the_incident_export_pages_through_its_attempts_only(pool: PgPool) {
     owed(&ledger, a.id, "tagged-1", &[Channel::Sms], t0()).await;
     owed(&ledger, a.id, "tagged-2", &[Channel::Sms], t0()).await;
     ledger
-        .set_draining(Channel::Sms, true, &incident_ops("INC-3"))
+        .set_draining(Channel::Sms, true, &incident_ops("INC-3"), at(t0()))
         .await
         .unwrap();
     assert_eq!(deliver(&ledger, Channel::Sms, t0() + secs(1)).await, 3);
@@ -326,5 +351,84 @@ async fn producers_acknowledge_their_latest_pass_only_forward(pool: PgPool) {
     assert_eq!(
         acks,
         vec![("p-1".to_owned(), t0() + secs(5)), ("p-2".to_owned(), t0())]
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn work_held_by_a_drain_that_ends_while_its_tenant_is_paused_is_scheduled_on_resume(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool);
+    let a = tenant(&ledger).await;
+    ledger
+        .set_draining(Channel::Sms, true, &incident_ops("INC-5"), at(t0()))
+        .await
+        .unwrap();
+    // Due now, for sms and email: email goes, sms is held.
+    owed(&ledger, a.id, "both", &[Channel::Sms, Channel::Email], t0()).await;
+    assert_eq!(deliveries_on(&ledger, Channel::Sms).await, 0);
+    // The tenant is paused before the drain ends: the release leaves its reminder alone...
+    ledger
+        .set_intake_paused(a.id, true, &ops(t0() + secs(1)))
+        .await
+        .unwrap();
+    let off = ledger
+        .set_draining(
+            Channel::Sms,
+            false,
+            &incident_ops("INC-5"),
+            at(t0() + secs(2)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(off.released, 0);
+    // ...and the watchdog skips a paused tenant, so the resume must create it.
+    ledger
+        .set_intake_paused(a.id, false, &ops(t0() + secs(3)))
+        .await
+        .unwrap();
+    assert_eq!(deliveries_on(&ledger, Channel::Sms).await, 1);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_watchdog_repairs_a_missing_channel_but_not_one_held_by_a_drain(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let a = tenant(&ledger).await;
+    let both = owed(&ledger, a.id, "both", &[Channel::Sms, Channel::Email], t0()).await;
+    // The sms delivery lost (as a bug would lose it: settled, then deleted); email is still
+    // there.
+    for statement in [
+        "UPDATE deliveries SET state = 'cancelled', settled_at = now(), next_attempt_at = NULL
+         WHERE reminder_id = $1 AND channel = 'sms'",
+        "DELETE FROM deliveries WHERE reminder_id = $1 AND channel = 'sms'",
+    ] {
+        sqlx::query(statement)
+            .bind(both.as_uuid())
+            .execute(ledger.pool())
+            .await
+            .unwrap();
+    }
+    ledger
+        .set_draining(Channel::Email, true, &incident_ops("INC-6"), at(t0()))
+        .await
+        .unwrap();
+    let held = owed(&ledger, a.id, "held", &[Channel::Email], t0()).await;
+    let repaired = ledger
+        .repair_orphaned_reminders(
+            t0() - secs(3600),
+            t0() + secs(600),
+            std::time::Duration::from_secs(120),
+            100,
+        )
+        .await
+        .unwrap();
+    assert_eq!(repaired, 1, "the sms one only");
+    assert_eq!(ledger.deliveries_of_reminder(both).await.unwrap().len(), 2);
+    assert!(
+        ledger
+            .deliveries_of_reminder(held)
+            .await
+            .unwrap()
+            .is_empty()
     );
 }

@@ -231,7 +231,7 @@ async fn feeding_is_paced_and_keeps_ids_keys_and_history(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
     let a = tenant(&ledger).await;
     let mut ids = Vec::new();
-    for i in 0..10 {
+    for i in 0..20 {
         ids.push(dead_letter(&ledger, a.id, &format!("dl-{i}"), t0(), secs(86_400)).await);
     }
     let keys: Vec<_> = {
@@ -246,8 +246,8 @@ async fn feeding_is_paced_and_keeps_ids_keys_and_history(pool: PgPool) {
         .await
         .unwrap();
 
-    // At 2/s: one at once, then two a second; a tick that comes late gets at most a
-    // second's worth, never the time it missed.
+    // At 2/s: one at once, then two a second; a tick that comes late gets at most five
+    // seconds' worth, never all the time it missed.
     let mut fed_by = Vec::new();
     for t in [0, 1, 2, 10] {
         let ticks = ledger
@@ -256,20 +256,20 @@ async fn feeding_is_paced_and_keeps_ids_keys_and_history(pool: PgPool) {
             .unwrap();
         fed_by.push(ticks.iter().map(|t| t.fed).sum::<u64>());
     }
-    assert_eq!(fed_by, vec![1, 2, 2, 2]);
+    assert_eq!(fed_by, vec![1, 2, 2, 10]);
     let status = ledger.redrive_status(id).await.unwrap().unwrap();
-    assert_eq!(status.fed, 7);
-    assert_eq!(status.fed_by_state.get("retry_wait"), Some(&7));
-    assert!((status.remaining_s - 1.5).abs() < 1e-9);
+    assert_eq!(status.fed, 15);
+    assert_eq!(status.fed_by_state.get("retry_wait"), Some(&15));
+    assert!((status.remaining_s - 2.5).abs() < 1e-9);
 
-    for t in 11..=12 {
+    for t in 11..=13 {
         ledger
             .redrive_tick(&rules(), 1000, at(now() + secs(t)))
             .await
             .unwrap();
     }
     let status = ledger.redrive_status(id).await.unwrap().unwrap();
-    assert_eq!((status.fed, status.state), (10, RedriveState::Finished));
+    assert_eq!((status.fed, status.state), (20, RedriveState::Finished));
 
     for (id, key) in ids.iter().zip(&keys) {
         let d = ledger.delivery(*id).await.unwrap().unwrap();
@@ -278,17 +278,17 @@ async fn feeding_is_paced_and_keeps_ids_keys_and_history(pool: PgPool) {
         assert_eq!(&d.idempotency_key, key, "the key survives the redrive");
         assert_eq!(d.attempt_count, 1);
         assert!(d.settled_at.is_none());
-        assert!(d.next_attempt_at.unwrap() <= now() + secs(12));
+        assert!(d.next_attempt_at.unwrap() <= now() + secs(13));
     }
 
     // The next attempt is a new one, numbered after the first, with a fresh budget, and it
     // carries the redrive's incident.
-    let later = now() + secs(13);
+    let later = now() + secs(14);
     let due = ledger
         .claim_due(Channel::Sms, 100, at(later))
         .await
         .unwrap();
-    assert_eq!(due.len(), 10);
+    assert_eq!(due.len(), 20);
     assert!(due.iter().all(|d| d.lane == Lane::Redrive));
     let lease = leased(lease(&ledger, &due[0], later).await);
     assert_eq!((lease.attempt_number, lease.attempt_base), (2, 1));
@@ -320,9 +320,9 @@ async fn a_redrive_pauses_itself_on_429s_and_resumes_without_catching_up(pool: P
         .unwrap();
     let t1 = now() + secs(1);
     ledger.redrive_tick(&rules(), 1000, at(t1)).await.unwrap();
-    // The provider answers 429 to all ten sent.
+    // The provider answers 429 to all eleven sent (a second and the first item's tenth).
     let due = ledger.claim_due(Channel::Sms, 100, at(t1)).await.unwrap();
-    assert_eq!(due.len(), 10);
+    assert_eq!(due.len(), 11);
     for d in &due {
         let lease = leased(lease(&ledger, d, t1).await);
         answer(&ledger, &lease, response(429), t1).await;
@@ -331,7 +331,7 @@ async fn a_redrive_pauses_itself_on_429s_and_resumes_without_catching_up(pool: P
     let ticks = ledger.redrive_tick(&rules(), 1000, at(t2)).await.unwrap();
     let why = ticks[0].paused.clone().expect("paused by the 429s");
     assert!(
-        why.starts_with("throttled: account main answered 429 to 10 of 10"),
+        why.starts_with("throttled: account main answered 429 to 11 of 11"),
         "{why}"
     );
     assert_eq!(ticks[0].fed, 0);
@@ -344,21 +344,27 @@ async fn a_redrive_pauses_itself_on_429s_and_resumes_without_catching_up(pool: P
             .is_empty()
     );
     let status = ledger.redrive_status(id).await.unwrap().unwrap();
-    assert_eq!((status.state, status.fed), (RedriveState::Paused, 10));
+    assert_eq!((status.state, status.fed), (RedriveState::Paused, 11));
     assert_eq!(status.pause_reason.as_deref(), Some(why.as_str()));
     let audit = ledger.recent_audit(1).await.unwrap().remove(0);
     assert_eq!(audit.action, "redrive_auto_pause");
 
     // Resumed: the 429s before the resume no longer count, and no credit came from the pause.
     let t3 = t2 + secs(60);
-    ledger.resume_redrive(id, &incident_ops(t3)).await.unwrap();
+    ledger
+        .resume_redrive(id, &incident_ops(t3), at(t3))
+        .await
+        .unwrap();
     let ticks = ledger
         .redrive_tick(&rules(), 1000, at(t3 + secs(1)))
         .await
         .unwrap();
     assert_eq!((ticks[0].fed, ticks[0].paused.as_deref()), (10, None));
     // Cancelled: what was not fed stays dead-lettered, what was fed carries on.
-    ledger.cancel_redrive(id, &incident_ops(t3)).await.unwrap();
+    ledger
+        .cancel_redrive(id, &incident_ops(t3), at(t3))
+        .await
+        .unwrap();
     let status = ledger.redrive_status(id).await.unwrap().unwrap();
     assert_eq!(status.state, RedriveState::Cancelled);
     let dead: i64 =
@@ -366,15 +372,15 @@ async fn a_redrive_pauses_itself_on_429s_and_resumes_without_catching_up(pool: P
             .fetch_one(ledger.pool())
             .await
             .unwrap();
-    assert_eq!(dead, 10);
+    assert_eq!(dead, 9);
     let again = ledger.plan_redrive(&sms(), 10.0, at(t3)).await.unwrap();
     assert_eq!(
-        again.eligible, 10,
+        again.eligible, 9,
         "a cancelled redrive's leftovers can be redriven"
     );
     assert!(
         ledger
-            .resume_redrive(id, &incident_ops(t3))
+            .resume_redrive(id, &incident_ops(t3), at(t3))
             .await
             .unwrap_err()
             .to_string()
@@ -408,6 +414,26 @@ async fn a_redrive_pauses_while_new_work_waits_too_long(pool: PgPool) {
     assert!(why.starts_with("new_work_waiting"), "{why}");
     let status = ledger.redrive_status(id).await.unwrap().unwrap();
     assert_eq!((status.state, status.fed), (RedriveState::Paused, 0));
+
+    // An operator can take such a pause over: then only an operator resumes it.
+    ledger
+        .pause_redrive(id, &incident_ops(now()), at(now()))
+        .await
+        .unwrap();
+    let status = ledger.redrive_status(id).await.unwrap().unwrap();
+    assert!(status.pause_reason.unwrap().starts_with("operator:"));
+    assert!(
+        ledger
+            .redrive_tick(&rules(), 1000, at(now() + secs(1)))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    sqlx::query("UPDATE redrives SET pause_reason = 'new_work_waiting: again' WHERE id = $1")
+        .bind(id)
+        .execute(ledger.pool())
+        .await
+        .unwrap();
 
     // Still late: it stays paused. Once the new work is sent, it resumes by itself, and
     // feeds from the next tick on.
@@ -524,7 +550,7 @@ async fn a_canary_holds_the_rest_until_it_settles_and_stops_it_on_a_5xx(pool: Pg
     assert!(why.starts_with("canary_failed: 1 of 1"), "{why}");
     // The operator looked and resumes: it goes on past the canary.
     ledger
-        .resume_redrive(second, &incident_ops(t4 + secs(2)))
+        .resume_redrive(second, &incident_ops(t4 + secs(2)), at(t4 + secs(2)))
         .await
         .unwrap();
     let ticks = ledger
@@ -714,4 +740,60 @@ async fn the_attempt_limit_dead_letters_with_the_deadline_kept_and_a_redrive_get
     assert_eq!(ledger.attempts(id).await.unwrap().len(), 4, "history kept");
     let status = ledger.redrive_status(redrive).await.unwrap().unwrap();
     assert_eq!(status.fed_by_state.get("retry_wait"), Some(&1));
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_slow_rate_with_slow_ticks_still_feeds_at_the_rate(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let a = tenant(&ledger).await;
+    for i in 0..10 {
+        dead_letter(&ledger, a.id, &format!("dl-{i}"), t0(), secs(86_400)).await;
+    }
+    // Half an item a second, the janitor passing every 1.5 s: the fraction carries over.
+    ledger
+        .execute_redrive(&sms(), 0.5, None, &incident_ops(now()), at(now()))
+        .await
+        .unwrap();
+    let mut fed = Vec::new();
+    for tick in 0..=4 {
+        let t = now() + chrono::Duration::milliseconds(1_500 * tick);
+        let ticks = ledger.redrive_tick(&rules(), 1000, at(t)).await.unwrap();
+        fed.push(ticks[0].fed);
+    }
+    // 0 s: the first at once; then one every 2 s (at 3 s and 4.5 s, carrying 0.5 s over).
+    assert_eq!(fed, vec![1, 0, 1, 1, 1]);
+    // A janitor away for a minute gets five seconds' worth, not thirty items.
+    let ticks = ledger
+        .redrive_tick(&rules(), 1000, at(now() + secs(66)))
+        .await
+        .unwrap();
+    assert_eq!(ticks[0].fed, 2);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_canary_that_is_dead_lettered_again_stops_the_redrive(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let a = tenant(&ledger).await;
+    for i in 0..3 {
+        dead_letter(&ledger, a.id, &format!("dl-{i}"), t0(), secs(86_400)).await;
+    }
+    let (id, _) = ledger
+        .execute_redrive(&sms(), 100.0, Some(1), &incident_ops(now()), at(now()))
+        .await
+        .unwrap();
+    let t1 = now() + secs(1);
+    ledger.redrive_tick(&rules(), 1000, at(t1)).await.unwrap();
+    // The provider still refuses it (400): settled, but not delivered.
+    for d in ledger.claim_due(Channel::Sms, 10, at(t1)).await.unwrap() {
+        let lease = leased(lease(&ledger, &d, t1).await);
+        answer(&ledger, &lease, response(400), t1).await;
+    }
+    let ticks = ledger
+        .redrive_tick(&rules(), 1000, at(t1 + secs(1)))
+        .await
+        .unwrap();
+    let why = ticks[0].paused.clone().expect("paused by the canary");
+    assert!(why.starts_with("canary_failed: 1 of 1"), "{why}");
+    let status = ledger.redrive_status(id).await.unwrap().unwrap();
+    assert_eq!((status.state, status.fed), (RedriveState::Paused, 1));
 }

@@ -19,8 +19,9 @@ Its redrive lane is closed (a running redrive waits). Workers go on sending what
 owed, at the rate their buckets admit, and every attempt made meanwhile carries the drain's \
 --incident. `nudgectl status` shows the drain, what remains and the (B + N) / R estimate.
 
-`drain off` creates, in the same transaction, the held deliveries whose time has come or whose \
-window already ran; later ones follow with their windows. Both are audited.";
+`drain off` ends the drain, then creates the held deliveries whose time has come or whose window \
+already ran (later ones follow with their windows); if that second step fails, running `drain \
+off` again finishes it. Both are audited.";
 
 #[derive(Debug, Subcommand)]
 pub enum DrainCommand {
@@ -89,7 +90,8 @@ pub enum OwnerCommand {
 
 pub const ROLLBACK_HELP: &str = "\
 Give a channel back to the sender it came from, safely: every rate bucket of the channel is set \
-to 0 (no new sends: audited per bucket, the old rates are in the audit rows), the channel's owed \
+to 0 (no new sends: audited per bucket, the old rates are in the audit rows; not when the \
+channel goes back to this sender itself), the channel's owed \
 work and new work go back to its previous owner (no new leases by nudge), then it waits, up to \
 --wait, for the sends in flight to finish or their leases to expire, and hands back what they \
 left owed. Nothing is deleted and no counter reset. Exits non-zero, saying what is left, if \
@@ -127,7 +129,7 @@ pub async fn drain(
         .with_incident(incident.as_deref())
         .context("invalid --incident")?;
     let change = ledger
-        .set_draining(channel, on, &by)
+        .set_draining(channel, on, &by, LedgerTime::Database)
         .await
         .context("failed to change the drain")?;
     match (on, change.changed) {
@@ -261,23 +263,47 @@ pub async fn rollback(
         bail!("{channel} is already owned by {back_to}");
     }
 
-    // 1. No new sends.
-    let buckets = ledger
-        .rate_buckets()
-        .await
-        .context("failed to read the rate buckets")?;
-    let mut stopped = 0;
-    for bucket in buckets.iter().filter(|b| b.channel == channel) {
-        ledger
-            .set_rate(&bucket.account, channel, 0.0, None, &by)
+    // 1. No new sends by the sender giving the work back. Rolling back *to* this sender
+    //    (nudge taking a channel back) must not stop its own buckets.
+    if back_to == ledger.sender() {
+        writeln!(
+            out,
+            "{channel}: handing back to {back_to}, this sender: its rate buckets are left as they are"
+        )?;
+        let stopped: Vec<String> = ledger
+            .rate_buckets()
             .await
-            .with_context(|| format!("failed to set {}'s rate to 0", bucket.account))?;
-        stopped += 1;
+            .context("failed to read the rate buckets")?
+            .iter()
+            .filter(|b| b.channel == channel && b.rate_per_second == 0.0)
+            .map(|b| b.account.to_string())
+            .collect();
+        if !stopped.is_empty() {
+            writeln!(
+                out,
+                "{channel}: at rate 0, so sending nothing yet: {} (an earlier rollback's rates \
+                 are in the audit log; `nudgectl rate set ACCOUNT {channel} R --reason ...`)",
+                stopped.join(", ")
+            )?;
+        }
+    } else {
+        let buckets = ledger
+            .rate_buckets()
+            .await
+            .context("failed to read the rate buckets")?;
+        let mut stopped = 0;
+        for bucket in buckets.iter().filter(|b| b.channel == channel) {
+            ledger
+                .set_rate(&bucket.account, channel, 0.0, None, &by)
+                .await
+                .with_context(|| format!("failed to set {}'s rate to 0", bucket.account))?;
+            stopped += 1;
+        }
+        writeln!(
+            out,
+            "{channel}: {stopped} rate buckets set to 0 (their rates before are in the audit log)"
+        )?;
     }
-    writeln!(
-        out,
-        "{channel}: {stopped} rate buckets set to 0 (their rates before are in the audit log)"
-    )?;
     // 2. No new leases: the owed work goes back.
     let change = ledger
         .set_channel_owner(channel, &back_to, &by)

@@ -458,9 +458,18 @@ async fn change(
         .with_incident(incident.as_deref())
         .context("invalid --incident")?;
     let (done, verb) = match change {
-        Change::Pause => (ledger.pause_redrive(id, &by).await, "paused"),
-        Change::Resume => (ledger.resume_redrive(id, &by).await, "resumed"),
-        Change::Cancel => (ledger.cancel_redrive(id, &by).await, "cancelled"),
+        Change::Pause => (
+            ledger.pause_redrive(id, &by, LedgerTime::Database).await,
+            "paused",
+        ),
+        Change::Resume => (
+            ledger.resume_redrive(id, &by, LedgerTime::Database).await,
+            "resumed",
+        ),
+        Change::Cancel => (
+            ledger.cancel_redrive(id, &by, LedgerTime::Database).await,
+            "cancelled",
+        ),
     };
     done.with_context(|| format!("failed to change redrive {id}"))?;
     writeln!(out, "redrive {id} {verb}")?;

@@ -403,9 +403,77 @@ async fn a_drain_finishes_due_work_while_nothing_new_is_scheduled_then_rollback_
             .all(|(owner, state)| owner == "legacy" && state == "scheduled")
     );
 
+    // nudge's relay cannot claim them (this handle works for nudge, as the relay does).
+    assert!(
+        env.ledger
+            .claim_due(Channel::Sms, 100, nudge_ledger::LedgerTime::Database)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        stats(env.stub_stats().await.unwrap())
+            .unwrap()
+            .total
+            .accepted,
+        50
+    );
+
+    // Rolling back again returns the channel to nudge: its buckets are left alone, and the
+    // five are sent.
+    let (code, out, err) = env
+        .nudgectl(&[
+            "rollback",
+            "--channel",
+            "sms",
+            "--reason",
+            "back to nudge",
+            "--wait",
+            "30s",
+        ])
+        .unwrap();
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("its rate buckets are left as they are"),
+        "{out}"
+    );
+    assert!(
+        out.contains("at rate 0, so sending nothing yet: sms-main"),
+        "{out}"
+    );
+    let (code, _, err) = env
+        .nudgectl(&[
+            "rate",
+            "set",
+            "sms-main",
+            "sms",
+            "20",
+            "--reason",
+            "nudge sends again",
+        ])
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    let ledger = env.ledger.clone();
+    env.wait_for(
+        "the five to be delivered by nudge",
+        Duration::from_secs(60),
+        || {
+            let ledger = ledger.clone();
+            async move {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM deliveries WHERE channel = 'sms' AND state = 'delivered'",
+                )
+                .fetch_one(ledger.pool())
+                .await?;
+                Ok((n == 55).then_some(()))
+            }
+        },
+    )
+    .await;
+
     let totals = stats(env.stub_stats().await.unwrap()).unwrap().total;
     assert_eq!(totals.duplicates, 0);
-    assert_eq!(totals.accepted, 50, "nothing sent after the rollback");
+    assert_eq!(totals.accepted, 55);
     let exits = env.stop_all(Duration::from_secs(10));
     assert!(
         exits.iter().all(|(_, code)| *code == Some(0)),
