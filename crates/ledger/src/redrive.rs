@@ -47,6 +47,15 @@ pub struct RedriveFilter {
     pub limit: Option<u32>,
 }
 
+/// An operator's change of a redrive: its audit action, the states it applies to, the
+/// statement (binds: `$1` id, `$2` pause reason, `$3` the time or NULL for the database's).
+struct RedriveChange<'a> {
+    action: &'a str,
+    from: &'a [RedriveState],
+    sql: &'static str,
+    pause_reason: Option<String>,
+}
+
 /// Why a dead-lettered or held delivery is not redriven.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
@@ -628,12 +637,14 @@ impl Ledger {
         self.change_redrive(
             id,
             operator,
-            "redrive_pause",
-            &[RedriveState::Running, RedriveState::Paused],
-            "UPDATE redrives SET state = 'paused', pause_reason = $2,
+            RedriveChange {
+                action: "redrive_pause",
+                from: &[RedriveState::Running, RedriveState::Paused],
+                sql: "UPDATE redrives SET state = 'paused', pause_reason = $2,
                  updated_at = COALESCE($3, now())
              WHERE id = $1",
-            Some(why),
+                pause_reason: Some(why),
+            },
             at,
         )
         .await
@@ -652,15 +663,17 @@ impl Ledger {
         self.change_redrive(
             id,
             operator,
-            "redrive_resume",
-            &[RedriveState::Paused],
-            "UPDATE redrives SET state = 'running', pause_reason = $2,
+            RedriveChange {
+                action: "redrive_resume",
+                from: &[RedriveState::Paused],
+                sql: "UPDATE redrives SET state = 'running', pause_reason = $2,
                  updated_at = COALESCE($3, now()), running_since = COALESCE($3, now()),
                  fed_until = COALESCE($3, now()),
                  canary_passed_at = COALESCE(canary_passed_at,
                      CASE WHEN pause_reason LIKE 'canary_failed%' THEN COALESCE($3, now()) END)
              WHERE id = $1",
-            None,
+                pause_reason: None,
+            },
             at,
         )
         .await
@@ -677,12 +690,14 @@ impl Ledger {
         self.change_redrive(
             id,
             operator,
-            "redrive_cancel",
-            &[RedriveState::Running, RedriveState::Paused],
-            "UPDATE redrives SET state = 'cancelled', pause_reason = $2,
+            RedriveChange {
+                action: "redrive_cancel",
+                from: &[RedriveState::Running, RedriveState::Paused],
+                sql: "UPDATE redrives SET state = 'cancelled', pause_reason = $2,
                  updated_at = COALESCE($3, now()), finished_at = COALESCE($3, now())
              WHERE id = $1",
-            None,
+                pause_reason: None,
+            },
             at,
         )
         .await
@@ -692,12 +707,15 @@ impl Ledger {
         &self,
         id: i64,
         operator: &Operator,
-        action: &str,
-        from: &[RedriveState],
-        sql: &'static str,
-        pause_reason: Option<String>,
+        change: RedriveChange<'_>,
         at: LedgerTime,
     ) -> Result<(), LedgerError> {
+        let RedriveChange {
+            action,
+            from,
+            sql,
+            pause_reason,
+        } = change;
         let mut tx = self.pool.begin().await?;
         let state: Option<String> =
             sqlx::query_scalar("SELECT state FROM redrives WHERE id = $1 FOR UPDATE")
