@@ -473,6 +473,9 @@ impl Relay {
     }
 }
 
+/// The envelope of one publish. It carries the reminder's correlation id when it has one
+/// (the intake's `X-Correlation-Id`), else a fresh one; the trace id is fresh either way, since
+/// a client's id need not be 32 hex digits.
 fn message(d: &DueDelivery, now: DateTime<Utc>) -> OutgoingMessage {
     let correlation = uuid::Uuid::new_v4();
     let envelope = Envelope {
@@ -482,7 +485,10 @@ fn message(d: &DueDelivery, now: DateTime<Utc>) -> OutgoingMessage {
         channel: d.channel,
         generation: d.generation,
         lane: d.lane,
-        correlation_id: correlation.simple().to_string(),
+        correlation_id: d
+            .correlation_id
+            .clone()
+            .unwrap_or_else(|| correlation.simple().to_string()),
         enqueued_at: now,
     };
     let span_id = &uuid::Uuid::new_v4().simple().to_string()[..16];
