@@ -98,6 +98,7 @@ pub const KNOWN_SECTIONS: &[&str] = &[
     "producer",
     "janitor",
     "admission",
+    "redrive",
     "intake",
 ];
 

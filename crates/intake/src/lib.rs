@@ -266,6 +266,7 @@ pub async fn main() -> ExitCode {
 
 async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     let config: IntakeConfig = nudge_runtime::load_config(cli.config.as_deref())?;
+    config.validate_to_run().context("invalid configuration")?;
     let metrics = Arc::new(IntakeMetrics::new());
     let app =
         nudge_runtime::Application::build("nudge-intake", config, Some(metrics.registry())).await?;

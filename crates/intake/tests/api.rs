@@ -199,6 +199,17 @@ async fn the_same_event_id_with_another_body_is_a_409_naming_the_event_id(pool: 
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn times_with_nanoseconds_post_again_as_the_same_reminder(pool: PgPool) {
+    // PostgreSQL keeps microseconds; the retry must still compare equal.
+    let intake = intake(pool).await;
+    let mut r = reminder("nanos");
+    r["scheduled_at"] = json!("2026-12-01T08:00:00.123456789Z");
+    assert_eq!(intake.post(&r).await.status, StatusCode::ACCEPTED);
+    let again = intake.post(&r).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn concurrent_duplicate_posts_create_one_reminder(pool: PgPool) {
     let intake = Arc::new(intake(pool).await);
     let mut tasks = Vec::new();

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SubsecRound, Utc};
 use nudge_domain::{
     Channel, DeliveryId, EventId, IdempotencyKey, ReminderId, SubscriberRef, TenantId,
 };
@@ -62,6 +62,10 @@ impl NewReminder {
         if sorted.len() != channels.len() {
             return Err(LedgerError::InvalidInput("a channel is listed twice"));
         }
+        // PostgreSQL keeps microseconds: a time with nanoseconds would be stored other than
+        // posted, and the same reminder posted again would no longer compare equal.
+        let scheduled_at = scheduled_at.trunc_subsecs(6);
+        let expires_at = expires_at.trunc_subsecs(6);
         if expires_at <= scheduled_at {
             return Err(LedgerError::InvalidInput(
                 "expires_at must be after scheduled_at",
