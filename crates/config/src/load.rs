@@ -115,6 +115,7 @@ pub const NOT_CONFIG_VARIABLES: &[&str] = &[
     "NUDGE_RABBITMQ_PORT",
     "NUDGE_RABBITMQ_UI_PORT",
     "NUDGE_STUB_PORT",
+    "NUDGE_INTAKE_PORT",
 ];
 
 /// Prefixes of `NUDGE_` variables that are not configuration keys: the benchmarks' and the
