@@ -769,7 +769,7 @@ fn subscriber_ref(text: &str) -> Result<SubscriberRef, ApiError> {
 #[utoipa::path(get, path = "/v1/tenants/{tenant}/reminders/{event_id}", tag = "reminders",
     params(
         ("tenant" = String, Path, description = "the tenant's name"),
-        ("event_id" = String, Path, description = "the client's event id"),
+        ("event_id" = String, Path, description = "the client's event id", min_length = 1, max_length = 200, pattern = "^[!-~]+$"),
         ("Nudge-Signature" = String, Header, description = "signature of the empty body"),
     ),
     responses(
@@ -805,7 +805,7 @@ pub async fn get_reminder(
 #[utoipa::path(post, path = "/v1/tenants/{tenant}/reminders/{event_id}/cancel", tag = "reminders",
     params(
         ("tenant" = String, Path, description = "the tenant's name"),
-        ("event_id" = String, Path, description = "the client's event id"),
+        ("event_id" = String, Path, description = "the client's event id", min_length = 1, max_length = 200, pattern = "^[!-~]+$"),
         ("Nudge-Signature" = String, Header, description = "signature of the body (usually empty)"),
     ),
     responses(
@@ -850,7 +850,7 @@ pub async fn cancel_reminder(
 #[utoipa::path(put, path = "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/contacts", tag = "subscribers",
     params(
         ("tenant" = String, Path, description = "the tenant's name"),
-        ("subscriber_ref" = String, Path, description = "the client's reference of the subscriber"),
+        ("subscriber_ref" = String, Path, description = "the client's reference of the subscriber", min_length = 1, max_length = 128, pattern = "^[!-~]+$"),
         ("Nudge-Signature" = String, Header, description = "signature of the body"),
     ),
     request_body(content = ContactsBody, content_type = "application/json"),
@@ -939,7 +939,7 @@ pub async fn put_contacts(
 #[utoipa::path(delete, path = "/v1/tenants/{tenant}/subscribers/{subscriber_ref}", tag = "subscribers",
     params(
         ("tenant" = String, Path, description = "the tenant's name"),
-        ("subscriber_ref" = String, Path, description = "the client's reference of the subscriber"),
+        ("subscriber_ref" = String, Path, description = "the client's reference of the subscriber", min_length = 1, max_length = 128, pattern = "^[!-~]+$"),
         ("Nudge-Signature" = String, Header, description = "signature of the empty body"),
     ),
     responses(
