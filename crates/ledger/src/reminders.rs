@@ -335,32 +335,11 @@ impl Ledger {
         event_id: &EventId,
         now: DateTime<Utc>,
     ) -> Result<Option<u64>, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        let id: Option<uuid::Uuid> = sqlx::query_scalar(
-            "UPDATE reminders SET cancelled_at = COALESCE(cancelled_at, $3)
-             WHERE tenant_id = $1 AND event_id = $2 RETURNING id",
-        )
-        .bind(tenant_id.as_uuid())
-        .bind(event_id.as_str())
-        .bind(now)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(id) = id else {
-            return Ok(None);
-        };
-        let cancelled = sqlx::query(
-            "UPDATE deliveries
-             SET state = 'cancelled', settled_at = $2, updated_at = $2, next_attempt_at = NULL,
-                 last_error_reason = 'cancelled_by_client'
-             WHERE reminder_id = $1 AND state IN ('scheduled', 'queued', 'retry_wait')",
-        )
-        .bind(id)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        tx.commit().await?;
-        Ok(Some(cancelled))
+        // One path: the intake's cancellation, which also reports per channel.
+        Ok(self
+            .cancel_reminder_by_channel(tenant_id, event_id, now)
+            .await?
+            .map(|c| c.cancelled.len() as u64))
     }
 
     /// The producer's tick for one tenant and window `[start, end)`: in one transaction,
