@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The demo's own steps, shared by scripts/demo.sh (processes on this machine) and the `demo`
-# service of docker-compose.yml: create a tenant, load generated reminders due over the next few
-# seconds, give the tenant a schedule, then print progress until nothing is owed (bounded), the
+# service of docker-compose.yml: create a tenant and its signing secret, post generated reminders
+# due over the next few seconds to nudge-intake over HTTP (signed, in batches of 100), give the
+# tenant a schedule, then print progress until nothing is owed (bounded), the
 # final `nudgectl status`, and a summary of what the provider stub saw. It checks that the
 # provider accepted every delivery the reminders asked for.
 #
-# Expects the nudge binaries to be running already against the same database and broker, and
-# nudgectl configured (NUDGE_CONFIG or NUDGE_* variables, including crypto.destination_key).
-# Needs bash, GNU date, curl and jq.
+# Expects the nudge binaries (the intake included) to be running already against the same
+# database and broker, and nudgectl configured (NUDGE_CONFIG or NUDGE_* variables, including
+# crypto.destination_key). Needs bash, GNU date, curl, jq and openssl (the signatures).
 #
 # Environment (all optional):
 #   NUDGECTL          nudgectl command                    (default: nudgectl on PATH)
 #   STUB_URL          provider stub base URL, for /stats  (default: http://127.0.0.1:8080)
+#   INTAKE_URL        nudge-intake base URL               (default: http://127.0.0.1:8090)
 #   DEMO_TENANT       a tenant without a schedule yet     (default: a new demo-clinic-<UTC time>)
 #   DEMO_REMINDERS    number of reminders                 (default: 300)
 #   DEMO_SPREAD_S     due over the next N seconds         (default: 10)
@@ -22,6 +24,7 @@ set -euo pipefail
 
 NUDGECTL=${NUDGECTL:-nudgectl}
 STUB_URL=${STUB_URL:-http://127.0.0.1:8080}
+INTAKE_URL=${INTAKE_URL:-http://127.0.0.1:8090}
 TENANT=${DEMO_TENANT:-demo-clinic-$(date -u +%Y%m%dT%H%M%S)}
 COUNT=${DEMO_REMINDERS:-300}
 SPREAD=${DEMO_SPREAD_S:-10}
@@ -31,7 +34,7 @@ export NUDGE_ACTOR=${NUDGE_ACTOR:-demo}
 say() { printf 'demo: %s\n' "$*"; }
 die() { printf 'demo: error: %s\n' "$*" >&2; exit 1; }
 
-for tool in curl jq date; do
+for tool in curl jq date openssl; do
   command -v "$tool" >/dev/null || die "$tool is needed"
 done
 ctl() { $NUDGECTL "$@"; }
@@ -50,7 +53,14 @@ until curl -fsS -o /dev/null "$STUB_URL/stats"; do
   sleep 0.5
 done
 
+until curl -fsS -o /dev/null "$INTAKE_URL/readyz"; do
+  ((SECONDS < deadline)) || die "nudge-intake at $INTAKE_URL was not ready within 30s"
+  sleep 0.5
+done
+
 say "tenant $TENANT: $(ctl tenant create "$TENANT")"
+# The secret is printed once; the demo keeps it only in this shell.
+secret=$(ctl tenant secret rotate "$TENANT" --reason 'demo: the clinic signs its posts' 2>/dev/null)
 
 # Reminders due over the next $SPREAD seconds, cycling through five channel sets so that every
 # channel gets work and some reminders go out on two channels.
@@ -78,19 +88,37 @@ for ((i = 0; i < COUNT; i++)); do
   fi
   commas=${channels//[^,]/}
   expected=$((expected + ${#commas} + 1))
-  printf '{"tenant":"%s","event_id":"demo-%s-%d","subscriber_ref":"patient-%d","channels":[%s],"scheduled_at":"%s","expires_at":"%s","destinations":{%s},"content":{"template":"appointment","demo":true}}\n' \
-    "$TENANT" "$run_id" "$i" "$i" "$channels" "${due_at[s]}" "${expire_at[s]}" "${dest%,}" \
+  printf '{"event_id":"demo-%s-%d","subscriber_ref":"patient-%d","channels":[%s],"scheduled_at":"%s","expires_at":"%s","destinations":{%s},"content":{"template":"appointment","demo":true}}\n' \
+    "$run_id" "$i" "$i" "$channels" "${due_at[s]}" "${expire_at[s]}" "${dest%,}" \
     >>"$reminders"
 done
-say "loading $COUNT reminders ($expected deliveries), due from ${due_at[0]} to ${due_at[SPREAD]}"
+say "posting $COUNT reminders ($expected deliveries) to $INTAKE_URL, due from ${due_at[0]} to ${due_at[SPREAD]}"
 accepted() { curl -fsS "$STUB_URL/stats" | jq '.total.accepted'; }
 accepted_before=$(accepted)
-# Load first, then schedule, into a tenant that has no schedule yet (a new one per run): then no
+# Post first, then schedule, into a tenant that has no schedule yet (a new one per run): then no
 # producer window runs while the reminders are imported. Both alternatives lose reminders in
-# the current ledger: a window materialised concurrently with an import misses the reminders
+# the current ledger: a window materialised concurrently with a post misses the reminders
 # still uncommitted, and a reminder imported into a paused tenant for a window that already ran
 # never gets deliveries after the resume.
-ctl reminders load "$reminders" --reason 'demo reminders'
+# Signed as a clinic's application signs: HMAC-SHA256 of "<unix time>.<body>" under the secret.
+post() { # body file
+  local t sig
+  t=$(date -u +%s)
+  sig=$( { printf '%s.' "$t"; cat "$1"; } | openssl dgst -sha256 -hmac "$secret" -r | cut -d' ' -f1)
+  curl -fsS -X POST "$INTAKE_URL/v1/tenants/$TENANT/reminders" \
+    -H 'content-type: application/json' -H "nudge-signature: t=$t,v1=$sig" \
+    -H "x-correlation-id: demo-$run_id" --data-binary "@$1"
+}
+batch=$work/demo-batch.json
+posted=0
+while ((posted < COUNT)); do
+  sed -n "$((posted + 1)),$((posted + 100))p" "$reminders" | jq -cs '{reminders: .}' >"$batch"
+  answer=$(post "$batch") || die "the intake refused a batch"
+  bad=$(jq '[.results[] | select(.status != 202 and .status != 200)] | length' <<<"$answer")
+  ((bad == 0)) || die "the intake did not accept $bad reminders: $(jq -c '[.results[] | select(.status != 202 and .status != 200)][0]' <<<"$answer")"
+  posted=$((posted + $(jq '.results | length' <<<"$answer")))
+done
+say "the intake recorded $posted reminders"
 # Every second, materialise what is due in the next 5 s (the first window catches up on
 # everything already due).
 ctl schedule set "$TENANT" --cron '* * * * * *' --window-seconds 5 \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole system on this machine, without Docker: a fresh database `nudge_demo`, the provider
-# stub on 127.0.0.1, the producer, the janitor and the three channel workers, then about 300
-# reminders due over the next 10 s (scripts/demo-run.sh), watched until nothing is owed.
+# stub on 127.0.0.1, the producer, the janitor, the three channel workers and the intake, then
+# about 300 reminders due over the next 10 s posted to the intake over HTTP
+# (scripts/demo-run.sh), watched until nothing is owed.
 # Every process it starts is stopped on exit, Ctrl-C and a closed output pipe (`| head`)
 # included; exit status 0 when the provider stub accepted every delivery in time (120 s).
 #
@@ -29,7 +30,7 @@ started_at=$SECONDS
 say() { printf 'demo.sh: %s\n' "$*"; }
 die() { printf 'demo.sh: error: %s\n' "$*" >&2; exit 1; }
 
-for tool in psql curl jq flock; do
+for tool in psql curl jq flock openssl; do
   command -v "$tool" >/dev/null || die "$tool is needed (apt-get install postgresql-client curl jq)"
 done
 
@@ -100,7 +101,7 @@ start() { # name, binary, args...
 
 scripts/services.sh
 
-BINARIES=(nudgectl nudge-producer nudge-janitor nudge-push nudge-email nudge-sms provider-stub)
+BINARIES=(nudgectl nudge-producer nudge-janitor nudge-push nudge-email nudge-sms nudge-intake provider-stub)
 if [[ -n $bin_dir_wanted ]]; then
   BIN_DIR=$(cd "$bin_dir_wanted" 2>/dev/null && pwd) || die "NUDGE_BIN_DIR=$bin_dir_wanted is not a directory"
 else
@@ -161,6 +162,9 @@ interval_ms = 500
 [worker]
 shutdown_grace_ms = 5000
 
+[intake]
+listen_addr = "127.0.0.1:0"
+
 [retry]
 base_delay_ms = 500
 max_delay_ms = 5000
@@ -189,15 +193,21 @@ EOF
 export NUDGE_CONFIG=$config
 
 "$BIN_DIR/nudgectl" migrate
-for name in producer janitor push email sms; do
+for name in producer janitor push email sms intake; do
   start "$name" "nudge-$name"
 done
+deadline=$((SECONDS + 20))
+until INTAKE_URL=$(grep -o 'http://[0-9.:]*' "$work/intake.out" 2>/dev/null); do
+  ((SECONDS < deadline)) || die "nudge-intake did not report its address within 20s"
+  sleep 0.2
+done
+say "intake at $INTAKE_URL"
 
 say "started: ${names[*]}"
 
 # The demo's steps run beside a watch on the processes, so that one exiting (a bad setting, an
 # unreachable service) fails the demo at once instead of at the timeout.
-NUDGECTL="$BIN_DIR/nudgectl" STUB_URL=$STUB_URL DEMO_WORK_DIR=$work DEMO_TIMEOUT_S=120 \
+NUDGECTL="$BIN_DIR/nudgectl" STUB_URL=$STUB_URL INTAKE_URL=$INTAKE_URL DEMO_WORK_DIR=$work DEMO_TIMEOUT_S=120 \
   scripts/demo-run.sh &
 run_pid=$!
 while kill -0 "$run_pid" 2>/dev/null; do

@@ -99,6 +99,7 @@ pub const KNOWN_SECTIONS: &[&str] = &[
     "janitor",
     "redrive",
     "admission",
+    "redrive",
     "intake",
 ];
 
@@ -115,6 +116,7 @@ pub const NOT_CONFIG_VARIABLES: &[&str] = &[
     "NUDGE_RABBITMQ_PORT",
     "NUDGE_RABBITMQ_UI_PORT",
     "NUDGE_STUB_PORT",
+    "NUDGE_INTAKE_PORT",
 ];
 
 /// Prefixes of `NUDGE_` variables that are not configuration keys: the benchmarks' and the

@@ -28,7 +28,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use nudge_broker::{Broker, QueueKind, Topology};
+use nudge_broker::{Broker, QueueKind};
 use nudge_config::{
     AmqpConfig, ConfigError, DatabaseConfig, RetryConfig, TelemetryConfig, Validate,
 };
@@ -57,6 +57,22 @@ pub struct JanitorConfig {
     pub janitor: JanitorSection,
     pub redrive: RedriveSection,
     pub retry: RetryConfig,
+}
+
+impl nudge_runtime::ServiceConfig for JanitorConfig {
+    const SECTIONS: &'static [&'static str] = Self::SECTIONS;
+
+    fn database(&self) -> &DatabaseConfig {
+        &self.database
+    }
+
+    fn telemetry(&self) -> &TelemetryConfig {
+        &self.telemetry
+    }
+
+    fn amqp(&self) -> Option<&AmqpConfig> {
+        Some(&self.amqp)
+    }
 }
 
 impl JanitorConfig {
@@ -202,27 +218,14 @@ pub async fn main() -> ExitCode {
 }
 
 async fn run_binary(cli: Cli) -> anyhow::Result<()> {
-    let config: JanitorConfig = nudge_config::load(cli.config.as_deref(), JanitorConfig::SECTIONS)
-        .context("failed to load configuration")?;
-    let _telemetry = nudge_telemetry::init("nudge-janitor", &config.telemetry)
-        .context("failed to initialise logging")?;
-    if config.telemetry.metrics_addr.is_some() {
-        warn!("telemetry.metrics_addr is set, but only the channel workers serve /metrics so far");
-    }
-    let shutdown = nudge_runtime::shutdown_on_signal();
-    let ledger = Ledger::connect(&config.database)
-        .await
-        .context("failed to connect to PostgreSQL (database.url)")?;
-    let topology = Topology::new(&config.amqp.namespace, config.amqp.delivery_limit)
-        .context("invalid amqp.namespace or amqp.delivery_limit")?;
-    let broker = Broker::connect(
-        config.amqp.url.expose(),
-        Duration::from_millis(config.amqp.connect_timeout_ms),
-        topology,
-    )
-    .await
-    .context("failed to connect to RabbitMQ (amqp.url)")?;
-    info!("janitor started");
+    let config: JanitorConfig = nudge_runtime::load_config(cli.config.as_deref())?;
+    let app = nudge_runtime::Application::build("nudge-janitor", config, None).await?;
+    let (config, ledger, broker, shutdown) = (
+        &app.config,
+        app.ledger.clone(),
+        app.broker()?,
+        app.shutdown.clone(),
+    );
     let policy = config.retry_policy()?;
     let mut tasks = Vec::new();
     for channel in Channel::ALL {
@@ -247,8 +250,7 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
             warn!(error.cause_chain = ?e, "dead-letter recorder task failed");
         }
     }
-    broker.close().await;
-    info!("janitor stopped cleanly");
+    app.stop().await;
     Ok(())
 }
 

@@ -108,6 +108,22 @@ impl DestinationCipher {
             .ok_or(LedgerError::SubscriberKeyMissing)
     }
 
+    /// A keyed digest (HMAC-SHA256 under the subscriber key) of a request as posted, so that
+    /// a repeated post can be compared with the first without keeping its body: the body holds
+    /// PHI, and a plain hash of it could be tested against guesses.
+    pub fn request_digest(
+        &self,
+        tenant_id: TenantId,
+        canonical: &[u8],
+    ) -> Result<Vec<u8>, LedgerError> {
+        let key = self.subscriber_key()?;
+        let mut mac = key.mac.clone();
+        mac.update(b"nudge request v1\0");
+        mac.update(tenant_id.as_uuid().as_bytes());
+        mac.update(canonical);
+        Ok(mac.finalize().into_bytes().to_vec())
+    }
+
     /// Returns `nonce || ciphertext`.
     pub(crate) fn seal(&self, plaintext: &[u8], aad: &[u8]) -> Result<Vec<u8>, LedgerError> {
         let nonce = XChaCha20Poly1305::generate_nonce(&mut OsRng);

@@ -26,6 +26,8 @@ mod dlq;
 mod error;
 mod estimate;
 mod export;
+pub mod input;
+mod intake;
 mod redrive;
 mod reminders;
 mod republish;
@@ -50,13 +52,17 @@ pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
 pub use error::LedgerError;
 pub use estimate::{Backlog, OwedDelivery};
 pub use export::IncidentAttempt;
+pub use intake::{
+    Cancellation, ChannelStatus as IntakeChannelStatus, Erasure, IntakeTenant, MAX_ACTIVE_SECRETS,
+    ReminderStatus, SigningSecret,
+};
 pub use redrive::{
     AutoPause, Exclusion, ReasonCount, RedriveFilter, RedrivePlan, RedriveState, RedriveStatus,
     RedriveTick,
 };
 pub use reminders::{
-    CreatedReminder, ImportOutcome, ImportReminder, MAX_CONTENT_BYTES, MAX_DESTINATION_BYTES,
-    NewReminder, WindowOutcome,
+    CreatedReminder, ImportOutcome, ImportReminder, MAX_CONTENT_BYTES, MAX_CORRELATION_ID_BYTES,
+    MAX_DESTINATION_BYTES, NewReminder, WindowOutcome,
 };
 pub use schedules::Schedule;
 pub use status::ChannelStatus;
@@ -143,6 +149,12 @@ impl Ledger {
     /// Applies every migration not yet applied. Safe to run concurrently and repeatedly.
     pub async fn migrate(&self) -> Result<(), LedgerError> {
         MIGRATOR.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// One round trip to the database: whether it answers (readiness probes).
+    pub async fn ping(&self) -> Result<(), LedgerError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
         Ok(())
     }
 

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SubsecRound, Utc};
 use nudge_domain::{
     Channel, DeliveryId, EventId, IdempotencyKey, ReminderId, SubscriberRef, TenantId,
 };
@@ -35,7 +35,12 @@ pub struct NewReminder {
     scheduled_at: DateTime<Utc>,
     expires_at: DateTime<Utc>,
     content: Option<Vec<u8>>,
+    correlation_id: Option<String>,
+    request_digest: Option<Vec<u8>>,
 }
+
+/// The longest correlation id stored with a reminder (printable ASCII, as on the envelope).
+pub const MAX_CORRELATION_ID_BYTES: usize = 128;
 
 impl NewReminder {
     pub fn new(
@@ -57,6 +62,10 @@ impl NewReminder {
         if sorted.len() != channels.len() {
             return Err(LedgerError::InvalidInput("a channel is listed twice"));
         }
+        // PostgreSQL keeps microseconds: a time with nanoseconds would be stored other than
+        // posted, and the same reminder posted again would no longer compare equal.
+        let scheduled_at = scheduled_at.trunc_subsecs(6);
+        let expires_at = expires_at.trunc_subsecs(6);
         if expires_at <= scheduled_at {
             return Err(LedgerError::InvalidInput(
                 "expires_at must be after scheduled_at",
@@ -70,6 +79,8 @@ impl NewReminder {
             scheduled_at,
             expires_at,
             content: None,
+            correlation_id: None,
+            request_digest: None,
         })
     }
 
@@ -88,6 +99,28 @@ impl NewReminder {
         }
         self.content = Some(content);
         Ok(self)
+    }
+
+    /// The correlation id its deliveries' envelopes carry (1 to 128 printable ASCII
+    /// characters); without one, each publish makes its own.
+    pub fn with_correlation_id(mut self, id: &str) -> Result<Self, LedgerError> {
+        if id.is_empty()
+            || id.len() > MAX_CORRELATION_ID_BYTES
+            || !id.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err(LedgerError::InvalidInput(
+                "a correlation id is 1 to 128 printable ASCII characters",
+            ));
+        }
+        self.correlation_id = Some(id.to_owned());
+        Ok(self)
+    }
+
+    /// A digest of the request that posted it ([`DestinationCipher::request_digest`]): the same
+    /// event posted again is the same reminder only with the same digest.
+    pub fn with_request_digest(mut self, digest: Vec<u8>) -> Self {
+        self.request_digest = Some(digest);
+        self
     }
 
     pub fn event_id(&self) -> &EventId {
@@ -175,6 +208,7 @@ struct ExistingReminder {
     channels: Vec<String>,
     scheduled_at: DateTime<Utc>,
     expires_at: DateTime<Utc>,
+    request_digest: Option<Vec<u8>>,
 }
 
 impl ExistingReminder {
@@ -190,7 +224,13 @@ impl ExistingReminder {
         channels.sort();
         let mut wanted: Vec<&str> = reminder.channels.iter().map(|c| c.as_str()).collect();
         wanted.sort_unstable();
-        self.subscriber_ref == subscriber
+        // Both posted with a digest (through the intake): the whole request must match.
+        let same_request = match (&self.request_digest, &reminder.request_digest) {
+            (Some(stored), Some(posted)) => stored == posted,
+            _ => true,
+        };
+        same_request
+            && self.subscriber_ref == subscriber
             && channels == wanted
             && self.scheduled_at == reminder.scheduled_at
             && self.expires_at == reminder.expires_at
@@ -295,32 +335,11 @@ impl Ledger {
         event_id: &EventId,
         now: DateTime<Utc>,
     ) -> Result<Option<u64>, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        let id: Option<uuid::Uuid> = sqlx::query_scalar(
-            "UPDATE reminders SET cancelled_at = COALESCE(cancelled_at, $3)
-             WHERE tenant_id = $1 AND event_id = $2 RETURNING id",
-        )
-        .bind(tenant_id.as_uuid())
-        .bind(event_id.as_str())
-        .bind(now)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(id) = id else {
-            return Ok(None);
-        };
-        let cancelled = sqlx::query(
-            "UPDATE deliveries
-             SET state = 'cancelled', settled_at = $2, updated_at = $2, next_attempt_at = NULL,
-                 last_error_reason = 'cancelled_by_client'
-             WHERE reminder_id = $1 AND state IN ('scheduled', 'queued', 'retry_wait')",
-        )
-        .bind(id)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        tx.commit().await?;
-        Ok(Some(cancelled))
+        // One path: the intake's cancellation, which also reports per channel.
+        Ok(self
+            .cancel_reminder_by_channel(tenant_id, event_id, now)
+            .await?
+            .map(|c| c.cancelled.len() as u64))
     }
 
     /// The producer's tick for one tenant and window `[start, end)`: in one transaction,
@@ -536,13 +555,15 @@ async fn import_in(
     // concurrent imports of overlapping batches take the unique index in one order.
     let created: HashSet<uuid::Uuid> = sqlx::query_scalar(
         "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, subscriber_ref_keyed,
-                                channels, content_ciphertext, scheduled_at, expires_at, created_at)
+                                channels, content_ciphertext, scheduled_at, expires_at, created_at,
+                                correlation_id, request_digest)
          SELECT r.id, r.tenant_id, r.event_id, r.subscriber_ref, true,
-                string_to_array(r.channels, ','), r.content, r.scheduled_at, r.expires_at, $9
+                string_to_array(r.channels, ','), r.content, r.scheduled_at, r.expires_at, $9,
+                r.correlation_id, r.request_digest
          FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bytea[],
-                     $7::timestamptz[], $8::timestamptz[])
+                     $7::timestamptz[], $8::timestamptz[], $10::text[], $11::bytea[])
               WITH ORDINALITY AS r(id, tenant_id, event_id, subscriber_ref, channels, content,
-                                   scheduled_at, expires_at, ord)
+                                   scheduled_at, expires_at, correlation_id, request_digest, ord)
          ORDER BY r.tenant_id, r.event_id, r.ord
          ON CONFLICT (tenant_id, event_id) DO NOTHING
          RETURNING id",
@@ -580,6 +601,16 @@ async fn import_in(
             .collect::<Vec<_>>(),
     )
     .bind(now)
+    .bind(
+        rows.iter()
+            .map(|r| r.item.reminder.correlation_id.as_deref())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        rows.iter()
+            .map(|r| r.item.reminder.request_digest.as_deref())
+            .collect::<Vec<_>>(),
+    )
     .fetch_all(&mut *tx)
     .await?
     .into_iter()
@@ -596,7 +627,7 @@ async fn import_in(
     } else {
         sqlx::query_as::<_, ExistingReminder>(
             "SELECT r.id, r.tenant_id, r.event_id, r.subscriber_ref, r.subscriber_ref_keyed,
-                    r.channels, r.scheduled_at, r.expires_at
+                    r.channels, r.scheduled_at, r.expires_at, r.request_digest
              FROM reminders r
              JOIN UNNEST($1::uuid[], $2::text[]) AS k(tenant_id, event_id)
                ON r.tenant_id = k.tenant_id AND r.event_id = k.event_id",

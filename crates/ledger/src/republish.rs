@@ -25,6 +25,7 @@ struct UnconsumedRow {
     generation: i64,
     lane: String,
     next_attempt_at: DateTime<Utc>,
+    correlation_id: Option<String>,
 }
 
 impl TryFrom<UnconsumedRow> for DueDelivery {
@@ -39,6 +40,7 @@ impl TryFrom<UnconsumedRow> for DueDelivery {
             generation: u64::try_from(row.generation).map_err(|e| corrupt(e.to_string()))?,
             lane: row.lane.parse().map_err(|e| corrupt(format!("{e}")))?,
             next_attempt_at: row.next_attempt_at,
+            correlation_id: row.correlation_id,
         })
     }
 }
@@ -55,7 +57,9 @@ impl Ledger {
         at: LedgerTime,
     ) -> Result<Vec<DueDelivery>, LedgerError> {
         let rows: Vec<UnconsumedRow> = sqlx::query_as(
-            "SELECT id, reminder_id, tenant_id, channel, generation, lane, next_attempt_at
+            "SELECT id, reminder_id, tenant_id, channel, generation, lane, next_attempt_at,
+                    (SELECT r.correlation_id FROM reminders r WHERE r.id = deliveries.reminder_id)
+                        AS correlation_id
              FROM deliveries
              WHERE state = 'queued' AND channel = $1 AND owner = $5
                AND queued_at <= COALESCE($4, now()) - make_interval(secs => $2)

@@ -304,6 +304,29 @@ pub enum TenantCommand {
         #[arg(long)]
         reason: String,
     },
+    /// The tenant's signing secrets for the intake's `Nudge-Signature` (at most two at once).
+    #[command(subcommand)]
+    Secret(SecretCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SecretCommand {
+    /// Add a new signing secret and print it, once: it is stored only encrypted. The old one
+    /// stays valid until `retire`, so the client can switch without downtime. Refused while
+    /// the tenant already has two. Needs crypto.destination_key.
+    Rotate {
+        name: String,
+        /// Why: recorded in the audit log.
+        #[arg(long)]
+        reason: String,
+    },
+    /// Drop every signing secret of the tenant but the newest (once the client signs with it).
+    Retire {
+        name: String,
+        /// Why: recorded in the audit log.
+        #[arg(long)]
+        reason: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -549,6 +572,37 @@ pub async fn execute(
                 _ => bail!("give exactly one of ACCOUNT or --default"),
             };
             route(ledger, actor, &name, channel, account, &reason, out).await?;
+        }
+        Command::Tenant(TenantCommand::Secret(SecretCommand::Rotate { name, reason })) => {
+            let Some(cipher) = cipher else {
+                bail!(
+                    "tenant secret rotate needs crypto.destination_key \
+                     (NUDGE_CRYPTO__DESTINATION_KEY): signing secrets are stored encrypted \
+                     with the key the intake uses"
+                );
+            };
+            let tenant = find_tenant(ledger, &name).await?;
+            let secret = ledger
+                .rotate_signing_secret(tenant.id, cipher, &operator(actor, Some(&reason))?)
+                .await
+                .context("failed to rotate the signing secret")?;
+            writeln!(out, "{}", secret.expose())?;
+            writeln!(
+                err,
+                "the new signing secret of tenant {name:?} is printed above, once: give it to \
+                 the client; the previous one stays valid until `nudgectl tenant secret retire`"
+            )?;
+        }
+        Command::Tenant(TenantCommand::Secret(SecretCommand::Retire { name, reason })) => {
+            let tenant = find_tenant(ledger, &name).await?;
+            let retired = ledger
+                .retire_signing_secret(tenant.id, &operator(actor, Some(&reason))?)
+                .await
+                .context("failed to retire the signing secret")?;
+            writeln!(
+                out,
+                "retired {retired} signing secret(s) of tenant {name:?}; the newest stays"
+            )?;
         }
         Command::Reminders(RemindersCommand::Load {
             file,

@@ -36,6 +36,26 @@ impl ProducerConfig {
     pub const SECTIONS: &'static [&'static str] = &["database", "amqp", "telemetry", "producer"];
 }
 
+impl nudge_runtime::ServiceConfig for ProducerConfig {
+    const SECTIONS: &'static [&'static str] = Self::SECTIONS;
+
+    fn database(&self) -> &DatabaseConfig {
+        &self.database
+    }
+
+    fn telemetry(&self) -> &TelemetryConfig {
+        &self.telemetry
+    }
+
+    fn amqp(&self) -> Option<&AmqpConfig> {
+        Some(&self.amqp)
+    }
+
+    fn sender(&self) -> Option<&str> {
+        Some(&self.producer.owner)
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProducerSection {

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use chrono::{DateTime, TimeZone, Utc};
-use nudge_broker::{Broker, OutgoingMessage, Publisher, Topology};
+use nudge_broker::{Broker, OutgoingMessage, Publisher};
 use nudge_domain::Channel;
 use nudge_ledger::{DueDelivery, Ledger, LedgerTime, Schedule, WindowOutcome};
 use nudge_proto::Envelope;
@@ -69,41 +69,19 @@ pub async fn main() -> ExitCode {
 }
 
 async fn run_binary(cli: Cli) -> anyhow::Result<()> {
-    let config: ProducerConfig =
-        nudge_config::load(cli.config.as_deref(), ProducerConfig::SECTIONS)
-            .context("failed to load configuration")?;
-    let _telemetry = nudge_telemetry::init("nudge-producer", &config.telemetry)
-        .context("failed to initialise logging")?;
-    if config.telemetry.metrics_addr.is_some() {
-        warn!("telemetry.metrics_addr is set, but only the channel workers serve /metrics so far");
-    }
-    let shutdown = nudge_runtime::shutdown_on_signal();
-    let ledger = Ledger::connect(&config.database)
-        .await
-        .context("failed to connect to PostgreSQL (database.url)")?
-        .for_sender(&config.producer.owner)
-        .context("invalid producer.owner")?;
-    let topology = Topology::new(&config.amqp.namespace, config.amqp.delivery_limit)
-        .context("invalid amqp.namespace or amqp.delivery_limit")?;
-    let broker = Broker::connect(
-        config.amqp.url.expose(),
-        Duration::from_millis(config.amqp.connect_timeout_ms),
-        topology,
-    )
-    .await
-    .context("failed to connect to RabbitMQ (amqp.url)")?;
-    info!("producer started");
-    let clock = Clock::new(ledger.clone());
-    let relay = Relay::new(ledger, broker.clone(), config.producer.clone());
+    let config: ProducerConfig = nudge_runtime::load_config(cli.config.as_deref())?;
+    let app = nudge_runtime::Application::build("nudge-producer", config, None).await?;
+    let broker = app.broker()?;
+    let clock = Clock::new(app.ledger.clone());
+    let relay = Relay::new(app.ledger.clone(), broker, app.config.producer.clone());
     tokio::join!(
         clock.run(
-            Duration::from_millis(config.producer.schedule_interval_ms),
-            shutdown.clone()
+            Duration::from_millis(app.config.producer.schedule_interval_ms),
+            app.shutdown.clone()
         ),
-        relay.run(shutdown.clone()),
+        relay.run(app.shutdown.clone()),
     );
-    broker.close().await;
-    info!("producer stopped cleanly");
+    app.stop().await;
     Ok(())
 }
 
@@ -495,6 +473,9 @@ impl Relay {
     }
 }
 
+/// The envelope of one publish. It carries the reminder's correlation id when it has one
+/// (the intake's `X-Correlation-Id`), else a fresh one; the trace id is fresh either way, since
+/// a client's id need not be 32 hex digits.
 fn message(d: &DueDelivery, now: DateTime<Utc>) -> OutgoingMessage {
     let correlation = uuid::Uuid::new_v4();
     let envelope = Envelope {
@@ -504,7 +485,10 @@ fn message(d: &DueDelivery, now: DateTime<Utc>) -> OutgoingMessage {
         channel: d.channel,
         generation: d.generation,
         lane: d.lane,
-        correlation_id: correlation.simple().to_string(),
+        correlation_id: d
+            .correlation_id
+            .clone()
+            .unwrap_or_else(|| correlation.simple().to_string()),
         enqueued_at: now,
     };
     let span_id = &uuid::Uuid::new_v4().simple().to_string()[..16];

@@ -2,8 +2,15 @@
 //! SIGTERM or Ctrl-C cancels (shutdown is passed in, never a global), and one way to turn a
 //! run's result into an exit code with the whole error chain reported once.
 //!
+//! [`Application::build`] is the one start-up of those binaries (configuration, telemetry,
+//! ledger, broker, metrics listener, shutdown token); see [`bootstrap`].
+//!
 //! It must never decide what shutting down means for a binary's work: each binary's loop
 //! watches the token and finishes or releases its own in-flight work.
+
+pub mod bootstrap;
+
+pub use bootstrap::{Application, ServiceConfig, load_config};
 
 use std::process::ExitCode;
 

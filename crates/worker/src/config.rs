@@ -48,6 +48,26 @@ pub struct WorkerConfig {
     pub providers: Vec<HttpProviderConfig>,
 }
 
+impl nudge_runtime::ServiceConfig for WorkerConfig {
+    const SECTIONS: &'static [&'static str] = Self::SECTIONS;
+
+    fn database(&self) -> &DatabaseConfig {
+        &self.database
+    }
+
+    fn telemetry(&self) -> &TelemetryConfig {
+        &self.telemetry
+    }
+
+    fn amqp(&self) -> Option<&AmqpConfig> {
+        Some(&self.amqp)
+    }
+
+    fn sender(&self) -> Option<&str> {
+        Some(&self.worker.owner)
+    }
+}
+
 impl WorkerConfig {
     pub const SECTIONS: &'static [&'static str] = &[
         "database",

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use nudge_broker::{Broker, Incoming, QueueKind, Topology};
+use nudge_broker::{Broker, Incoming, QueueKind};
 use nudge_domain::{Channel, ProviderAccount};
 use nudge_ledger::{DestinationCipher, Ledger};
 use nudge_provider::HttpProvider;
@@ -65,8 +65,7 @@ pub async fn main_for(channel: Channel) -> ExitCode {
 }
 
 async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
-    let config: WorkerConfig = nudge_config::load(cli.config.as_deref(), WorkerConfig::SECTIONS)
-        .context("failed to load configuration")?;
+    let config: WorkerConfig = nudge_runtime::load_config(cli.config.as_deref())?;
     config
         .validate_for(channel)
         .context("invalid configuration")?;
@@ -75,65 +74,49 @@ async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
         Channel::Email => "nudge-email",
         Channel::Sms => "nudge-sms",
     };
-    let _telemetry = nudge_telemetry::init(service, &config.telemetry)
-        .context("failed to initialise logging")?;
-
-    let shutdown = nudge_runtime::shutdown_on_signal();
-    let worker = Arc::new(build(&config, channel, shutdown.clone()).await?);
-    if let Some(addr) = config.telemetry.metrics_addr {
-        nudge_telemetry::serve_metrics(
-            addr,
-            worker.metrics.registry(),
-            shutdown.clone().cancelled_owned(),
+    let metrics = Arc::new(WorkerMetrics::new());
+    let app = nudge_runtime::Application::build(service, config, Some(metrics.registry())).await?;
+    let worker = Arc::new(
+        build(
+            &app.config,
+            channel,
+            app.ledger.clone(),
+            metrics,
+            app.shutdown.clone(),
         )
-        .await
-        .with_context(|| {
-            format!("failed to listen for metrics on {addr} (telemetry.metrics_addr)")
-        })?;
-    }
-    let topology = Topology::new(&config.amqp.namespace, config.amqp.delivery_limit)
-        .context("invalid amqp.namespace or amqp.delivery_limit")?;
-    let broker = Broker::connect(
-        config.amqp.url.expose(),
-        Duration::from_millis(config.amqp.connect_timeout_ms),
-        topology,
-    )
-    .await
-    .context("failed to connect to RabbitMQ (amqp.url)")?;
-    info!(%channel, worker_id = %worker.worker_id, prefetch = config.amqp.prefetch,
-          batch_size = config.worker.batch_size, "worker started");
+        .await?,
+    );
+    info!(%channel, worker_id = %worker.worker_id, prefetch = app.config.amqp.prefetch,
+          batch_size = app.config.worker.batch_size, "worker started");
     run(
         worker,
-        broker.clone(),
+        app.broker()?,
         RunSettings {
-            prefetch: config.amqp.prefetch,
-            batch_size: config.worker.batch_size,
-            grace: Duration::from_millis(config.worker.shutdown_grace_ms),
+            prefetch: app.config.amqp.prefetch,
+            batch_size: app.config.worker.batch_size,
+            grace: Duration::from_millis(app.config.worker.shutdown_grace_ms),
         },
-        shutdown,
+        app.shutdown.clone(),
     )
     .await;
-    broker.close().await;
-    info!("worker stopped cleanly");
+    app.stop().await;
     Ok(())
 }
 
-/// Builds a worker for `channel` from its configuration.
+/// Builds a worker for `channel` from its configuration, over `ledger` (already scoped to
+/// `worker.owner`, as [`nudge_runtime::Application::build`] connects it).
 /// `shutdown` is the process's shutdown token (see [`Worker::shutdown`]).
 pub async fn build(
     config: &WorkerConfig,
     channel: Channel,
+    ledger: Ledger,
+    metrics: Arc<WorkerMetrics>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Worker> {
     let key = config
         .crypto
         .destination_key_bytes()?
         .context("crypto.destination_key is required")?;
-    let ledger = Ledger::connect(&config.database)
-        .await
-        .context("failed to connect to PostgreSQL (database.url)")?
-        .for_sender(&config.worker.owner)
-        .context("invalid worker.owner")?;
     let mut providers = Vec::new();
     let mut default = None;
     for (i, cfg) in config
@@ -184,7 +167,7 @@ pub async fn build(
         clock,
         recorder,
         admission: config.admission.settings(),
-        metrics: Arc::new(WorkerMetrics::new()),
+        metrics,
         shutdown,
     })
 }

@@ -522,6 +522,69 @@ log_filter = "info"
         self.spawn(&binary, name, &config)
     }
 
+    /// Starts `nudge-intake` on a free loopback port, with its configuration serialised from
+    /// `IntakeConfig`; returns its index and base URL once it says where it listens.
+    pub async fn start_intake(&mut self, name: &str) -> anyhow::Result<(usize, String)> {
+        let mut config = nudge_intake::IntakeConfig::default();
+        config.database.url = nudge_config::Secret::new(self.db_url.clone());
+        config.database.max_connections = 8;
+        config.telemetry.log_format = nudge_config::LogFormat::Json;
+        config.crypto.destination_key = Some(nudge_config::Secret::new(self.key_b64.clone()));
+        config.crypto.subscriber_key =
+            Some(nudge_config::Secret::new(SUBSCRIBER_KEY_B64.to_owned()));
+        config.intake.listen_addr = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let path = self.write_config(name, &toml::to_string(&config)?)?;
+        let index = self.spawn("nudge-intake", name, &path)?;
+        let out = self.dir.join(format!("{name}.out"));
+        let url = self
+            .wait_for("the intake to listen", Duration::from_secs(20), || {
+                let out = out.clone();
+                async move {
+                    let text = std::fs::read_to_string(&out).unwrap_or_default();
+                    Ok(text
+                        .lines()
+                        .find_map(|l| l.strip_prefix("listening on "))
+                        .map(str::to_owned))
+                }
+            })
+            .await;
+        Ok((index, url))
+    }
+
+    /// Rotates `tenant`'s signing secret with `nudgectl` and returns the secret it printed.
+    pub fn rotate_secret(&self, tenant: &str) -> anyhow::Result<String> {
+        let (code, out, err) = self.nudgectl(&[
+            "tenant",
+            "secret",
+            "rotate",
+            tenant,
+            "--reason",
+            "e2e setup",
+        ])?;
+        anyhow::ensure!(code == 0, "nudgectl tenant secret rotate failed: {err}");
+        Ok(out.trim().to_owned())
+    }
+
+    /// A signed request to the intake (`Nudge-Signature` over `body` now, under `secret`).
+    pub fn signed(
+        &self,
+        method: reqwest::Method,
+        url: &str,
+        secret: &str,
+        body: Vec<u8>,
+    ) -> reqwest::RequestBuilder {
+        let signature = nudge_intake::signature::header_value(
+            &[secret.as_bytes()],
+            chrono::Utc::now().timestamp(),
+            &body,
+        );
+        self.http
+            .request(method, url)
+            .header("content-type", "application/json")
+            .header("nudge-signature", signature)
+            .body(body)
+    }
+
     /// Runs `nudgectl` against this environment's database; returns (exit code, stdout, stderr).
     pub fn nudgectl(&self, args: &[&str]) -> anyhow::Result<(i32, String, String)> {
         let out = clean_command(bin("nudgectl"))

@@ -10,6 +10,7 @@ use figment::Figment;
 use figment::providers::{Format, Toml};
 use nudge_config::{Validate, load};
 use nudge_domain::Channel;
+use nudge_intake::IntakeConfig;
 use nudge_janitor::JanitorConfig;
 use nudge_producer::ProducerConfig;
 use nudge_provider::HttpProviderConfig;
@@ -138,6 +139,16 @@ fn the_example_has_every_key_of_the_janitor_with_its_default() {
         checked,
         6 + 5 + 4 + 2 + 4 + 4,
         "database, amqp, telemetry, janitor, retry, redrive"
+    );
+}
+
+#[test]
+fn the_example_has_every_key_of_the_intake_with_its_default() {
+    let checked = check_binary::<IntakeConfig>("nudge-intake", IntakeConfig::SECTIONS, &[]);
+    assert_eq!(
+        checked,
+        6 + 4 + 2 + 9,
+        "database, telemetry, crypto, intake"
     );
 }
 

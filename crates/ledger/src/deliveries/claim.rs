@@ -21,7 +21,9 @@ const CLAIM_DUE: &str = "WITH due AS (
         queued_at = COALESCE($3, now()), updated_at = COALESCE($3, now())
     FROM due WHERE d.id = due.id
     RETURNING d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
-              d.next_attempt_at";
+              d.next_attempt_at,
+              (SELECT r.correlation_id FROM reminders r WHERE r.id = d.reminder_id)
+                  AS correlation_id";
 
 impl Ledger {
     /// PostgreSQL's plan for [`claim_due`](Self::claim_due), the very statement the relay

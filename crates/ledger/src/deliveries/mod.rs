@@ -77,6 +77,9 @@ pub struct DueDelivery {
     pub generation: u64,
     pub lane: Lane,
     pub next_attempt_at: DateTime<Utc>,
+    /// The reminder's correlation id (given to the intake, or generated there), which every
+    /// envelope of the delivery carries; `None` for reminders that came another way.
+    pub correlation_id: Option<String>,
 }
 
 /// A delivery held by one worker until `lease_expires_at`.
@@ -182,6 +185,7 @@ struct DueRow {
     generation: i64,
     lane: String,
     next_attempt_at: DateTime<Utc>,
+    correlation_id: Option<String>,
 }
 
 impl TryFrom<DueRow> for DueDelivery {
@@ -195,6 +199,7 @@ impl TryFrom<DueRow> for DueDelivery {
             generation: to_u64(row.generation)?,
             lane: parse(&row.lane)?,
             next_attempt_at: row.next_attempt_at,
+            correlation_id: row.correlation_id,
         })
     }
 }

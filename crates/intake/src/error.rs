@@ -1,0 +1,157 @@
+//! The intake's answers that are not successes, in one JSON shape each, documented in the
+//! OpenAPI contract. Client errors say what is wrong by path and problem and never quote a
+//! value; unexpected errors are a bare 500 whose detail goes only to the log (once, here).
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::signature::Refusal;
+
+/// One problem with a request: where (a JSON pointer into the body, or the name of a path
+/// parameter or header) and what, never the value.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+pub struct Problem {
+    pub path: String,
+    pub problem: String,
+}
+
+impl Problem {
+    pub fn new(path: impl Into<String>, problem: impl Into<String>) -> Self {
+        Self {
+            path: path.into(),
+            problem: problem.into(),
+        }
+    }
+}
+
+/// 400: the request cannot be accepted as it is; nothing was written.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct InvalidRequest {
+    /// Always `invalid_request`.
+    pub error: &'static str,
+    pub errors: Vec<Problem>,
+}
+
+/// 401: the request is not authenticated; nothing was written.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Unauthorized {
+    /// Always `unauthorized`.
+    pub error: &'static str,
+    /// `missing_signature`, `bad_signature` (also for a tenant that does not exist) or
+    /// `stale_timestamp`.
+    pub reason: &'static str,
+}
+
+/// 404, 409, 408, 413, 415, 500: what went wrong, as a code and a sentence without values
+/// from the request other than the event id.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    /// `not_found`, `event_conflict`, `payload_too_large`, `unsupported_media_type`,
+    /// `request_timeout` or `internal`.
+    pub error: &'static str,
+    pub message: String,
+    /// The event id concerned (409 only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_id: Option<String>,
+}
+
+/// Every answer of the API that is not a success.
+#[derive(Debug)]
+pub enum ApiError {
+    Invalid(Vec<Problem>),
+    Unauthorized(Refusal),
+    NotFound,
+    EventConflict(String),
+    TooLarge,
+    UnsupportedMediaType,
+    Timeout,
+    /// Logged where it is turned into a response, with its chain; the client sees nothing of it.
+    Internal(anyhow::Error),
+}
+
+impl ApiError {
+    pub fn invalid(path: impl Into<String>, problem: impl Into<String>) -> Self {
+        Self::Invalid(vec![Problem::new(path, problem)])
+    }
+
+    pub fn internal(e: impl Into<anyhow::Error>) -> Self {
+        Self::Internal(e.into())
+    }
+}
+
+pub fn error_body(status: StatusCode, error: &'static str, message: impl Into<String>) -> Response {
+    (
+        status,
+        Json(ErrorBody {
+            error,
+            message: message.into(),
+            event_id: None,
+        }),
+    )
+        .into_response()
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        match self {
+            Self::Invalid(errors) => (
+                StatusCode::BAD_REQUEST,
+                Json(InvalidRequest {
+                    error: "invalid_request",
+                    errors,
+                }),
+            )
+                .into_response(),
+            Self::Unauthorized(refusal) => (
+                StatusCode::UNAUTHORIZED,
+                Json(Unauthorized {
+                    error: "unauthorized",
+                    reason: refusal.code(),
+                }),
+            )
+                .into_response(),
+            Self::NotFound => error_body(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "no reminder with this event id for this tenant",
+            ),
+            Self::EventConflict(event_id) => (
+                StatusCode::CONFLICT,
+                Json(ErrorBody {
+                    error: "event_conflict",
+                    message: format!(
+                        "event id {event_id:?} is already used for a different reminder"
+                    ),
+                    event_id: Some(event_id),
+                }),
+            )
+                .into_response(),
+            Self::TooLarge => error_body(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                "the body is larger than the intake accepts (intake.body_limit_bytes)",
+            ),
+            Self::UnsupportedMediaType => error_body(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "send the body as application/json",
+            ),
+            Self::Timeout => error_body(
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                "the request took too long to arrive",
+            ),
+            Self::Internal(e) => {
+                tracing::error!(error.cause_chain = %format!("{e:#}"), "request failed");
+                error_body(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "the request could not be completed; it may be retried",
+                )
+            }
+        }
+    }
+}

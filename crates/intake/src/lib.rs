@@ -1,0 +1,334 @@
+//! `nudge-intake`: the signed webhook through which a clinic's application hands nudge its
+//! reminders, cancels them, keeps its subscribers' destinations and erases a subscriber, over
+//! the same ledger as every other binary (see [`api`] for the routes, [`signature`] for the
+//! authentication, and `docs/openapi.json` for the contract, generated from this code).
+//!
+//! It must never: answer 2xx before the ledger committed; write anything for a request it
+//! refused; echo, log or put in a metric a destination, subscriber reference or content; tell
+//! a client whether a tenant exists.
+
+pub mod api;
+mod config;
+pub mod error;
+pub mod metrics;
+pub mod signature;
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post, put};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use nudge_ledger::{DestinationCipher, SubscriberKey};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::ServiceExt;
+use tracing::{info, warn};
+use utoipa::OpenApi;
+
+pub use api::{AppState, Limits};
+pub use config::{IntakeConfig, IntakeSection};
+pub use metrics::IntakeMetrics;
+
+/// The OpenAPI document, generated from the handlers and types of [`api`].
+#[derive(Debug, OpenApi)]
+#[openapi(
+    info(
+        title = "nudge intake",
+        description = "Hand nudge reminders over HTTP. Every /v1 request carries \
+                       `Nudge-Signature: t=<unix seconds>,v1=<hex>`: HMAC-SHA256 of \
+                       `\"<t>.<raw body>\"` under one of the tenant's signing secrets \
+                       (several v1 entries may be sent while rotating). Answers come after \
+                       commit and never quote a destination, subscriber reference or content.",
+        license(name = "Apache-2.0", identifier = "Apache-2.0"),
+    ),
+    paths(
+        api::post_reminders,
+        api::get_reminder,
+        api::cancel_reminder,
+        api::put_contacts,
+        api::erase_subscriber,
+        api::healthz,
+        api::readyz,
+        api::metrics,
+        api::openapi,
+    ),
+    modifiers(&SignatureScheme),
+    tags(
+        (name = "reminders", description = "Post, read and cancel reminders"),
+        (name = "subscribers", description = "Destinations and erasure"),
+        (name = "operations", description = "Health, readiness, metrics and this document"),
+    )
+)]
+pub struct ApiDoc;
+
+struct SignatureScheme;
+
+impl utoipa::Modify for SignatureScheme {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "signature",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+                "Nudge-Signature",
+                "t=<unix seconds>,v1=<hex HMAC-SHA256 of \"<t>.<raw body>\">",
+            ))),
+        );
+    }
+}
+
+/// The OpenAPI document as served at `/openapi.json` and committed as `docs/openapi.json`.
+pub fn openapi_json() -> String {
+    let mut text = ApiDoc::openapi()
+        .to_pretty_json()
+        .unwrap_or_else(|_| unreachable!("the document is built from types that serialise"));
+    text.push('\n');
+    text
+}
+
+/// Every route, with the body limit and the request timeout.
+pub fn router(state: AppState, body_limit: usize, request_timeout: Duration) -> Router {
+    Router::new()
+        .route("/v1/tenants/{tenant}/reminders", post(api::post_reminders))
+        .route(
+            "/v1/tenants/{tenant}/reminders/{event_id}",
+            get(api::get_reminder),
+        )
+        .route(
+            "/v1/tenants/{tenant}/reminders/{event_id}/cancel",
+            post(api::cancel_reminder),
+        )
+        .route(
+            "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/contacts",
+            put(api::put_contacts),
+        )
+        .route(
+            "/v1/tenants/{tenant}/subscribers/{subscriber_ref}",
+            delete(api::erase_subscriber),
+        )
+        .route("/healthz", get(api::healthz))
+        .route("/readyz", get(api::readyz))
+        .route("/metrics", get(api::metrics))
+        .route("/openapi.json", get(api::openapi))
+        .layer(axum::middleware::from_fn_with_state(
+            (state.clone(), request_timeout),
+            observe,
+        ))
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state)
+}
+
+/// Bounds each request's time (408 past it) and counts it by route template and status.
+async fn observe(
+    State((state, timeout)): State<(AppState, Duration)>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", |p| p.as_str())
+        .to_owned();
+    let started = Instant::now();
+    let response = match tokio::time::timeout(timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => error::ApiError::Timeout.into_response(),
+    };
+    state.metrics().request(
+        &route,
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
+    response
+}
+
+/// How [`serve`] treats connections.
+#[derive(Debug, Clone, Copy)]
+pub struct ServeSettings {
+    /// A client that has not sent its headers within this long is disconnected.
+    pub header_read_timeout: Duration,
+    /// A body that has not arrived within this long is answered 408.
+    pub body_read_timeout: Duration,
+    pub max_connections: usize,
+    /// How long requests in flight may finish after shutdown.
+    pub grace: Duration,
+}
+
+/// Serves `router` on `listener` (HTTP/1.1) until `shutdown`, then lets requests in flight
+/// finish within the grace period. Connections beyond `max_connections` wait to be accepted.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    settings: ServeSettings,
+    shutdown: CancellationToken,
+) {
+    let router = router.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+        settings.body_read_timeout,
+    ));
+    let permits = Arc::new(Semaphore::new(settings.max_connections.max(1)));
+    let connections = TaskTracker::new();
+    let close = CancellationToken::new();
+    loop {
+        let permit = tokio::select! {
+            () = shutdown.cancelled() => break,
+            permit = permits.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => break,
+            },
+        };
+        let (stream, _peer) = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of descriptors and the like: wait a little rather than spin.
+                    warn!(error.cause_chain = ?e, "failed to accept a connection");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let router = router.clone();
+        let close = close.clone();
+        let header_read_timeout = settings.header_read_timeout;
+        connections.spawn(async move {
+            let _permit = permit;
+            let service = hyper::service::service_fn(
+                move |request: hyper::Request<hyper::body::Incoming>| {
+                    router.clone().oneshot(request.map(axum::body::Body::new))
+                },
+            );
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(Some(header_read_timeout));
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(connection);
+            tokio::select! {
+                result = connection.as_mut() => {
+                    if let Err(e) = result {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    }
+                }
+                () = close.cancelled() => {
+                    connection.as_mut().graceful_shutdown();
+                    if let Err(e) = connection.await {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    }
+                }
+            }
+        });
+    }
+    close.cancel();
+    connections.close();
+    if tokio::time::timeout(settings.grace, connections.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            grace_ms = settings.grace.as_millis() as u64,
+            "requests in flight did not finish in time"
+        );
+    }
+}
+
+#[derive(Debug, clap::Parser)]
+#[command(
+    version,
+    about = "The signed webhook: reminders, cancellation, contacts and erasure over HTTP.",
+    long_about = "The signed webhook: reminders, cancellation, contacts and erasure over HTTP, \
+                  answered after commit.\n\nConfiguration: defaults, then the TOML file given \
+                  by --config or NUDGE_CONFIG, then NUDGE_* environment variables. See \
+                  config/nudge.example.toml. Prints `listening on http://ADDR` once it accepts \
+                  connections. SIGTERM or Ctrl-C stops accepting, lets requests in flight \
+                  finish and exits 0."
+)]
+pub struct Cli {
+    /// TOML configuration file (overrides NUDGE_CONFIG).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+}
+
+pub async fn main() -> ExitCode {
+    use clap::Parser;
+    let cli = Cli::parse();
+    nudge_runtime::exit_code("intake", run_binary(cli).await)
+}
+
+async fn run_binary(cli: Cli) -> anyhow::Result<()> {
+    let config: IntakeConfig = nudge_runtime::load_config(cli.config.as_deref())?;
+    config.validate_to_run().context("invalid configuration")?;
+    let metrics = Arc::new(IntakeMetrics::new());
+    let app =
+        nudge_runtime::Application::build("nudge-intake", config, Some(metrics.registry())).await?;
+    let crypto = &app.config.crypto;
+    let key = crypto
+        .destination_key_bytes()?
+        .context("crypto.destination_key is required")?;
+    let subscriber = crypto
+        .subscriber_key_bytes()?
+        .context("crypto.subscriber_key is required")?;
+    let cipher = DestinationCipher::new(&key).with_subscriber_key(SubscriberKey::new(&subscriber));
+    let section = &app.config.intake;
+    let state = AppState::new(
+        app.ledger.clone(),
+        cipher,
+        metrics,
+        Limits {
+            batch_max: section.batch_max,
+            timestamp_tolerance_s: section.timestamp_tolerance_s,
+            max_schedule_ahead: chrono::Duration::days(i64::from(section.max_schedule_ahead_days)),
+        },
+        Arc::new(chrono::Utc::now),
+    );
+    let listener = TcpListener::bind(section.listen_addr)
+        .await
+        .with_context(|| {
+            format!(
+                "failed to listen on {} (intake.listen_addr)",
+                section.listen_addr
+            )
+        })?;
+    let bound: SocketAddr = listener
+        .local_addr()
+        .context("failed to read the bound address")?;
+    info!(listen_addr = %bound, "intake listening");
+    announce(bound);
+    let router = router(
+        state,
+        section.body_limit_bytes,
+        Duration::from_millis(section.request_timeout_ms),
+    );
+    serve(
+        listener,
+        router,
+        ServeSettings {
+            header_read_timeout: Duration::from_millis(section.header_read_timeout_ms),
+            body_read_timeout: Duration::from_millis(section.body_read_timeout_ms),
+            max_connections: section.max_connections,
+            grace: Duration::from_secs(10),
+        },
+        app.shutdown.clone(),
+    )
+    .await;
+    app.stop().await;
+    Ok(())
+}
+
+/// The one line on stdout: where the intake listens (port 0 is resolved), for scripts and the
+/// test harness.
+#[allow(clippy::print_stdout)]
+fn announce(bound: SocketAddr) {
+    use std::io::Write;
+    println!("listening on http://{bound}");
+    let _ = std::io::stdout().flush();
+}

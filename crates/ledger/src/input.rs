@@ -1,0 +1,616 @@
+//! The reminder as a client writes it (JSON): one format for `nudgectl reminders load` lines
+//! and the intake's HTTP bodies, parsed into checked values with errors that name the field
+//! ([`InputError::path`]) and never quote a destination, subscriber reference or content.
+//!
+//! Every field is first taken as raw JSON, so a value of the wrong type is reported by field
+//! name here rather than by serde, whose messages quote the value.
+
+use std::fmt;
+
+use chrono::{DateTime, Utc};
+use nudge_domain::{Channel, EventId, IdError, SubscriberRef, TenantId};
+use serde::Deserialize;
+use serde_json::Value;
+use serde_json::error::Category;
+
+use crate::LedgerError;
+use crate::crypto::Destination;
+use crate::reminders::{ImportReminder, MAX_CONTENT_BYTES, MAX_DESTINATION_BYTES, NewReminder};
+
+/// Why a reminder was refused. Names the field ([`InputError::path`]); never carries a
+/// destination, subscriber reference or content.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum InputError {
+    #[error("destinations.{0} is longer than {MAX_DESTINATION_BYTES} bytes")]
+    DestinationTooLong(Channel),
+    #[error("content is longer than {MAX_CONTENT_BYTES} bytes (as JSON text)")]
+    ContentTooLong,
+    #[error("invalid JSON at column {column}: {problem}")]
+    Syntax { column: usize, problem: String },
+    #[error("expected a JSON object")]
+    NotAnObject,
+    /// A missing, unknown or repeated field, as serde words it.
+    #[error("{0}")]
+    Fields(String),
+    #[error("{field} must be {expected}")]
+    WrongType {
+        field: String,
+        expected: &'static str,
+    },
+    #[error("{field}: {source}")]
+    Invalid {
+        field: &'static str,
+        source: IdError,
+    },
+    #[error("tenant must be 1 to 200 bytes")]
+    TenantName,
+    #[error("tenant is given by the path, not the body")]
+    TenantInBody,
+    #[error("channels must list at least one of push, email, sms")]
+    NoChannels,
+    #[error("channels[{index}] is not one of push, email, sms")]
+    UnknownChannel { index: usize },
+    #[error("channels lists {0} twice")]
+    DuplicateChannel(Channel),
+    #[error("{field} is not an RFC 3339 timestamp with an offset, e.g. 2026-11-30T09:00:00Z")]
+    Timestamp { field: &'static str },
+    #[error("expires_at must be after scheduled_at")]
+    ExpiresNotAfterScheduled,
+    #[error("destinations.{0} is missing")]
+    MissingDestination(Channel),
+    #[error("destinations.{0} is empty")]
+    EmptyDestination(Channel),
+    #[error("destinations.{0} is given but {0} is not in channels")]
+    UnlistedDestination(Channel),
+    #[error("destinations has a key that is not one of push, email, sms")]
+    UnknownDestinationChannel,
+    #[error("refused by the ledger: {0}")]
+    Refused(&'static str),
+}
+
+impl InputError {
+    fn wrong_type(field: impl Into<String>, expected: &'static str) -> Self {
+        Self::WrongType {
+            field: field.into(),
+            expected,
+        }
+    }
+
+    fn from_json(error: &serde_json::Error) -> Self {
+        // serde_json appends the position; the rest of a syntax message never quotes input.
+        let text = error.to_string();
+        let suffix = format!(" at line {} column {}", error.line(), error.column());
+        let problem = text.strip_suffix(&suffix).unwrap_or(&text);
+        match error.classify() {
+            Category::Data => {
+                // A key is quoted back as written: keep a stray control character from
+                // breaking the one-line-per-rejection output.
+                let mut fields = String::with_capacity(problem.len());
+                for c in problem.chars() {
+                    if c.is_control() {
+                        fields.extend(c.escape_debug());
+                    } else {
+                        fields.push(c);
+                    }
+                }
+                Self::Fields(fields)
+            }
+            Category::Syntax | Category::Eof | Category::Io => Self::Syntax {
+                column: error.column(),
+                problem: problem.to_owned(),
+            },
+        }
+    }
+}
+
+/// One reminder as written: every field is taken as raw JSON so that a value of the wrong type
+/// is reported by field name here, not by serde, whose messages quote the value.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLine {
+    #[serde(default)]
+    tenant: Option<Value>,
+    event_id: Value,
+    subscriber_ref: Value,
+    channels: Value,
+    scheduled_at: Value,
+    expires_at: Value,
+    destinations: Value,
+    #[serde(default)]
+    content: Option<Value>,
+}
+
+/// One reminder, checked: every listed channel has a non-empty destination and no other channel
+/// has one; `expires_at` is after `scheduled_at`; `content` is a JSON object, kept as its
+/// JSON bytes.
+pub struct ReminderInput {
+    /// The tenant's name, when the format carries it ([`TenantField::Required`]).
+    pub tenant: Option<String>,
+    pub event_id: EventId,
+    pub subscriber_ref: SubscriberRef,
+    pub channels: Vec<Channel>,
+    pub scheduled_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    pub destinations: Vec<(Channel, Destination)>,
+    pub content: Option<Vec<u8>>,
+}
+
+/// Whether the reminder names its tenant: a `reminders load` line does, an HTTP body does
+/// not (the tenant is in the path) and may not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TenantField {
+    Required,
+    Absent,
+}
+
+impl fmt::Debug for ReminderInput {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReminderInput")
+            .field("tenant", &self.tenant)
+            .field("event_id", &self.event_id)
+            .field("subscriber_ref", &self.subscriber_ref)
+            .field("channels", &self.channels)
+            .field("scheduled_at", &self.scheduled_at)
+            .field("expires_at", &self.expires_at)
+            .field("destinations", &self.destinations)
+            .field("content", &self.content.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl ReminderInput {
+    /// Parses one reminder from its JSON text (a `reminders load` line, an HTTP body).
+    pub fn parse(bytes: &[u8], tenant: TenantField) -> Result<Self, InputError> {
+        // Checked first so that serde's type error for a bare value (which quotes it) never
+        // happens: inside an object every field is a `Value`, which takes any JSON.
+        if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(InputError::NotAnObject);
+        }
+        let raw: RawLine = serde_json::from_slice(bytes).map_err(|e| InputError::from_json(&e))?;
+        Self::from_raw(raw, tenant)
+    }
+
+    /// Parses one reminder already read as JSON (an item of a batch).
+    pub fn from_value(value: Value, tenant: TenantField) -> Result<Self, InputError> {
+        if !value.is_object() {
+            return Err(InputError::NotAnObject);
+        }
+        let raw: RawLine = serde_json::from_value(value).map_err(|e| InputError::from_json(&e))?;
+        Self::from_raw(raw, tenant)
+    }
+
+    fn from_raw(raw: RawLine, tenant_field: TenantField) -> Result<Self, InputError> {
+        let tenant = match (tenant_field, &raw.tenant) {
+            (TenantField::Required, Some(value)) => {
+                let tenant = string(value, "tenant")?;
+                if tenant.is_empty() || tenant.len() > 200 {
+                    return Err(InputError::TenantName);
+                }
+                Some(tenant.to_owned())
+            }
+            (TenantField::Required, None) => {
+                return Err(InputError::Fields("missing field `tenant`".to_owned()));
+            }
+            (TenantField::Absent, None) => None,
+            (TenantField::Absent, Some(_)) => return Err(InputError::TenantInBody),
+        };
+        let event_id = EventId::parse(string(&raw.event_id, "event_id")?).map_err(|source| {
+            InputError::Invalid {
+                field: "event_id",
+                source,
+            }
+        })?;
+        let subscriber_ref = SubscriberRef::parse(string(&raw.subscriber_ref, "subscriber_ref")?)
+            .map_err(|source| InputError::Invalid {
+            field: "subscriber_ref",
+            source,
+        })?;
+        let channels = channels(&raw.channels)?;
+        let scheduled_at = timestamp(&raw.scheduled_at, "scheduled_at")?;
+        let expires_at = timestamp(&raw.expires_at, "expires_at")?;
+        if expires_at <= scheduled_at {
+            return Err(InputError::ExpiresNotAfterScheduled);
+        }
+        let destinations = destinations(&raw.destinations, &channels)?;
+        let content = match raw.content {
+            None | Some(Value::Null) => None,
+            Some(content @ Value::Object(_)) => {
+                let content = content.to_string().into_bytes();
+                if content.len() > MAX_CONTENT_BYTES {
+                    return Err(InputError::ContentTooLong);
+                }
+                Some(content)
+            }
+            Some(_) => return Err(InputError::wrong_type("content", "a JSON object")),
+        };
+        Ok(Self {
+            tenant,
+            event_id,
+            subscriber_ref,
+            channels,
+            scheduled_at,
+            expires_at,
+            destinations,
+            content,
+        })
+    }
+}
+
+fn string<'v>(value: &'v Value, field: &'static str) -> Result<&'v str, InputError> {
+    value
+        .as_str()
+        .ok_or_else(|| InputError::wrong_type(field, "a string"))
+}
+
+fn channels(value: &Value) -> Result<Vec<Channel>, InputError> {
+    let items = value
+        .as_array()
+        .ok_or_else(|| InputError::wrong_type("channels", "an array of channel names"))?;
+    if items.is_empty() {
+        return Err(InputError::NoChannels);
+    }
+    let mut channels = Vec::with_capacity(items.len());
+    for (index, item) in items.iter().enumerate() {
+        let channel: Channel = item
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .ok_or(InputError::UnknownChannel { index })?;
+        if channels.contains(&channel) {
+            return Err(InputError::DuplicateChannel(channel));
+        }
+        channels.push(channel);
+    }
+    Ok(channels)
+}
+
+fn timestamp(value: &Value, field: &'static str) -> Result<DateTime<Utc>, InputError> {
+    let text = string(value, field)?;
+    DateTime::parse_from_rfc3339(text)
+        .map(|t| t.with_timezone(&Utc))
+        .map_err(|_| InputError::Timestamp { field })
+}
+
+pub fn destinations(
+    value: &Value,
+    channels: &[Channel],
+) -> Result<Vec<(Channel, Destination)>, InputError> {
+    let given = value.as_object().ok_or_else(|| {
+        InputError::wrong_type("destinations", "an object of channel name to destination")
+    })?;
+    let mut destinations = Vec::with_capacity(channels.len());
+    for &channel in channels {
+        let value = given
+            .get(channel.as_str())
+            .ok_or(InputError::MissingDestination(channel))?;
+        let text = value
+            .as_str()
+            .ok_or_else(|| InputError::wrong_type(format!("destinations.{channel}"), "a string"))?;
+        if text.trim().is_empty() {
+            return Err(InputError::EmptyDestination(channel));
+        }
+        if text.len() > MAX_DESTINATION_BYTES {
+            return Err(InputError::DestinationTooLong(channel));
+        }
+        destinations.push((channel, Destination::new(text)));
+    }
+    // Any other key is a mistake: a destination for a channel the reminder does not use,
+    // or not a channel at all (not quoted: it could be a destination typed in the wrong place).
+    for key in given.keys() {
+        let channel: Channel = key
+            .parse()
+            .map_err(|_| InputError::UnknownDestinationChannel)?;
+        if !channels.contains(&channel) {
+            return Err(InputError::UnlistedDestination(channel));
+        }
+    }
+    Ok(destinations)
+}
+
+impl InputError {
+    /// Where in the reminder the problem is, as a JSON pointer (`/destinations/sms`,
+    /// `/channels/1`; empty for the whole document).
+    pub fn path(&self) -> String {
+        match self {
+            Self::DestinationTooLong(c)
+            | Self::MissingDestination(c)
+            | Self::EmptyDestination(c)
+            | Self::UnlistedDestination(c) => format!("/destinations/{c}"),
+            Self::ContentTooLong => "/content".to_owned(),
+            Self::Syntax { .. } | Self::NotAnObject | Self::Refused(_) => String::new(),
+            Self::Fields(message) => field_of(message)
+                .map(|field| format!("/{}", field.replace('~', "~0").replace('/', "~1")))
+                .unwrap_or_default(),
+            Self::WrongType { field, .. } => format!("/{}", field.replace('.', "/")),
+            Self::Invalid { field, .. } | Self::Timestamp { field } => format!("/{field}"),
+            Self::TenantName | Self::TenantInBody => "/tenant".to_owned(),
+            Self::NoChannels | Self::DuplicateChannel(_) => "/channels".to_owned(),
+            Self::UnknownChannel { index } => format!("/channels/{index}"),
+            Self::ExpiresNotAfterScheduled => "/expires_at".to_owned(),
+            Self::UnknownDestinationChannel => "/destinations".to_owned(),
+        }
+    }
+
+    /// The ledger's refusal of a value this module already checks (kept as a rejection, in
+    /// case the ledger's rules are ever stricter).
+    pub fn refused(error: LedgerError) -> Self {
+        match error {
+            LedgerError::InvalidInput(reason) => Self::Refused(reason),
+            _ => Self::Refused("not accepted by the ledger"),
+        }
+    }
+}
+
+/// The field a serde message about a missing, unknown or repeated field names.
+fn field_of(message: &str) -> Option<&str> {
+    ["unknown field `", "missing field `", "duplicate field `"]
+        .iter()
+        .find_map(|prefix| message.strip_prefix(prefix))
+        .and_then(|rest| rest.split('`').next())
+}
+
+impl ReminderInput {
+    /// The reminder for `tenant_id` with its destinations, checked by the ledger's rules.
+    pub fn into_import(self, tenant_id: TenantId) -> Result<ImportReminder, InputError> {
+        let mut reminder = NewReminder::new(
+            tenant_id,
+            self.event_id,
+            self.subscriber_ref,
+            &self.channels,
+            self.scheduled_at,
+            self.expires_at,
+        )
+        .map_err(InputError::refused)?;
+        if let Some(content) = self.content {
+            reminder = reminder
+                .with_content(content)
+                .map_err(InputError::refused)?;
+        }
+        Ok(ImportReminder {
+            reminder,
+            contacts: self.destinations,
+        })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"{"tenant": "clinic-a", "event_id": "appt-123", "subscriber_ref": "patient-42", "channels": ["sms", "email"], "scheduled_at": "2026-11-30T09:00:00Z", "expires_at": "2026-11-30T10:30:00+01:00", "destinations": {"sms": "+15550100", "email": "a@example.org"}, "content": {"template": "appointment"}}"#;
+
+    fn with(field: &str, value: Value) -> Vec<u8> {
+        let mut line: serde_json::Map<String, Value> = serde_json::from_str(GOOD).unwrap();
+        if value.is_null() {
+            line.remove(field);
+        } else {
+            line.insert(field.to_owned(), value);
+        }
+        serde_json::to_vec(&line).unwrap()
+    }
+
+    fn reason(bytes: &[u8]) -> String {
+        let err = ReminderInput::parse(bytes, TenantField::Required)
+            .unwrap_err()
+            .to_string();
+        for secret in ["+15550100", "a@example.org", "patient-42", "appointment"] {
+            assert!(!err.contains(secret), "{err} shows {secret}");
+        }
+        err
+    }
+
+    #[test]
+    fn a_good_line_parses_with_its_channels_destinations_and_content() {
+        let line = ReminderInput::parse(GOOD.as_bytes(), TenantField::Required).unwrap();
+        assert_eq!(line.tenant.as_deref(), Some("clinic-a"));
+        assert_eq!(line.event_id.as_str(), "appt-123");
+        assert_eq!(line.subscriber_ref.as_str(), "patient-42");
+        assert_eq!(line.channels, [Channel::Sms, Channel::Email]);
+        assert_eq!(line.expires_at.to_rfc3339(), "2026-11-30T09:30:00+00:00");
+        let dests: Vec<_> = line
+            .destinations
+            .iter()
+            .map(|(c, d)| (*c, d.expose()))
+            .collect();
+        assert_eq!(
+            dests,
+            [
+                (Channel::Sms, "+15550100"),
+                (Channel::Email, "a@example.org")
+            ]
+        );
+        assert_eq!(
+            line.content.as_deref(),
+            Some(br#"{"template":"appointment"}"#.as_slice())
+        );
+        assert!(!format!("{line:?}").contains("appointment"));
+    }
+
+    #[test]
+    fn content_is_optional() {
+        let line =
+            ReminderInput::parse(&with("content", Value::Null), TenantField::Required).unwrap();
+        assert!(line.content.is_none());
+        assert_eq!(
+            reason(&with("content", serde_json::json!("appointment"))),
+            "content must be a JSON object"
+        );
+    }
+
+    #[test]
+    fn broken_json_is_reported_by_column() {
+        assert_eq!(
+            reason(br#"{"tenant" "clinic-a"}"#),
+            "invalid JSON at column 11: expected `:`"
+        );
+        assert!(reason(br#"{"tenant": "#).starts_with("invalid JSON at column 11: EOF"));
+        assert_eq!(reason(b"[1, 2]"), "expected a JSON object");
+        assert_eq!(reason(br#""+15550100""#), "expected a JSON object");
+    }
+
+    #[test]
+    fn unknown_and_missing_fields_are_named() {
+        let unknown = reason(&with("subscriber", serde_json::json!("x")));
+        assert!(
+            unknown.starts_with("unknown field `subscriber`, expected one of"),
+            "{unknown}"
+        );
+        assert_eq!(
+            reason(&with("expires_at", Value::Null)),
+            "missing field `expires_at`"
+        );
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_type_names_the_field_without_quoting_the_value() {
+        assert_eq!(
+            reason(&with("subscriber_ref", serde_json::json!(15550100))),
+            "subscriber_ref must be a string"
+        );
+        assert_eq!(
+            reason(&with(
+                "destinations",
+                serde_json::json!({"sms": 15550100, "email": "a@example.org"})
+            )),
+            "destinations.sms must be a string"
+        );
+        assert_eq!(
+            reason(&with("subscriber_ref", serde_json::json!("patient 42"))),
+            "subscriber_ref: subscriber reference has a character not allowed at byte 7: \
+             printable ASCII without whitespace"
+        );
+    }
+
+    #[test]
+    fn every_listed_channel_needs_a_destination_and_no_other_may_have_one() {
+        assert_eq!(
+            reason(&with(
+                "destinations",
+                serde_json::json!({"email": "a@example.org"})
+            )),
+            "destinations.sms is missing"
+        );
+        assert_eq!(
+            reason(&with(
+                "destinations",
+                serde_json::json!({"sms": " ", "email": "a@example.org"})
+            )),
+            "destinations.sms is empty"
+        );
+        assert_eq!(
+            reason(&with(
+                "destinations",
+                serde_json::json!({"sms": "+15550100", "email": "a@example.org", "push": "tok"})
+            )),
+            "destinations.push is given but push is not in channels"
+        );
+        assert_eq!(
+            reason(&with(
+                "destinations",
+                serde_json::json!({"sms": "+15550100", "email": "a@example.org", "+15550100": "sms"})
+            )),
+            "destinations has a key that is not one of push, email, sms"
+        );
+    }
+
+    #[test]
+    fn channels_must_be_known_and_listed_once() {
+        assert_eq!(
+            reason(&with("channels", serde_json::json!([]))),
+            "channels must list at least one of push, email, sms"
+        );
+        assert_eq!(
+            reason(&with("channels", serde_json::json!(["sms", "fax"]))),
+            "channels[1] is not one of push, email, sms"
+        );
+        assert_eq!(
+            reason(&with("channels", serde_json::json!(["sms", "sms"]))),
+            "channels lists sms twice"
+        );
+    }
+
+    #[test]
+    fn timestamps_need_an_offset_and_expiry_after_the_schedule() {
+        assert_eq!(
+            reason(&with(
+                "scheduled_at",
+                serde_json::json!("2026-11-30T09:00:00")
+            )),
+            "scheduled_at is not an RFC 3339 timestamp with an offset, e.g. 2026-11-30T09:00:00Z"
+        );
+        assert_eq!(
+            reason(&with(
+                "expires_at",
+                serde_json::json!("2026-11-30T08:59:59Z")
+            )),
+            "expires_at must be after scheduled_at"
+        );
+    }
+
+    #[test]
+    fn a_control_character_in_an_unknown_key_stays_on_one_line() {
+        let r = reason(&with("a\nb", serde_json::json!(1)));
+        assert!(!r.contains('\n'), "{r}");
+        assert!(r.starts_with("unknown field `a\\nb`"), "{r}");
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod http_form {
+    use super::*;
+
+    const BODY: &str = r#"{"event_id": "appt-1", "subscriber_ref": "patient-42", "channels": ["sms"], "scheduled_at": "2026-11-30T09:00:00Z", "expires_at": "2026-11-30T10:00:00Z", "destinations": {"sms": "+15550100"}}"#;
+
+    #[test]
+    fn a_body_without_a_tenant_parses_and_one_with_a_tenant_is_refused_at_its_path() {
+        let input = ReminderInput::parse(BODY.as_bytes(), TenantField::Absent).unwrap();
+        assert_eq!(input.tenant, None);
+        let mut value: Value = serde_json::from_str(BODY).unwrap();
+        value["tenant"] = Value::from("clinic-a");
+        let err = ReminderInput::from_value(value, TenantField::Absent).unwrap_err();
+        assert_eq!(err, InputError::TenantInBody);
+        assert_eq!(err.path(), "/tenant");
+    }
+
+    #[test]
+    fn every_refusal_has_a_json_pointer_path_and_quotes_no_value() {
+        let cases = [
+            (
+                serde_json::json!({"destinations": {"sms": 5}}),
+                "/destinations/sms",
+            ),
+            (
+                serde_json::json!({"channels": ["sms", "fax"]}),
+                "/channels/1",
+            ),
+            (serde_json::json!({"subscriber": "x"}), "/subscriber"),
+            (
+                serde_json::json!({"scheduled_at": "tomorrow"}),
+                "/scheduled_at",
+            ),
+            (
+                serde_json::json!({"expires_at": "2026-11-30T08:00:00Z"}),
+                "/expires_at",
+            ),
+            (
+                serde_json::json!({"subscriber_ref": "a b"}),
+                "/subscriber_ref",
+            ),
+        ];
+        for (patch, path) in cases {
+            let mut value: Value = serde_json::from_str(BODY).unwrap();
+            for (k, v) in patch.as_object().unwrap() {
+                value[k] = v.clone();
+            }
+            let err = ReminderInput::from_value(value, TenantField::Absent).unwrap_err();
+            assert_eq!(err.path(), path, "{err}");
+            assert!(!err.to_string().contains("+15550100"));
+            assert!(!err.to_string().contains("patient-42"));
+        }
+        let mut missing: Value = serde_json::from_str(BODY).unwrap();
+        missing.as_object_mut().unwrap().remove("channels");
+        let err = ReminderInput::from_value(missing, TenantField::Absent).unwrap_err();
+        assert_eq!(err.path(), "/channels");
+    }
+}

@@ -1,0 +1,509 @@
+//! What the intake (`nudge-intake`) asks of the ledger beyond creating reminders: the tenants'
+//! signing secrets (sealed with the destination key, at most two per tenant, rotated and
+//! retired with an audit row in the same transaction), a reminder's state per channel,
+//! cancellation answered per channel, a subscriber's destinations replaced together, and
+//! erasure of a subscriber.
+//!
+//! Must never: return or log a secret other than to the one caller that asked for it (the
+//! rotation prints it once, the intake verifies with it); keep a subscriber's ciphertext or
+//! reference after erasure.
+
+use chrono::{DateTime, Utc};
+use nudge_domain::{Channel, DeliveryState, EventId, ReminderId, SubscriberRef, TenantId};
+use rand::RngExt;
+
+use crate::audit::{self, Operator};
+use crate::contacts::{destination_aad, upsert_contacts};
+use crate::crypto::{Destination, DestinationCipher};
+use crate::{Ledger, LedgerError};
+
+/// The most signing secrets a tenant has at once (the current one and the one it replaces).
+pub const MAX_ACTIVE_SECRETS: i64 = 2;
+
+/// A tenant's signing secret, as `nudgectl tenant secret rotate` prints it once. `Debug` is
+/// redacted; [`SigningSecret::expose`] is the only way to read it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SigningSecret(String);
+
+impl std::fmt::Debug for SigningSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SigningSecret(<redacted>)")
+    }
+}
+
+impl SigningSecret {
+    /// A new random secret: `nsk_` and 64 hex digits (32 random bytes). The HMAC key is the
+    /// whole string's bytes, so a client uses it exactly as printed.
+    pub fn generate() -> Self {
+        let bytes: [u8; 32] = rand::rng().random();
+        let mut text = String::with_capacity(4 + 64);
+        text.push_str("nsk_");
+        for b in bytes {
+            text.push_str(&format!("{b:02x}"));
+        }
+        Self(text)
+    }
+
+    pub fn from_text(text: String) -> Self {
+        Self(text)
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+/// What the intake needs to authenticate and answer a tenant's request, read in one query.
+#[derive(Debug, Clone)]
+pub struct IntakeTenant {
+    pub id: TenantId,
+    pub intake_paused: bool,
+    /// Channels draining now: a reminder for them is recorded and held.
+    pub draining: Vec<Channel>,
+    /// Newest first; empty when the tenant has none (every request is then refused).
+    pub secrets: Vec<SigningSecret>,
+}
+
+/// One channel of a reminder, as the intake reports it: states and counts, never PHI.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChannelStatus {
+    pub channel: Channel,
+    /// `None` while no delivery exists yet (not due, tenant paused or channel draining).
+    pub state: Option<DeliveryState>,
+    pub attempts: i32,
+    pub settled_at: Option<DateTime<Utc>>,
+}
+
+/// A reminder's state as the intake reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReminderStatus {
+    pub id: ReminderId,
+    pub scheduled_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    pub cancelled_at: Option<DateTime<Utc>>,
+    pub correlation_id: Option<String>,
+    pub channels: Vec<ChannelStatus>,
+}
+
+/// What a cancellation did, per channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cancellation {
+    /// Deliveries settled `cancelled` by this request.
+    pub cancelled: Vec<Channel>,
+    /// The reminder after the cancellation: what had already gone, or is being sent and will
+    /// finish (never retried: its reminder is cancelled).
+    pub status: ReminderStatus,
+}
+
+/// What an erasure did (counts only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Erasure {
+    pub contacts_deleted: u64,
+    pub reminders_erased: u64,
+    pub deliveries_cancelled: u64,
+}
+
+fn secret_aad(tenant_id: uuid::Uuid, generation: i32) -> Vec<u8> {
+    format!("tenant-secret:{tenant_id}:{generation}").into_bytes()
+}
+
+#[derive(sqlx::FromRow)]
+struct TenantRow {
+    id: uuid::Uuid,
+    intake_paused: bool,
+    draining: Vec<String>,
+    generations: Vec<i32>,
+    ciphertexts: Vec<Vec<u8>>,
+}
+
+#[derive(sqlx::FromRow)]
+struct StatusRow {
+    id: uuid::Uuid,
+    channels: Vec<String>,
+    scheduled_at: DateTime<Utc>,
+    expires_at: DateTime<Utc>,
+    cancelled_at: Option<DateTime<Utc>>,
+    correlation_id: Option<String>,
+}
+
+#[derive(sqlx::FromRow)]
+struct DeliveryRow {
+    channel: String,
+    state: String,
+    attempt_count: i32,
+    settled_at: Option<DateTime<Utc>>,
+}
+
+impl Ledger {
+    /// The tenant named `name` with its secrets opened, or `None` when there is no such tenant.
+    pub async fn intake_tenant(
+        &self,
+        name: &str,
+        cipher: &DestinationCipher,
+    ) -> Result<Option<IntakeTenant>, LedgerError> {
+        let row: Option<TenantRow> = sqlx::query_as(
+            "SELECT t.id, t.intake_paused,
+                    ARRAY(SELECT channel FROM channel_controls WHERE draining ORDER BY channel)
+                        AS draining,
+                    ARRAY(SELECT generation FROM tenant_secrets s WHERE s.tenant_id = t.id
+                          ORDER BY generation DESC) AS generations,
+                    ARRAY(SELECT secret_ciphertext FROM tenant_secrets s WHERE s.tenant_id = t.id
+                          ORDER BY generation DESC) AS ciphertexts
+             FROM tenants t WHERE t.name = $1",
+        )
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let mut secrets = Vec::with_capacity(row.ciphertexts.len());
+        for (generation, sealed) in row.generations.iter().zip(&row.ciphertexts) {
+            let opened = cipher.open(sealed, &secret_aad(row.id, *generation))?;
+            let text = String::from_utf8(opened)
+                .map_err(|_| LedgerError::corrupt("tenant_secrets", "secret is not UTF-8"))?;
+            secrets.push(SigningSecret(text));
+        }
+        let draining = row
+            .draining
+            .iter()
+            .map(|c| {
+                c.parse::<Channel>()
+                    .map_err(|_| LedgerError::corrupt("channel_controls", "unknown channel"))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Some(IntakeTenant {
+            id: TenantId::from_uuid(row.id),
+            intake_paused: row.intake_paused,
+            draining,
+            secrets,
+        }))
+    }
+
+    /// Adds a new signing secret for the tenant and returns it (the caller shows it once).
+    /// Refused while the tenant already has [`MAX_ACTIVE_SECRETS`]: retire the old one first.
+    /// Audited (never with the secret) in the same transaction.
+    pub async fn rotate_signing_secret(
+        &self,
+        tenant_id: TenantId,
+        cipher: &DestinationCipher,
+        by: &Operator,
+    ) -> Result<SigningSecret, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let exists: Option<uuid::Uuid> =
+            sqlx::query_scalar("SELECT id FROM tenants WHERE id = $1 FOR UPDATE")
+                .bind(tenant_id.as_uuid())
+                .fetch_optional(&mut *tx)
+                .await?;
+        if exists.is_none() {
+            return Err(LedgerError::UnknownTenant(tenant_id.as_uuid()));
+        }
+        let (count, newest): (i64, Option<i32>) = sqlx::query_as(
+            "SELECT count(*), max(generation) FROM tenant_secrets WHERE tenant_id = $1",
+        )
+        .bind(tenant_id.as_uuid())
+        .fetch_one(&mut *tx)
+        .await?;
+        if count >= MAX_ACTIVE_SECRETS {
+            return Err(LedgerError::InvalidInput(
+                "the tenant already has two signing secrets: retire the old one first",
+            ));
+        }
+        let generation = newest.unwrap_or(0) + 1;
+        let secret = SigningSecret::generate();
+        let sealed = cipher.seal(
+            secret.expose().as_bytes(),
+            &secret_aad(tenant_id.as_uuid(), generation),
+        )?;
+        sqlx::query(
+            "INSERT INTO tenant_secrets (tenant_id, generation, secret_ciphertext, created_at)
+             VALUES ($1, $2, $3, $4)",
+        )
+        .bind(tenant_id.as_uuid())
+        .bind(generation)
+        .bind(sealed)
+        .bind(by.at())
+        .execute(&mut *tx)
+        .await?;
+        audit::insert(
+            &mut tx,
+            &by.entry(
+                "tenant_secret_rotate",
+                format!("tenant:{tenant_id}"),
+                serde_json::json!({ "generation": generation, "active": count + 1 }),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(secret)
+    }
+
+    /// Drops every signing secret of the tenant but the newest. Returns how many were dropped
+    /// (0 when there was only one, or none). Audited in the same transaction.
+    pub async fn retire_signing_secret(
+        &self,
+        tenant_id: TenantId,
+        by: &Operator,
+    ) -> Result<u64, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let exists: Option<uuid::Uuid> =
+            sqlx::query_scalar("SELECT id FROM tenants WHERE id = $1 FOR UPDATE")
+                .bind(tenant_id.as_uuid())
+                .fetch_optional(&mut *tx)
+                .await?;
+        if exists.is_none() {
+            return Err(LedgerError::UnknownTenant(tenant_id.as_uuid()));
+        }
+        let retired = sqlx::query(
+            "DELETE FROM tenant_secrets WHERE tenant_id = $1
+               AND generation < (SELECT max(generation) FROM tenant_secrets WHERE tenant_id = $1)",
+        )
+        .bind(tenant_id.as_uuid())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        audit::insert(
+            &mut tx,
+            &by.entry(
+                "tenant_secret_retire",
+                format!("tenant:{tenant_id}"),
+                serde_json::json!({ "retired": retired }),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(retired)
+    }
+
+    /// A reminder's state per channel, or `None` when the tenant has no such event.
+    pub async fn reminder_status(
+        &self,
+        tenant_id: TenantId,
+        event_id: &EventId,
+    ) -> Result<Option<ReminderStatus>, LedgerError> {
+        let mut conn = self.pool.acquire().await?;
+        status_in(&mut conn, tenant_id, event_id).await
+    }
+
+    /// Cancels a reminder ([`Ledger::cancel_reminder`]'s rules) and answers per channel, in
+    /// one transaction; `None` when the tenant has no such event.
+    pub async fn cancel_reminder_by_channel(
+        &self,
+        tenant_id: TenantId,
+        event_id: &EventId,
+        now: DateTime<Utc>,
+    ) -> Result<Option<Cancellation>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let id: Option<uuid::Uuid> = sqlx::query_scalar(
+            "UPDATE reminders SET cancelled_at = COALESCE(cancelled_at, $3)
+             WHERE tenant_id = $1 AND event_id = $2 RETURNING id",
+        )
+        .bind(tenant_id.as_uuid())
+        .bind(event_id.as_str())
+        .bind(now)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(id) = id else {
+            return Ok(None);
+        };
+        let cancelled: Vec<String> = sqlx::query_scalar(
+            "UPDATE deliveries
+             SET state = 'cancelled', settled_at = $2, updated_at = $2, next_attempt_at = NULL,
+                 last_error_reason = 'cancelled_by_client'
+             WHERE reminder_id = $1 AND state IN ('scheduled', 'queued', 'retry_wait')
+             RETURNING channel",
+        )
+        .bind(id)
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
+        let status = status_in(&mut tx, tenant_id, event_id)
+            .await?
+            .ok_or_else(|| LedgerError::corrupt("reminders", "cancelled row vanished"))?;
+        tx.commit().await?;
+        let mut cancelled = cancelled
+            .iter()
+            .map(|c| c.parse::<Channel>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| LedgerError::corrupt("deliveries", "unknown channel"))?;
+        cancelled.sort();
+        Ok(Some(Cancellation { cancelled, status }))
+    }
+
+    /// Replaces a subscriber's destinations for the channels given (others are kept), in one
+    /// statement. Needs the subscriber key.
+    pub async fn set_contacts(
+        &self,
+        tenant_id: TenantId,
+        subscriber_ref: &SubscriberRef,
+        destinations: &[(Channel, Destination)],
+        cipher: &DestinationCipher,
+        now: DateTime<Utc>,
+    ) -> Result<(), LedgerError> {
+        let stored_ref = cipher.stored_ref(tenant_id, subscriber_ref)?;
+        let mut sealed = Vec::with_capacity(destinations.len());
+        for (channel, destination) in destinations {
+            if destination.expose().len() > crate::MAX_DESTINATION_BYTES {
+                return Err(LedgerError::InvalidInput(
+                    "a destination is larger than 1024 bytes",
+                ));
+            }
+            let aad = destination_aad(tenant_id, &stored_ref, *channel);
+            sealed.push((
+                tenant_id.as_uuid(),
+                stored_ref.clone(),
+                *channel,
+                cipher.seal(destination.expose().as_bytes(), &aad)?,
+            ));
+        }
+        let mut conn = self.pool.acquire().await?;
+        upsert_contacts(&mut conn, &sealed, now)
+            .await
+            .map_err(|e| match e {
+                LedgerError::InvalidInput(_) => LedgerError::UnknownTenant(tenant_id.as_uuid()),
+                other => other,
+            })
+    }
+
+    /// Erases a subscriber of a tenant, in one transaction: deletes their destinations (the
+    /// rows, so the ciphertext with them), settles their owed deliveries `cancelled` (one
+    /// being sent finishes), and strips their reminders to the audit fields: the reference is
+    /// replaced by a random value unrelated to the subscriber, content and request digest are
+    /// dropped, `erased_at` is set. An audit row with the counts (never the reference) is
+    /// written in the same transaction. Needs the subscriber key.
+    pub async fn erase_subscriber(
+        &self,
+        tenant_id: TenantId,
+        subscriber_ref: &SubscriberRef,
+        cipher: &DestinationCipher,
+        by: &Operator,
+    ) -> Result<Erasure, LedgerError> {
+        let stored_ref = cipher.stored_ref(tenant_id, subscriber_ref)?;
+        let now = by.at();
+        let mut tx = self.pool.begin().await?;
+        let contacts_deleted = sqlx::query(
+            "DELETE FROM contacts WHERE tenant_id = $1
+               AND (subscriber_ref = $2 OR (NOT subscriber_ref_keyed AND subscriber_ref = $3))",
+        )
+        .bind(tenant_id.as_uuid())
+        .bind(&stored_ref)
+        .bind(subscriber_ref.as_str())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let reminders: Vec<uuid::Uuid> = sqlx::query_scalar(
+            "SELECT id FROM reminders WHERE tenant_id = $1
+               AND (subscriber_ref = $2 OR (NOT subscriber_ref_keyed AND subscriber_ref = $3))
+             FOR UPDATE",
+        )
+        .bind(tenant_id.as_uuid())
+        .bind(&stored_ref)
+        .bind(subscriber_ref.as_str())
+        .fetch_all(&mut *tx)
+        .await?;
+        let deliveries_cancelled = sqlx::query(
+            "UPDATE deliveries
+             SET state = 'cancelled', settled_at = $2, updated_at = $2, next_attempt_at = NULL,
+                 last_error_reason = 'subscriber_erased'
+             WHERE reminder_id = ANY($1) AND state IN ('scheduled', 'queued', 'retry_wait')",
+        )
+        .bind(&reminders)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let placeholders: Vec<String> = reminders.iter().map(|_| random_ref()).collect();
+        let reminders_erased = sqlx::query(
+            "UPDATE reminders r
+             SET subscriber_ref = p.placeholder, subscriber_ref_keyed = true,
+                 content_ciphertext = NULL, request_digest = NULL,
+                 cancelled_at = COALESCE(r.cancelled_at, $3), erased_at = $3
+             FROM UNNEST($1::uuid[], $2::text[]) AS p(id, placeholder)
+             WHERE r.id = p.id",
+        )
+        .bind(&reminders)
+        .bind(&placeholders)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let erasure = Erasure {
+            contacts_deleted,
+            reminders_erased,
+            deliveries_cancelled,
+        };
+        audit::insert(
+            &mut tx,
+            &by.entry(
+                "subscriber_erase",
+                format!("tenant:{tenant_id}"),
+                serde_json::json!({
+                    "contacts_deleted": contacts_deleted,
+                    "reminders_erased": reminders_erased,
+                    "deliveries_cancelled": deliveries_cancelled,
+                }),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(erasure)
+    }
+}
+
+/// 64 random hex digits: the shape of a stored reference, related to no subscriber.
+fn random_ref() -> String {
+    let bytes: [u8; 32] = rand::rng().random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+async fn status_in(
+    conn: &mut sqlx::PgConnection,
+    tenant_id: TenantId,
+    event_id: &EventId,
+) -> Result<Option<ReminderStatus>, LedgerError> {
+    let row: Option<StatusRow> = sqlx::query_as(
+        "SELECT id, channels, scheduled_at, expires_at, cancelled_at, correlation_id
+         FROM reminders WHERE tenant_id = $1 AND event_id = $2",
+    )
+    .bind(tenant_id.as_uuid())
+    .bind(event_id.as_str())
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let deliveries: Vec<DeliveryRow> = sqlx::query_as(
+        "SELECT channel, state, attempt_count, settled_at FROM deliveries WHERE reminder_id = $1",
+    )
+    .bind(row.id)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut channels = Vec::with_capacity(row.channels.len());
+    for name in &row.channels {
+        let channel: Channel = name
+            .parse()
+            .map_err(|_| LedgerError::corrupt("reminders", "unknown channel"))?;
+        let delivery = deliveries.iter().find(|d| d.channel == *name);
+        channels.push(ChannelStatus {
+            channel,
+            state: delivery
+                .map(|d| {
+                    d.state
+                        .parse::<DeliveryState>()
+                        .map_err(|_| LedgerError::corrupt("deliveries", "unknown state"))
+                })
+                .transpose()?,
+            attempts: delivery.map_or(0, |d| d.attempt_count),
+            settled_at: delivery.and_then(|d| d.settled_at),
+        });
+    }
+    channels.sort_by_key(|c| c.channel);
+    Ok(Some(ReminderStatus {
+        id: ReminderId::from_uuid(row.id),
+        scheduled_at: row.scheduled_at,
+        expires_at: row.expires_at,
+        cancelled_at: row.cancelled_at,
+        correlation_id: row.correlation_id,
+        channels,
+    }))
+}
