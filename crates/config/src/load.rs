@@ -99,7 +99,6 @@ pub const KNOWN_SECTIONS: &[&str] = &[
     "janitor",
     "redrive",
     "admission",
-    "redrive",
     "intake",
 ];
 
