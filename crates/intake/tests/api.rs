@@ -497,7 +497,12 @@ async fn a_paused_tenant_or_a_draining_channel_records_and_holds_and_the_answer_
         .unwrap();
     intake
         .ledger
-        .set_draining(Channel::Sms, true, &operator(), nudge_ledger::LedgerTime::Database)
+        .set_draining(
+            Channel::Sms,
+            true,
+            &operator(),
+            nudge_ledger::LedgerTime::Database,
+        )
         .await
         .unwrap();
     let answer = intake.post(&reminder("drain")).await;
@@ -507,7 +512,12 @@ async fn a_paused_tenant_or_a_draining_channel_records_and_holds_and_the_answer_
     assert_eq!(answer.body["deliveries_created"], 1, "email only");
     intake
         .ledger
-        .set_draining(Channel::Sms, false, &operator(), nudge_ledger::LedgerTime::Database)
+        .set_draining(
+            Channel::Sms,
+            false,
+            &operator(),
+            nudge_ledger::LedgerTime::Database,
+        )
         .await
         .unwrap();
 
