@@ -99,6 +99,7 @@ pub const KNOWN_SECTIONS: &[&str] = &[
     "janitor",
     "admission",
     "intake",
+    "retention",
 ];
 
 /// `NUDGE_` variables that are not configuration keys, read by name elsewhere: the file path

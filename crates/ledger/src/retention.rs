@@ -1,0 +1,706 @@
+//! Retention: what the policy lets go, counted first, deleted by the database's own functions.
+//!
+//! Protocol (migration `20261202000001_retention`):
+//! 1. [`Ledger::retention_blockers`]: a run starts only when no channel drains, no redrive is
+//!    running or paused, no owed delivery sits under an owner other than its channel's (an
+//!    ownership change still in progress), and the ledger's schema is the one this build
+//!    carries ([`MIGRATOR`](crate::MIGRATOR)).
+//! 2. [`Ledger::begin_retention_run`] counts, at one instant, what the run may delete per
+//!    table, and writes the `retention_runs` row (instant, policy, counts) in the same
+//!    transaction, before anything is deleted. [`Ledger::plan_retention`] is the same count
+//!    without the row (`nudgectl retention plan`), by table, state and age band, with what
+//!    stays and why.
+//! 3. [`Ledger::retention_batch`] deletes one bounded batch through
+//!    `nudge_retention_delete_deliveries` (then, once no delivery is left to go,
+//!    `nudge_retention_delete_rest`), each its own short transaction: the functions re-check
+//!    state and age under `FOR UPDATE SKIP LOCKED`, add to the run's deleted counts and refuse
+//!    to delete more than the run counted. A delivery batch's rows are handed to the caller
+//!    before the batch commits (the audit export), and an error there rolls it back.
+//! 4. [`Ledger::finish_retention_run`] records how the run ended: `finished` when every count
+//!    agrees, `mismatch` (naming the tables) when not, `stopped` when the caller stopped
+//!    between batches (shutdown, a blocker appeared). A stopped run's rest is counted and
+//!    deleted by the next run.
+//!
+//! What stays, and why ([`KeepReason`]), is defined once, in SQL functions the plan and the
+//! deletions share, so the counts and the deletions cannot disagree on the rule.
+//! Ages count from `settled_at` for settled and held deliveries, and from `scheduled_at` for
+//! owed ones (so "due soon" shows as under an hour).
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use nudge_domain::{Channel, DeliveryState, RetentionDays, RetentionPolicy};
+use sqlx::PgConnection;
+
+use crate::age::{AgeBand, age_band_sql};
+use crate::deliveries::LedgerTime;
+use crate::{Ledger, LedgerError, MIGRATOR};
+
+/// The tables retention deletes from.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum RetentionTable {
+    Deliveries,
+    Attempts,
+    DeadLetters,
+    RedriveItems,
+    Reminders,
+    Contacts,
+    AuditLog,
+    Redrives,
+}
+
+impl RetentionTable {
+    pub const ALL: [RetentionTable; 8] = [
+        RetentionTable::Deliveries,
+        RetentionTable::Attempts,
+        RetentionTable::DeadLetters,
+        RetentionTable::RedriveItems,
+        RetentionTable::Reminders,
+        RetentionTable::Contacts,
+        RetentionTable::AuditLog,
+        RetentionTable::Redrives,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RetentionTable::Deliveries => "deliveries",
+            RetentionTable::Attempts => "attempts",
+            RetentionTable::DeadLetters => "dead_letters",
+            RetentionTable::RedriveItems => "redrive_items",
+            RetentionTable::Reminders => "reminders",
+            RetentionTable::Contacts => "contacts",
+            RetentionTable::AuditLog => "audit_log",
+            RetentionTable::Redrives => "redrives",
+        }
+    }
+
+    fn parse(name: &str) -> Result<Self, LedgerError> {
+        RetentionTable::ALL
+            .into_iter()
+            .find(|t| t.as_str() == name)
+            .ok_or_else(|| LedgerError::corrupt("retention_runs", format!("table {name}")))
+    }
+}
+
+impl std::fmt::Display for RetentionTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a row stays.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum KeepReason {
+    /// Scheduled, queued, being sent or waiting to retry: still owed.
+    Owed,
+    /// `ambiguous`: held for review, never deleted.
+    Held,
+    /// A dead letter named by a running or paused redrive.
+    AwaitingRedrive,
+    /// Owned by a sender other than its channel's current owner.
+    OwnershipUncertain,
+    /// Settled (or written) more recently than its boundary.
+    TooYoung,
+    /// A reminder with a delivery that stays.
+    HasDelivery,
+    /// A contact named by a reminder that stays.
+    InUse,
+    /// Goes with (or stays with) the delivery it belongs to.
+    WithDelivery,
+    /// A reminder of a paused tenant or draining channel: it may still be materialised.
+    HeldByOperator,
+}
+
+impl KeepReason {
+    fn parse(name: &str) -> Result<Self, LedgerError> {
+        Ok(match name {
+            "owed" => KeepReason::Owed,
+            "held" => KeepReason::Held,
+            "awaiting_redrive" => KeepReason::AwaitingRedrive,
+            "ownership_uncertain" => KeepReason::OwnershipUncertain,
+            "too_young" => KeepReason::TooYoung,
+            "has_delivery" => KeepReason::HasDelivery,
+            "in_use" => KeepReason::InUse,
+            "with_delivery" => KeepReason::WithDelivery,
+            "held_by_operator" => KeepReason::HeldByOperator,
+            other => return Err(LedgerError::corrupt("retention", format!("reason {other}"))),
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeepReason::Owed => "owed",
+            KeepReason::Held => "held",
+            KeepReason::AwaitingRedrive => "awaiting_redrive",
+            KeepReason::OwnershipUncertain => "ownership_uncertain",
+            KeepReason::TooYoung => "too_young",
+            KeepReason::HasDelivery => "has_delivery",
+            KeepReason::InUse => "in_use",
+            KeepReason::WithDelivery => "with_delivery",
+            KeepReason::HeldByOperator => "held_by_operator",
+        }
+    }
+}
+
+/// Deliveries of one state and age band, and whether they go.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DeliveryCount {
+    pub state: DeliveryState,
+    pub age_band: AgeBand,
+    /// `None`: the policy lets them go.
+    pub kept: Option<KeepReason>,
+    pub count: u64,
+}
+
+/// One table's rows: how many go, and how many stay by reason.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TableCount {
+    pub delete: u64,
+    pub kept: BTreeMap<KeepReason, u64>,
+}
+
+/// What a run at `at` would delete, and what it keeps and why.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct RetentionPlan {
+    /// The instant every age is counted to (the database's clock unless fixed).
+    pub at: DateTime<Utc>,
+    pub policy: RetentionDays,
+    /// Deliveries by state, age band and verdict.
+    pub deliveries: Vec<DeliveryCount>,
+    /// Every table (deliveries included).
+    pub tables: BTreeMap<RetentionTable, TableCount>,
+}
+
+impl RetentionPlan {
+    /// Rows to delete per table (every table listed, zeros included).
+    pub fn to_delete(&self) -> BTreeMap<RetentionTable, u64> {
+        RetentionTable::ALL
+            .into_iter()
+            .map(|t| (t, self.tables.get(&t).map_or(0, |c| c.delete)))
+            .collect()
+    }
+}
+
+/// Why a run must not start now.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "blocker", rename_all = "snake_case")]
+pub enum Blocker {
+    Draining {
+        channel: Channel,
+    },
+    Redrive {
+        id: i64,
+        channel: Channel,
+    },
+    /// Owed deliveries of the channel under an owner other than the channel's.
+    OwnershipChange {
+        channel: Channel,
+        deliveries: u64,
+    },
+    /// The ledger's applied migrations are not the ones this build was made for.
+    SchemaVersion {
+        found: Option<i64>,
+        expected: i64,
+    },
+}
+
+impl std::fmt::Display for Blocker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Blocker::Draining { channel } => write!(f, "channel {channel} is draining"),
+            Blocker::Redrive { id, channel } => {
+                write!(f, "redrive {id} on {channel} is running or paused")
+            }
+            Blocker::OwnershipChange {
+                channel,
+                deliveries,
+            } => write!(
+                f,
+                "ownership change on {channel} in progress ({deliveries} owed deliveries under another owner)"
+            ),
+            Blocker::SchemaVersion { found, expected } => write!(
+                f,
+                "ledger schema is at migration {}, this build expects {expected}",
+                found.map_or_else(|| "none (or a failed one)".to_owned(), |v| v.to_string())
+            ),
+        }
+    }
+}
+
+/// A run whose row is written: its id, instant and plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetentionRun {
+    pub id: i64,
+    pub plan: RetentionPlan,
+}
+
+/// What an export keeps of one deleted delivery: ids, state, times and outcome classes, never
+/// a destination, content or subscriber reference.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, sqlx::FromRow)]
+pub struct DeletedDelivery {
+    pub delivery_id: uuid::Uuid,
+    pub reminder_id: uuid::Uuid,
+    pub tenant_id: uuid::Uuid,
+    pub channel: String,
+    pub state: String,
+    pub scheduled_at: DateTime<Utc>,
+    pub created_at: DateTime<Utc>,
+    pub settled_at: DateTime<Utc>,
+    pub attempt_count: i32,
+    /// Each attempt's outcome class, in attempt order.
+    pub outcome_classes: Vec<String>,
+}
+
+/// What one batch deleted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RetentionBatch {
+    /// Deliveries (with their attempts, dead letters, finished redrive items and emptied
+    /// reminders).
+    Deliveries(Vec<DeletedDelivery>),
+    /// Rows of another table.
+    Rows { table: RetentionTable, deleted: u64 },
+    /// Nothing left that the run may delete.
+    Done,
+}
+
+/// How a run ended, as the caller saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunEnd {
+    /// Batches ran until nothing was left: the counts must agree.
+    Completed,
+    /// Stopped between batches (shutdown, a blocker appeared, an error): the next run goes on.
+    Stopped(String),
+}
+
+/// A run's final state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunState {
+    Finished,
+    Stopped,
+    /// Completed, but the deleted counts are not the planned ones.
+    Mismatch,
+}
+
+/// A run's counts once it ended.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct RunSummary {
+    pub id: i64,
+    pub state: RunState,
+    pub planned: BTreeMap<RetentionTable, u64>,
+    pub deleted: BTreeMap<RetentionTable, u64>,
+    /// Tables whose deleted count differs from the planned one (a completed run only).
+    pub disagreeing: Vec<RetentionTable>,
+}
+
+const DAY_S: i64 = 86_400;
+
+fn seconds(days: u32) -> i64 {
+    i64::from(days) * DAY_S
+}
+
+/// `ROW(...)::nudge_retention_policy` from binds `$1` (instant) to `$8`.
+const POLICY_ROW: &str = "ROW($1::timestamptz, $2::bigint, $3::bigint, $4::bigint, $5::bigint, \
+     $6::bigint, $7::bigint, $8::bigint)::nudge_retention_policy";
+
+fn bind_policy<'q>(
+    query: sqlx::query::QueryAs<'q, sqlx::Postgres, CountRow, sqlx::postgres::PgArguments>,
+    at: DateTime<Utc>,
+    d: &RetentionDays,
+) -> sqlx::query::QueryAs<'q, sqlx::Postgres, CountRow, sqlx::postgres::PgArguments> {
+    query
+        .bind(at)
+        .bind(seconds(d.delivered))
+        .bind(seconds(d.expired))
+        .bind(seconds(d.cancelled))
+        .bind(seconds(d.dead_lettered))
+        .bind(seconds(d.reminders))
+        .bind(seconds(d.contacts))
+        .bind(seconds(d.audit))
+}
+
+#[derive(sqlx::FromRow)]
+struct CountRow {
+    tbl: String,
+    state: Option<String>,
+    band: Option<String>,
+    keep: Option<String>,
+    n: i64,
+}
+
+fn plan_sql() -> String {
+    let band = age_band_sql("COALESCE(d.settled_at, d.scheduled_at)", "(pp.p).at");
+    format!(
+        "WITH pp AS (SELECT {POLICY_ROW} AS p),
+         dk AS MATERIALIZED (
+             SELECT d.id, d.state, {band} AS band, nudge_retention_delivery_keep(d, pp.p) AS keep
+             FROM deliveries d CROSS JOIN pp)
+         SELECT 'deliveries' AS tbl, dk.state, dk.band, dk.keep, count(*) AS n
+           FROM dk GROUP BY dk.state, dk.band, dk.keep
+         UNION ALL
+         SELECT 'attempts', NULL, NULL, dk.keep, count(*)
+           FROM attempts a JOIN dk ON dk.id = a.delivery_id GROUP BY dk.keep
+         UNION ALL
+         SELECT 'redrive_items', NULL, NULL,
+                CASE WHEN r.state IN ('running', 'paused') THEN 'awaiting_redrive' ELSE dk.keep END,
+                count(*)
+           FROM redrive_items ri JOIN redrives r ON r.id = ri.redrive_id
+           JOIN dk ON dk.id = ri.delivery_id GROUP BY 4
+         UNION ALL
+         SELECT 'dead_letters', NULL, NULL,
+                CASE WHEN dk.id IS NOT NULL
+                     THEN CASE WHEN dk.keep IS NOT NULL THEN 'with_delivery' END
+                     ELSE nudge_retention_dead_letter_keep(l, pp.p) END,
+                count(*)
+           FROM dead_letters l CROSS JOIN pp LEFT JOIN dk ON dk.id = l.delivery_id GROUP BY 4
+         UNION ALL
+         SELECT 'reminders', NULL, NULL, nudge_retention_reminder_keep(r, pp.p), count(*)
+           FROM reminders r CROSS JOIN pp GROUP BY 4
+         UNION ALL
+         SELECT 'contacts', NULL, NULL, nudge_retention_contact_keep(c, pp.p), count(*)
+           FROM contacts c CROSS JOIN pp GROUP BY 4
+         UNION ALL
+         SELECT 'audit_log', NULL, NULL,
+                CASE WHEN a.at > (pp.p).at - make_interval(secs => (pp.p).audit_s)
+                     THEN 'too_young' END, count(*)
+           FROM audit_log a CROSS JOIN pp GROUP BY 4
+         UNION ALL
+         SELECT 'redrives', NULL, NULL,
+                CASE WHEN r.state IN ('running', 'paused') THEN 'awaiting_redrive'
+                     WHEN r.finished_at > (pp.p).at - make_interval(secs => (pp.p).audit_s)
+                         THEN 'too_young'
+                     WHEN EXISTS (SELECT 1 FROM redrive_items ri JOIN dk ON dk.id = ri.delivery_id
+                                  WHERE ri.redrive_id = r.id AND dk.keep IS NOT NULL)
+                         THEN 'has_delivery' END,
+                count(*)
+           FROM redrives r CROSS JOIN pp GROUP BY 4"
+    )
+}
+
+fn fold(
+    at: DateTime<Utc>,
+    policy: &RetentionPolicy,
+    rows: Vec<CountRow>,
+) -> Result<RetentionPlan, LedgerError> {
+    let mut plan = RetentionPlan {
+        at,
+        policy: policy.days(),
+        deliveries: Vec::new(),
+        tables: RetentionTable::ALL
+            .into_iter()
+            .map(|t| (t, TableCount::default()))
+            .collect(),
+    };
+    for row in rows {
+        let table = RetentionTable::parse(&row.tbl)?;
+        let kept = row.keep.as_deref().map(KeepReason::parse).transpose()?;
+        let n = u64::try_from(row.n).unwrap_or(0);
+        let entry = plan.tables.entry(table).or_default();
+        match kept {
+            None => entry.delete += n,
+            Some(why) => *entry.kept.entry(why).or_default() += n,
+        }
+        if table == RetentionTable::Deliveries {
+            let state = row
+                .state
+                .as_deref()
+                .unwrap_or_default()
+                .parse()
+                .map_err(|e| LedgerError::corrupt("deliveries", e))?;
+            let age_band = row
+                .band
+                .as_deref()
+                .and_then(AgeBand::parse)
+                .ok_or_else(|| LedgerError::corrupt("deliveries", "age band"))?;
+            plan.deliveries.push(DeliveryCount {
+                state,
+                age_band,
+                kept,
+                count: n,
+            });
+        }
+    }
+    plan.deliveries
+        .sort_by_key(|c| (c.state.as_str(), c.age_band, c.kept));
+    Ok(plan)
+}
+
+async fn plan_on(
+    conn: &mut PgConnection,
+    policy: &RetentionPolicy,
+    at: DateTime<Utc>,
+) -> Result<RetentionPlan, LedgerError> {
+    let sql = plan_sql();
+    let rows: Vec<CountRow> =
+        bind_policy(sqlx::query_as(sqlx::AssertSqlSafe(sql)), at, &policy.days())
+            .fetch_all(&mut *conn)
+            .await?;
+    fold(at, policy, rows)
+}
+
+fn counts(value: &serde_json::Value) -> BTreeMap<RetentionTable, u64> {
+    RetentionTable::ALL
+        .into_iter()
+        .map(|t| {
+            (
+                t,
+                value
+                    .get(t.as_str())
+                    .and_then(serde_json::Value::as_u64)
+                    .unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+/// A deletion function refusing to go past the run's counts.
+fn overran(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Database(db) if db.message().contains("more than the") => {
+            Some(db.message().to_owned())
+        }
+        _ => None,
+    }
+}
+
+impl Ledger {
+    /// What a run would delete at `at` under `policy`, by table (deliveries by state and age
+    /// band), with what stays and why. Reads only, in one snapshot.
+    pub async fn plan_retention(
+        &self,
+        policy: &RetentionPolicy,
+        at: LedgerTime,
+    ) -> Result<RetentionPlan, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .execute(&mut *tx)
+            .await?;
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT COALESCE($1, now())")
+            .bind(at.bind())
+            .fetch_one(&mut *tx)
+            .await?;
+        let plan = plan_on(&mut tx, policy, now).await?;
+        tx.commit().await?;
+        Ok(plan)
+    }
+
+    /// Why a run must not start now; empty when it may.
+    pub async fn retention_blockers(&self) -> Result<Vec<Blocker>, LedgerError> {
+        let mut blockers = Vec::new();
+        let expected = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
+        let (found, failed): (Option<i64>, bool) = sqlx::query_as(
+            "SELECT max(version) FILTER (WHERE success), bool_or(NOT success) IS TRUE
+             FROM _sqlx_migrations",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        if failed || found != Some(expected) {
+            blockers.push(Blocker::SchemaVersion {
+                found: found.filter(|_| !failed),
+                expected,
+            });
+        }
+        let draining: Vec<String> = sqlx::query_scalar(
+            "SELECT channel FROM channel_controls WHERE draining ORDER BY channel",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        for channel in draining {
+            blockers.push(Blocker::Draining {
+                channel: channel
+                    .parse()
+                    .map_err(|e| LedgerError::corrupt("channel_controls", e))?,
+            });
+        }
+        let redrives: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT id, channel FROM redrives WHERE state IN ('running', 'paused') ORDER BY id",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        for (id, channel) in redrives {
+            blockers.push(Blocker::Redrive {
+                id,
+                channel: channel
+                    .parse()
+                    .map_err(|e| LedgerError::corrupt("redrives", e))?,
+            });
+        }
+        let moving: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT d.channel, count(*) FROM deliveries d
+             JOIN channel_controls c ON c.channel = d.channel
+             WHERE d.state IN ('scheduled', 'queued', 'sending', 'retry_wait') AND d.owner <> c.owner
+             GROUP BY d.channel ORDER BY d.channel",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        for (channel, n) in moving {
+            blockers.push(Blocker::OwnershipChange {
+                channel: channel
+                    .parse()
+                    .map_err(|e| LedgerError::corrupt("deliveries", e))?,
+                deliveries: u64::try_from(n).unwrap_or(0),
+            });
+        }
+        Ok(blockers)
+    }
+
+    /// Counts what a run may delete at `at` and records the run (instant, policy, counts,
+    /// `runner`) before anything is deleted, in one transaction.
+    pub async fn begin_retention_run(
+        &self,
+        policy: &RetentionPolicy,
+        runner: &str,
+        at: LedgerTime,
+    ) -> Result<RetentionRun, LedgerError> {
+        if runner.is_empty() || runner.chars().count() > 200 {
+            return Err(LedgerError::InvalidInput("a runner is 1 to 200 characters"));
+        }
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *tx)
+            .await?;
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT COALESCE($1, now())")
+            .bind(at.bind())
+            .fetch_one(&mut *tx)
+            .await?;
+        let plan = plan_on(&mut tx, policy, now).await?;
+        let planned: serde_json::Value = plan
+            .to_delete()
+            .into_iter()
+            .map(|(t, n)| (t.as_str().to_owned(), serde_json::Value::from(n)))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+        let d = policy.days();
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO retention_runs (started_at, runner, delivered_s, expired_s, cancelled_s,
+                 dead_lettered_s, reminders_s, contacts_s, audit_s, planned)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id",
+        )
+        .bind(now)
+        .bind(runner)
+        .bind(seconds(d.delivered))
+        .bind(seconds(d.expired))
+        .bind(seconds(d.cancelled))
+        .bind(seconds(d.dead_lettered))
+        .bind(seconds(d.reminders))
+        .bind(seconds(d.contacts))
+        .bind(seconds(d.audit))
+        .bind(planned)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(RetentionRun { id, plan })
+    }
+
+    /// Deletes one batch of at most `limit` rows for run `run` through the database's
+    /// deletion functions, deliveries first. A delivery batch is passed to `before_commit`
+    /// before it commits (the audit export); an error from it rolls the batch back.
+    pub async fn retention_batch(
+        &self,
+        run: i64,
+        limit: u32,
+        before_commit: &mut (dyn FnMut(&[DeletedDelivery]) -> std::io::Result<()> + Send),
+    ) -> Result<RetentionBatch, LedgerError> {
+        let limit = i32::try_from(limit).unwrap_or(i32::MAX);
+        let mut tx = self.pool.begin().await?;
+        let deleted: Vec<DeletedDelivery> = sqlx::query_as(
+            "SELECT delivery_id, reminder_id, tenant_id, channel, state, scheduled_at, created_at,
+                    settled_at, attempt_count, outcome_classes
+             FROM nudge_retention_delete_deliveries($1, $2)",
+        )
+        .bind(run)
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(|e| overran(&e).map_or(LedgerError::Database(e), LedgerError::RetentionOverrun))?;
+        if !deleted.is_empty() {
+            before_commit(&deleted).map_err(LedgerError::Export)?;
+            tx.commit().await?;
+            return Ok(RetentionBatch::Deliveries(deleted));
+        }
+        let rest: Option<(String, i64)> =
+            sqlx::query_as("SELECT table_name, deleted FROM nudge_retention_delete_rest($1, $2)")
+                .bind(run)
+                .bind(limit)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(|e| {
+                    overran(&e).map_or(LedgerError::Database(e), LedgerError::RetentionOverrun)
+                })?;
+        tx.commit().await?;
+        match rest {
+            Some((table, n)) => Ok(RetentionBatch::Rows {
+                table: RetentionTable::parse(&table)?,
+                deleted: u64::try_from(n).unwrap_or(0),
+            }),
+            None => Ok(RetentionBatch::Done),
+        }
+    }
+
+    /// Records how run `run` ended and compares its counts: a completed run whose deleted
+    /// counts are not its planned ones ends `mismatch`, naming the tables.
+    pub async fn finish_retention_run(
+        &self,
+        run: i64,
+        end: RunEnd,
+    ) -> Result<RunSummary, LedgerError> {
+        let (planned, deleted): (serde_json::Value, serde_json::Value) =
+            sqlx::query_as("SELECT planned, deleted FROM retention_runs WHERE id = $1")
+                .bind(run)
+                .fetch_one(&self.pool)
+                .await?;
+        let planned = counts(&planned);
+        let deleted = counts(&deleted);
+        let disagreeing: Vec<RetentionTable> = RetentionTable::ALL
+            .into_iter()
+            .filter(|t| planned.get(t) != deleted.get(t))
+            .collect();
+        let (state, reason) = match end {
+            RunEnd::Completed if disagreeing.is_empty() => (RunState::Finished, None),
+            RunEnd::Completed => (
+                RunState::Mismatch,
+                Some(format!(
+                    "deleted counts differ from planned for {}",
+                    disagreeing
+                        .iter()
+                        .map(|t| t.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )),
+            ),
+            RunEnd::Stopped(why) => (RunState::Stopped, Some(why)),
+        };
+        let state_name = match state {
+            RunState::Finished => "finished",
+            RunState::Stopped => "stopped",
+            RunState::Mismatch => "mismatch",
+        };
+        let reason = reason.map(|r| r.chars().take(500).collect::<String>());
+        sqlx::query(
+            "UPDATE retention_runs SET state = $2, stop_reason = $3, finished_at = now()
+             WHERE id = $1 AND state = 'running'",
+        )
+        .bind(run)
+        .bind(state_name)
+        .bind(reason)
+        .execute(&self.pool)
+        .await?;
+        Ok(RunSummary {
+            id: run,
+            state,
+            planned,
+            deleted,
+            disagreeing: if matches!(state, RunState::Stopped) {
+                Vec::new()
+            } else {
+                disagreeing
+            },
+        })
+    }
+}
