@@ -97,6 +97,7 @@ pub const KNOWN_SECTIONS: &[&str] = &[
     "providers",
     "producer",
     "janitor",
+    "redrive",
     "admission",
     "intake",
     "retention",

@@ -59,6 +59,10 @@ pub enum LedgerError {
     #[error("retention run overran its counts: {0}")]
     RetentionOverrun(String),
 
+    /// Another retention run holds the lock (one run at a time across replicas).
+    #[error("another retention run is in progress")]
+    RetentionRunning,
+
     /// The audit export of a retention batch could not be written: the batch was rolled back.
     #[error("failed to write the retention export")]
     Export(#[source] std::io::Error),

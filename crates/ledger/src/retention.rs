@@ -203,6 +203,8 @@ pub enum Blocker {
         channel: Channel,
         deliveries: u64,
     },
+    /// Another retention run is in progress (another janitor replica).
+    RunInProgress,
     /// The ledger's applied migrations are not the ones this build was made for.
     SchemaVersion {
         found: Option<i64>,
@@ -224,6 +226,7 @@ impl std::fmt::Display for Blocker {
                 f,
                 "ownership change on {channel} in progress ({deliveries} owed deliveries under another owner)"
             ),
+            Blocker::RunInProgress => f.write_str("another retention run is in progress"),
             Blocker::SchemaVersion { found, expected } => write!(
                 f,
                 "ledger schema is at migration {}, this build expects {expected}",
@@ -233,12 +236,19 @@ impl std::fmt::Display for Blocker {
     }
 }
 
-/// A run whose row is written: its id, instant and plan.
-#[derive(Debug, Clone, PartialEq)]
+/// A run whose row is written: its id and plan, and the session lock that makes it the only
+/// run (released when this is dropped, or when its process dies and the connection closes).
+#[derive(Debug)]
 pub struct RetentionRun {
     pub id: i64,
     pub plan: RetentionPlan,
+    lock: sqlx::PgConnection,
 }
+
+/// The advisory lock key of retention runs: one run at a time across every janitor replica,
+/// so two runs never split one set of rows between them (each would then disagree with its
+/// own counts).
+const RUN_LOCK_KEY: i64 = 0x6e75_6467_6552_6574; // "nudgeRet"
 
 /// What an export keeps of one deleted delivery: ids, state, times and outcome classes, never
 /// a destination, content or subscriber reference.
@@ -276,6 +286,8 @@ pub enum RunEnd {
     Completed,
     /// Stopped between batches (shutdown, a blocker appeared, an error): the next run goes on.
     Stopped(String),
+    /// The database refused a batch that would have deleted more than the run counted.
+    Overrun(String),
 }
 
 /// A run's final state.
@@ -490,6 +502,16 @@ impl Ledger {
         Ok(plan)
     }
 
+    /// Whether this connection's role may DELETE from `deliveries` directly: the janitor
+    /// should connect as `nudge_janitor`, which may not.
+    pub async fn can_delete_directly(&self) -> Result<bool, LedgerError> {
+        Ok(
+            sqlx::query_scalar("SELECT has_table_privilege('deliveries', 'DELETE')")
+                .fetch_one(&self.pool)
+                .await?,
+        )
+    }
+
     /// Why a run must not start now; empty when it may.
     pub async fn retention_blockers(&self) -> Result<Vec<Blocker>, LedgerError> {
         let mut blockers = Vec::new();
@@ -551,7 +573,9 @@ impl Ledger {
     }
 
     /// Counts what a run may delete at `at` and records the run (instant, policy, counts,
-    /// `runner`) before anything is deleted, in one transaction.
+    /// `runner`) before anything is deleted, in one transaction. Only one run at a time:
+    /// [`LedgerError::RetentionRunning`] when another holds the lock. A run left `running` by
+    /// a janitor that died is recorded `stopped` first.
     pub async fn begin_retention_run(
         &self,
         policy: &RetentionPolicy,
@@ -561,6 +585,23 @@ impl Ledger {
         if runner.is_empty() || runner.chars().count() > 200 {
             return Err(LedgerError::InvalidInput("a runner is 1 to 200 characters"));
         }
+        // A connection of its own, closed (not returned to the pool) when the run is dropped,
+        // so the session lock cannot outlive the run.
+        let mut lock = self.pool.acquire().await?.detach();
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(RUN_LOCK_KEY)
+            .fetch_one(&mut lock)
+            .await?;
+        if !locked {
+            return Err(LedgerError::RetentionRunning);
+        }
+        sqlx::query(
+            "UPDATE retention_runs SET state = 'stopped', finished_at = now(),
+                 stop_reason = 'abandoned: its janitor stopped during the run'
+             WHERE state = 'running'",
+        )
+        .execute(&self.pool)
+        .await?;
         let mut tx = self.pool.begin().await?;
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             .execute(&mut *tx)
@@ -595,7 +636,7 @@ impl Ledger {
         .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(RetentionRun { id, plan })
+        Ok(RetentionRun { id, plan, lock })
     }
 
     /// Deletes one batch of at most `limit` rows for run `run` through the database's
@@ -643,13 +684,26 @@ impl Ledger {
         }
     }
 
-    /// Records how run `run` ended and compares its counts: a completed run whose deleted
-    /// counts are not its planned ones ends `mismatch`, naming the tables.
+    /// Records how `run` ended and compares its counts: a completed run whose deleted counts
+    /// are not its planned ones ends `mismatch`, naming the tables. Releases the run's lock.
     pub async fn finish_retention_run(
         &self,
-        run: i64,
+        run: RetentionRun,
         end: RunEnd,
     ) -> Result<RunSummary, LedgerError> {
+        let RetentionRun { id: run, lock, .. } = run;
+        let summary = self.record_run_end(run, end).await;
+        // Unlocked explicitly: a dropped connection's lock lasts until the server notices.
+        let mut lock = lock;
+        sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(RUN_LOCK_KEY)
+            .execute(&mut lock)
+            .await?;
+        sqlx::Connection::close(lock).await?;
+        summary
+    }
+
+    async fn record_run_end(&self, run: i64, end: RunEnd) -> Result<RunSummary, LedgerError> {
         let (planned, deleted): (serde_json::Value, serde_json::Value) =
             sqlx::query_as("SELECT planned, deleted FROM retention_runs WHERE id = $1")
                 .bind(run)
@@ -675,6 +729,7 @@ impl Ledger {
                 )),
             ),
             RunEnd::Stopped(why) => (RunState::Stopped, Some(why)),
+            RunEnd::Overrun(why) => (RunState::Mismatch, Some(why)),
         };
         let state_name = match state {
             RunState::Finished => "finished",

@@ -369,7 +369,7 @@ async fn every_state_at_every_age_the_plan_is_what_is_deleted_and_the_rest_is_un
         assert!(batches < 100, "retention did not finish");
     }
     let summary = ledger
-        .finish_retention_run(run.id, RunEnd::Completed)
+        .finish_retention_run(run, RunEnd::Completed)
         .await
         .unwrap();
     assert_eq!(summary.state, RunState::Finished, "{summary:?}");
@@ -465,7 +465,7 @@ async fn an_export_that_fails_rolls_its_batch_back(pool: PgPool) {
         .unwrap();
     assert_eq!(still, 1);
     let summary = ledger
-        .finish_retention_run(run.id, RunEnd::Stopped("export failed".into()))
+        .finish_retention_run(run, RunEnd::Stopped("export failed".into()))
         .await
         .unwrap();
     assert_eq!(summary.state, RunState::Stopped);
