@@ -148,7 +148,11 @@ fn the_example_has_every_key_of_nudgectl_with_its_default() {
         CtlConfig::SECTIONS,
         &[("telemetry.log_filter", Value::from("warn"))],
     );
-    assert_eq!(checked, 6 + 4 + 2, "database, telemetry, crypto");
+    assert_eq!(
+        checked,
+        6 + 4 + 2 + 12,
+        "database, telemetry, crypto, retention"
+    );
 }
 
 #[test]
