@@ -232,8 +232,10 @@ BEGIN
     PERFORM nudge_retention_count(p_run, 'deliveries', cardinality(v_ids));
     PERFORM set_config('nudge.retention', '', true);
 
-    -- Reminders whose last delivery just went, when the policy lets them go too.
+    -- Reminders whose last delivery just went, when the policy lets them go too (one with a
+    -- delivery left, due to go in a later batch, goes with that one).
     DELETE FROM reminders r WHERE r.id = ANY (v_reminders)
+      AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.reminder_id = r.id)
       AND nudge_retention_reminder_keep(r, p) IS NULL;
     GET DIAGNOSTICS v_n = ROW_COUNT;
     PERFORM nudge_retention_count(p_run, 'reminders', v_n);
@@ -264,6 +266,7 @@ BEGIN
         WHERE x.expires_at <= p.at - make_interval(secs => p.reminders_s)
           AND nudge_retention_reminder_keep(x, p) IS NULL
         ORDER BY x.expires_at, x.id LIMIT p_limit FOR UPDATE SKIP LOCKED)
+      AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.reminder_id = r.id)
       AND nudge_retention_reminder_keep(r, p) IS NULL;
     GET DIAGNOSTICS v_n = ROW_COUNT;
     IF v_n > 0 THEN

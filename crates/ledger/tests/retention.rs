@@ -588,3 +588,67 @@ async fn the_janitor_role_cannot_delete_live_or_held_work_by_any_path(pool: PgPo
         "audit rows are outside a delivery retention step"
     );
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_reminder_with_two_settled_deliveries_goes_with_the_last_of_them(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let now = db_now(&ledger).await;
+    let tenant = common::tenant(&ledger).await.id.as_uuid();
+    let (sms, reminder) = delivery(
+        &pool,
+        tenant,
+        1,
+        DeliveryState::Delivered,
+        now,
+        Duration::days(100),
+        "nudge",
+    )
+    .await;
+    // A second channel of the same reminder, settled a day later.
+    sqlx::query("UPDATE reminders SET channels = ARRAY['sms', 'email'] WHERE id = $1")
+        .bind(reminder)
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
+             scheduled_at, expires_at, settled_at, created_at, updated_at)
+         SELECT gen_random_uuid(), reminder_id, tenant_id, 'email', 'delivered',
+             idempotency_key || '-email', scheduled_at, expires_at,
+             settled_at + interval '1 day', created_at, updated_at
+         FROM deliveries WHERE id = $1",
+    )
+    .bind(sms)
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let run = ledger
+        .begin_retention_run(&policy(), "test", LedgerTime::Fixed(now))
+        .await
+        .unwrap();
+    assert_eq!(run.plan.to_delete()[&RetentionTable::Reminders], 1);
+    let first = ledger
+        .retention_batch(run.id, 1, &mut |_| Ok(()))
+        .await
+        .unwrap();
+    assert!(matches!(first, RetentionBatch::Deliveries(ref d) if d.len() == 1));
+    let reminders: i64 = sqlx::query_scalar("SELECT count(*) FROM reminders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(reminders, 1, "kept while its other delivery is still there");
+    while ledger
+        .retention_batch(run.id, 1, &mut |_| Ok(()))
+        .await
+        .unwrap()
+        != RetentionBatch::Done
+    {}
+    let summary = ledger
+        .finish_retention_run(run, RunEnd::Completed)
+        .await
+        .unwrap();
+    assert_eq!(summary.state, RunState::Finished, "{summary:?}");
+    assert_eq!(summary.deleted[&RetentionTable::Reminders], 1);
+    assert_eq!(summary.deleted[&RetentionTable::Deliveries], 2);
+}
