@@ -349,22 +349,29 @@ DROP TRIGGER audit_log_append_only ON audit_log;
 CREATE TRIGGER audit_log_append_only BEFORE UPDATE OR DELETE ON audit_log
     FOR EACH ROW EXECUTE FUNCTION nudge_audit_retention_only();
 
--- A role without DELETE could still age a delivery into retention by writing its state and an
--- old settled_at. Anyone but a superuser or the table's owner (the migrating role) may only
--- settle at the database's time, give or take the tolerance the callers' clocks need.
+-- A role without DELETE could still age a delivery into retention: settle live work with an
+-- old settled_at, or turn a held (ambiguous) delivery, settled long ago, into a terminal one.
+-- Anyone but a superuser or the table's owner (the migrating role) may write a state or a
+-- settled_at only with a settled_at within the last hour (the callers' clocks need the slack);
+-- what the pipeline writes is always "now".
 CREATE FUNCTION nudge_refuse_backdated_settle() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
        OR pg_has_role(current_user, (SELECT relowner FROM pg_class WHERE oid = TG_RELID), 'MEMBER') THEN
         RETURN NEW;
     END IF;
-    RAISE EXCEPTION 'deliveries %: settled_at % is more than an hour before now; refused for %',
-        NEW.id, NEW.settled_at, current_user
+    RAISE EXCEPTION 'deliveries %: % with settled_at % (more than an hour ago) refused for %',
+        NEW.id, NEW.state, NEW.settled_at, current_user
         USING ERRCODE = 'insufficient_privilege';
 END;
 $$;
-CREATE TRIGGER deliveries_settle_now BEFORE INSERT OR UPDATE OF settled_at ON deliveries
+CREATE TRIGGER deliveries_insert_settled_now BEFORE INSERT ON deliveries
     FOR EACH ROW WHEN (NEW.settled_at < now() - interval '1 hour')
+    EXECUTE FUNCTION nudge_refuse_backdated_settle();
+CREATE TRIGGER deliveries_settle_now BEFORE UPDATE OF state, settled_at ON deliveries
+    FOR EACH ROW WHEN ((NEW.state IS DISTINCT FROM OLD.state
+                        OR NEW.settled_at IS DISTINCT FROM OLD.settled_at)
+                       AND NEW.settled_at < now() - interval '1 hour')
     EXECUTE FUNCTION nudge_refuse_backdated_settle();
 
 REVOKE ALL ON FUNCTION nudge_retention_delete_deliveries(bigint, integer) FROM PUBLIC;

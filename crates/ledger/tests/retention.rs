@@ -542,6 +542,8 @@ async fn the_janitor_role_cannot_delete_live_or_held_work_by_any_path(pool: PgPo
             "UPDATE deliveries SET state = 'delivered', next_attempt_at = NULL,
                  settled_at = now() - interval '400 days' WHERE id = '{live}'"
         ),
+        // Nor turning held work, settled long ago, into terminal work.
+        format!("UPDATE deliveries SET state = 'delivered' WHERE id = '{held}'"),
         // A run's policy cannot be changed once recorded.
         "UPDATE retention_runs SET delivered_s = 0".to_owned(),
     ] {
