@@ -418,7 +418,7 @@ fn markdown(r: &Report) -> String {
          | deliveries deleted/s during that window | {window_rate:.0} |\n\
          | retention run | {state} after {secs:.0} s: {run_rate:.0} deliveries/s overall |\n\
          | planned / deleted | {planned} / {deleted} |\n\
-         | partitioned copy: DROP of the old partition | {drop:.3} s (copy took {copy:.0} s) |\n\n\
+         | partitioned copy: DROP of the old partition | {drop:.3} s (copy took {copy:.1} s) |\n\n\
          | table | before (table + indexes MiB, rows) | after | after VACUUM |\n|---|---|---|---|\n",
         stamp = r.stamp,
         args = r
