@@ -35,6 +35,7 @@
 //! | `retry.max_delay_ms` | `300000` | >= `retry.base_delay_ms` |
 //! | `retry.max_attempts` | `8` | >= 1 |
 //! | `retry.max_retry_after_s` | `3600` | > 0 |
+//! | `retention.*` | see [`RetentionConfig`] | boundaries in days, at or above their safety floors |
 //!
 //! `NUDGE_CONFIG` is the file path, never a key. Any other `NUDGE_` variable that is not a key
 //! of a known section (`NUDGE_<SECTION>__<KEY>`) stops the binary naming it, unless it is one
@@ -69,6 +70,7 @@
 
 mod error;
 mod load;
+mod retention;
 mod secret;
 mod sections;
 
@@ -77,6 +79,7 @@ pub use load::{
     CONFIG_FILE_ENV, ENV_NESTING, ENV_PREFIX, KNOWN_SECTIONS, NOT_CONFIG_PREFIXES,
     NOT_CONFIG_VARIABLES, Validate, load,
 };
+pub use retention::RetentionConfig;
 pub use secret::Secret;
 pub use sections::{
     AmqpConfig, CryptoConfig, DatabaseConfig, LogFormat, RetryConfig, TelemetryConfig,

@@ -100,6 +100,7 @@ pub const KNOWN_SECTIONS: &[&str] = &[
     "redrive",
     "admission",
     "intake",
+    "retention",
 ];
 
 /// `NUDGE_` variables that are not configuration keys, read by name elsewhere: the file path

@@ -19,6 +19,7 @@ pub mod drain;
 pub mod ids;
 pub mod lane;
 pub mod policy;
+pub mod retention;
 pub mod retry_after;
 pub mod state;
 
@@ -34,5 +35,6 @@ pub use ids::{
 };
 pub use lane::{Lane, UnknownLane};
 pub use policy::{FixedJitter, InvalidPolicy, Jitter, MaxJitter, RandJitter, RetryPolicy};
+pub use retention::{InvalidRetention, RetentionDays, RetentionPolicy};
 pub use retry_after::{MalformedReason, MalformedRetryAfter, RetryAfter};
 pub use state::{DeliveryState, IllegalTransition};

@@ -21,8 +21,16 @@
 //!   tenant that is not paused, missing a delivery on a channel that is not draining, is
 //!   materialised and logged as a bug.
 //!
-//! It must never delete anything (retention is a separate, counted operation), touch a
-//! delivery that a live lease holds, or acknowledge a dead letter before it is recorded.
+//! - Retention ([`retention`], `[retention]`): every `retention.interval_s`, unless a drain, an
+//!   active redrive, an ownership change or a foreign schema blocks it (logged by name), a run
+//!   counts what the policy lets go, records it, then deletes it in bounded batches through
+//!   the database's retention functions.
+//!
+//! It must never delete anything except through those functions (the role it should connect
+//! as, `nudge_janitor`, has no DELETE at all), touch a delivery that a live lease holds, or
+//! acknowledge a dead letter before it is recorded.
+
+pub mod retention;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -30,7 +38,8 @@ use std::time::Duration;
 use anyhow::Context;
 use nudge_broker::{Broker, QueueKind};
 use nudge_config::{
-    AmqpConfig, ConfigError, DatabaseConfig, RetryConfig, TelemetryConfig, Validate,
+    AmqpConfig, ConfigError, DatabaseConfig, RetentionConfig, RetryConfig, TelemetryConfig,
+    Validate,
 };
 use nudge_domain::{Channel, RandJitter, RetryPolicy};
 use nudge_ledger::{AutoPause, DeadLetter, Ledger, LedgerTime};
@@ -48,6 +57,8 @@ use tracing::{debug, error, info, warn};
 /// - `retry.*`: the retry policy, which must match the workers' (the reaper decides an
 ///   expired lease with it): `base_delay_ms`, `max_delay_ms`, `max_attempts`,
 ///   `max_retry_after_s`, with the workers' defaults.
+/// - `retention.*`: the retention policy and pace ([`RetentionConfig`]); a boundary below its
+///   safety floor stops the janitor at start-up, naming the key.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct JanitorConfig {
@@ -57,6 +68,7 @@ pub struct JanitorConfig {
     pub janitor: JanitorSection,
     pub redrive: RedriveSection,
     pub retry: RetryConfig,
+    pub retention: RetentionConfig,
 }
 
 impl nudge_runtime::ServiceConfig for JanitorConfig {
@@ -83,6 +95,7 @@ impl JanitorConfig {
         "janitor",
         "redrive",
         "retry",
+        "retention",
     ];
 
     pub fn retry_policy(&self) -> Result<RetryPolicy, ConfigError> {
@@ -108,6 +121,7 @@ impl Validate for JanitorConfig {
             ));
         }
         self.redrive.validate()?;
+        self.retention.validate()?;
         self.retry_policy().map(|_| ())
     }
 }
@@ -199,11 +213,15 @@ impl Default for JanitorSection {
 #[derive(Debug, clap::Parser)]
 #[command(
     version,
-    about = "Expire overdue work, reap expired leases, record dead-lettered messages.",
-    long_about = "Expire overdue work, reap expired leases, record dead-lettered messages.\n\n\
+    about = "Expire overdue work, reap expired leases, record dead-lettered messages, delete settled history by policy.",
+    long_about = "Expire overdue work, reap expired leases, record dead-lettered messages, feed \
+                  redrives, and delete settled history by the [retention] policy (counted \
+                  first, in batches, through the database's retention functions).\n\n\
                   Configuration: defaults, then the TOML file given by --config or NUDGE_CONFIG, \
                   then NUDGE_* environment variables. Safe to run as several replicas. SIGTERM \
-                  or Ctrl-C finishes the current pass and exits 0."
+                  or Ctrl-C finishes the current pass (a retention run stops between batches) \
+                  and exits 0. Connect as the nudge_janitor database role (database.url), \
+                  which cannot delete except through the retention functions."
 )]
 pub struct Cli {
     /// TOML configuration file (overrides NUDGE_CONFIG).
@@ -235,6 +253,16 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
             channel,
             shutdown.clone(),
         )));
+    }
+    if config.retention.enabled {
+        tasks.push(tokio::spawn(retention::retention_loop(
+            ledger.clone(),
+            retention::RetentionSettings::from_config(&config.retention)?,
+            Duration::from_secs(config.retention.interval_s),
+            shutdown.clone(),
+        )));
+    } else {
+        info!("retention.enabled is false: nothing is deleted");
     }
     sweep_loop(
         &ledger,

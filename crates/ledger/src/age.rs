@@ -1,4 +1,6 @@
-//! Age bands for operator reports: how old a reminder is, counted from its `scheduled_at`.
+//! Age bands for operator reports: how old a row is, counted from a time column the report
+//! chooses (a reminder's `scheduled_at` for the dead-letter listing and the redrive plan,
+//! `settled_at` for retention).
 //!
 //! The dead-letter listing and the redrive plan both group by these bands, so an operator
 //! reading one can pass the other's `--max-age` with the same meaning. The bands are computed
@@ -64,8 +66,8 @@ impl fmt::Display for AgeBand {
     }
 }
 
-/// A SQL expression naming the band of `scheduled_column` as of `now_expr`, matching
-/// [`AgeBand::of_seconds`].
+/// A SQL expression naming the band of the time `scheduled_column` (any timestamp expression:
+/// `scheduled_at`, `settled_at`, ...) as of `now_expr`, matching [`AgeBand::of_seconds`].
 pub(crate) fn age_band_sql(scheduled_column: &str, now_expr: &str) -> String {
     format!(
         "CASE WHEN {now_expr} - {scheduled_column} < interval '1 hour' THEN '<1h' \

@@ -54,6 +54,19 @@ pub enum LedgerError {
 
     /// A reminder or contact was to be written without `crypto.subscriber_key`: subscriber
     /// references are stored only as a keyed hash.
+    /// A retention batch would have deleted more rows of a table than its run counted: the
+    /// batch was rolled back (the database's message names the table and counts).
+    #[error("retention run overran its counts: {0}")]
+    RetentionOverrun(String),
+
+    /// Another retention run holds the lock (one run at a time across replicas).
+    #[error("another retention run is in progress")]
+    RetentionRunning,
+
+    /// The audit export of a retention batch could not be written: the batch was rolled back.
+    #[error("failed to write the retention export")]
+    Export(#[source] std::io::Error),
+
     #[error("writing a subscriber reference needs the subscriber key (crypto.subscriber_key)")]
     SubscriberKeyMissing,
 }

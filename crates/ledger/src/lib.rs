@@ -31,6 +31,7 @@ mod intake;
 mod redrive;
 mod reminders;
 mod republish;
+mod retention;
 mod schedules;
 mod status;
 mod tenants;
@@ -63,6 +64,10 @@ pub use redrive::{
 pub use reminders::{
     CreatedReminder, ImportOutcome, ImportReminder, MAX_CONTENT_BYTES, MAX_CORRELATION_ID_BYTES,
     MAX_DESTINATION_BYTES, NewReminder, WindowOutcome,
+};
+pub use retention::{
+    Blocker, DeletedDelivery, DeliveryCount, KeepReason, RetentionBatch, RetentionPlan,
+    RetentionRun, RetentionTable, RunEnd, RunState, RunSummary, TableCount,
 };
 pub use schedules::Schedule;
 pub use status::ChannelStatus;

@@ -10,8 +10,13 @@
 //! - `crypto.subscriber_key` (secret, unset by default): the key of the keyed hash subscriber
 //!   references are stored as. `reminders load` needs it; `migrate` uses it (with the
 //!   destination key) to convert rows written before.
+//! - `retention.*`: the retention policy `retention plan` counts by (the janitor's; see
+//!   `nudge_config::RetentionConfig`). The janitor-only keys (pace, export) are read and
+//!   checked but unused here.
 
-use nudge_config::{ConfigError, CryptoConfig, DatabaseConfig, TelemetryConfig, Validate};
+use nudge_config::{
+    ConfigError, CryptoConfig, DatabaseConfig, RetentionConfig, TelemetryConfig, Validate,
+};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -20,10 +25,11 @@ pub struct CtlConfig {
     pub database: DatabaseConfig,
     pub telemetry: TelemetryConfig,
     pub crypto: CryptoConfig,
+    pub retention: RetentionConfig,
 }
 
 impl CtlConfig {
-    pub const SECTIONS: &'static [&'static str] = &["database", "telemetry", "crypto"];
+    pub const SECTIONS: &'static [&'static str] = &["database", "telemetry", "crypto", "retention"];
 }
 
 impl Default for CtlConfig {
@@ -35,6 +41,7 @@ impl Default for CtlConfig {
                 ..TelemetryConfig::default()
             },
             crypto: CryptoConfig::default(),
+            retention: RetentionConfig::default(),
         }
     }
 }
@@ -43,6 +50,7 @@ impl Validate for CtlConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         self.database.validate()?;
         self.telemetry.validate()?;
+        self.retention.validate()?;
         self.crypto.validate()
     }
 }

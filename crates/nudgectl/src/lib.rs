@@ -1,6 +1,6 @@
 //! `nudgectl`, the operator's command line: migrations, tenants (pause, routes, schedules),
-//! bulk reminder loads, rate buckets, status, the drain estimate, and the read-only trace and
-//! dead-letter views.
+//! bulk reminder loads, rate buckets, status, the drain estimate, and the read-only trace,
+//! dead-letter and retention-plan views.
 //!
 //! Every command that changes operator state leaves an audit row with the actor and the
 //! reason. Output meant for scripts is available as JSON (`--json`); human output goes to
@@ -14,6 +14,7 @@ mod load;
 mod operations;
 mod rate;
 mod redrive;
+mod retention;
 mod schedule;
 mod table;
 mod trace;
@@ -31,6 +32,7 @@ pub use config::CtlConfig;
 pub use operations::{DrainCommand, OwnerCommand};
 pub use rate::{RateError, RatePerSecond};
 pub use redrive::{RedriveArgs, RedriveCommand};
+pub use retention::RetentionCommand;
 pub use schedule::{CronExpr, CronExprError};
 
 #[derive(Debug, Parser)]
@@ -149,6 +151,9 @@ pub enum Command {
     /// Export records for an incident review.
     #[command(subcommand)]
     Export(ExportCommand),
+    /// What retention would delete now, and what it keeps and why (read-only).
+    #[command(subcommand)]
+    Retention(RetentionCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -426,6 +431,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    let mut command = cli.command;
+    if let Command::Retention(RetentionCommand::Plan { policy, .. }) = &mut command {
+        *policy = Some(config.retention.policy()?);
+    }
     let mut out = std::io::stdout().lock();
     // Unlocked: log lines may share stderr, and a load can take a while.
     let mut err = std::io::stderr();
@@ -433,7 +442,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         &ledger,
         &cli.actor,
         cipher.as_ref(),
-        cli.command,
+        command,
         &mut out,
         &mut err,
     )
@@ -737,6 +746,9 @@ pub async fn execute(
         }
         Command::Dlq(DlqCommand::Show { id, json }) => {
             dlq::show(ledger, id, json, now, out, err).await?;
+        }
+        Command::Retention(RetentionCommand::Plan { json, policy }) => {
+            retention::plan(ledger, policy, json, out).await?;
         }
     }
     Ok(())

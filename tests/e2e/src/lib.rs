@@ -478,6 +478,15 @@ log_filter = "info"
         self.spawn("nudge-janitor", "janitor", &config)
     }
 
+    /// Starts `nudge-janitor` as `name` with this environment's database, broker and
+    /// telemetry settings followed by `sections` (TOML, e.g. a `[retention]` table): every
+    /// other key at its default. Returns its index.
+    pub fn start_janitor_sections(&mut self, name: &str, sections: &str) -> anyhow::Result<usize> {
+        let body = format!("{}\n{sections}", self.common_config());
+        let config = self.write_config(name, &body)?;
+        self.spawn("nudge-janitor", name, &config)
+    }
+
     /// Starts the worker binary of `channel`; returns its index.
     pub fn start_worker(
         &mut self,

@@ -137,8 +137,8 @@ fn the_example_has_every_key_of_the_janitor_with_its_default() {
     let checked = check_binary::<JanitorConfig>("nudge-janitor", JanitorConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 5 + 4 + 2 + 4 + 4,
-        "database, amqp, telemetry, janitor, retry, redrive"
+        6 + 5 + 4 + 2 + 4 + 4 + 12,
+        "database, amqp, telemetry, janitor, retry, redrive, retention"
     );
 }
 
@@ -159,7 +159,11 @@ fn the_example_has_every_key_of_nudgectl_with_its_default() {
         CtlConfig::SECTIONS,
         &[("telemetry.log_filter", Value::from("warn"))],
     );
-    assert_eq!(checked, 6 + 4 + 2, "database, telemetry, crypto");
+    assert_eq!(
+        checked,
+        6 + 4 + 2 + 12,
+        "database, telemetry, crypto, retention"
+    );
 }
 
 #[test]

@@ -64,7 +64,10 @@ async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let posts = arg(&args, "--posts", 20_000)?;
     let clients = arg(&args, "--clients", 50)?;
-    anyhow::ensure!(posts > 0 && clients > 0, "--posts and --clients must be above 0");
+    anyhow::ensure!(
+        posts > 0 && clients > 0,
+        "--posts and --clients must be above 0"
+    );
 
     let mut env = TestEnv::start("intake-bench").await?;
     env.tenant("bench", 60).await?;
@@ -90,11 +93,8 @@ async fn main() -> anyhow::Result<()> {
     // Warm the connections and the intake's pool.
     for i in 0..clients {
         let b = body(posts + i);
-        let signature = nudge_intake::signature::header_value(
-            &[secret.as_bytes()],
-            Utc::now().timestamp(),
-            &b,
-        );
+        let signature =
+            nudge_intake::signature::header_value(&[secret.as_bytes()], Utc::now().timestamp(), &b);
         let answer = http
             .post(&endpoint)
             .header("content-type", "application/json")
@@ -220,7 +220,10 @@ async fn main() -> anyhow::Result<()> {
              after the run: {}. Produced by `scripts/bench-intake.sh`: signed single-reminder \
              posts from concurrent clients on the same machine, PostgreSQL beside them; every \
              accepted post was checked to be stored.\n\n{table}",
-            load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+            load.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
         ),
     )?;
     Ok(())
