@@ -29,18 +29,24 @@ fn response(status: u16) -> SendOutcome {
 
 /// Decides `outcome` for a held lease at `now` and records it.
 async fn answer(ledger: &Ledger, lease: &LeasedDelivery, outcome: SendOutcome, now: DateTime<Utc>) {
+    answer_with(ledger, lease, outcome, &RetryPolicy::default(), now).await;
+}
+
+/// [`answer`] under `policy`, counting attempts from the last redrive as the worker does;
+/// returns the decision recorded.
+async fn answer_with(
+    ledger: &Ledger,
+    lease: &LeasedDelivery,
+    outcome: SendOutcome,
+    policy: &RetryPolicy,
+    now: DateTime<Utc>,
+) -> nudge_domain::Decision {
     let ctx = AttemptContext {
         attempt_number: lease.attempt_number - lease.attempt_base,
         expires_at: lease.expires_at,
         idempotency: IdempotencySupport::Honoured,
     };
-    let decision = decide(
-        &ctx,
-        &outcome,
-        now,
-        &RetryPolicy::default(),
-        &mut FixedJitter::new(1_000),
-    );
+    let decision = decide(&ctx, &outcome, now, policy, &mut FixedJitter::new(1_000));
     let attempt = AttemptRecord {
         started_at: now,
         finished_at: now,
@@ -51,6 +57,7 @@ async fn answer(ledger: &Ledger, lease: &LeasedDelivery, outcome: SendOutcome, n
         record(ledger, lease, &decision, &attempt, now).await,
         Recorded::Applied
     );
+    decision
 }
 
 /// A reminder scheduled at `scheduled_at`, expiring `ttl` later, whose SMS was answered 400
@@ -631,39 +638,6 @@ async fn the_turn_rule_in_sql_is_the_drain_models(pool: PgPool) {
     assert_eq!(selected, eligible);
 }
 
-/// Decides a 503 with `policy` for a held lease, counting attempts from its last redrive as
-/// the worker does, and records it.
-async fn answer_503(
-    ledger: &Ledger,
-    lease: &LeasedDelivery,
-    policy: &RetryPolicy,
-    now: DateTime<Utc>,
-) -> nudge_domain::Decision {
-    let ctx = AttemptContext {
-        attempt_number: lease.attempt_number - lease.attempt_base,
-        expires_at: lease.expires_at,
-        idempotency: IdempotencySupport::Honoured,
-    };
-    let decision = decide(
-        &ctx,
-        &response(503),
-        now,
-        policy,
-        &mut FixedJitter::new(1_000),
-    );
-    let attempt = AttemptRecord {
-        started_at: now,
-        finished_at: now,
-        worker: "worker-1".into(),
-        correlation_id: None,
-    };
-    assert_eq!(
-        record(ledger, lease, &decision, &attempt, now).await,
-        Recorded::Applied
-    );
-    decision
-}
-
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn the_attempt_limit_dead_letters_with_the_deadline_kept_and_a_redrive_gets_a_fresh_budget(
     pool: PgPool,
@@ -704,7 +678,7 @@ async fn the_attempt_limit_dead_letters_with_the_deadline_kept_and_a_redrive_get
         let due = ledger.claim_due(Channel::Sms, 10, at(clock)).await.unwrap();
         assert_eq!(due.len(), 1, "due again at {clock}");
         let lease = leased(lease(&ledger, &due[0], clock).await);
-        last = Some(answer_503(&ledger, &lease, &policy, clock).await);
+        last = Some(answer_with(&ledger, &lease, response(503), &policy, clock).await);
         clock += secs(2);
     }
     let last = last.unwrap();
@@ -731,7 +705,7 @@ async fn the_attempt_limit_dead_letters_with_the_deadline_kept_and_a_redrive_get
     let lease = leased(lease(&ledger, &due[0], clock).await);
     assert_eq!((lease.attempt_number, lease.attempt_base), (4, 3));
     assert_eq!(lease.expires_at, t0() + secs(86_400));
-    let decision = answer_503(&ledger, &lease, &policy, clock).await;
+    let decision = answer_with(&ledger, &lease, response(503), &policy, clock).await;
     assert_eq!(
         decision.next_state,
         DeliveryState::RetryWait,

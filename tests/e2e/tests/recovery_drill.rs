@@ -29,6 +29,22 @@ async fn count_in(env: &TestEnv, state: &str) -> i64 {
         .unwrap()
 }
 
+/// Waits, up to `within`, until `count(*)` of deliveries `WHERE where_clause` is `n`.
+async fn wait_count(env: &mut TestEnv, what: &str, where_clause: &str, n: i64, within: Duration) {
+    let ledger = env.ledger.clone();
+    let sql = format!("SELECT count(*) FROM deliveries WHERE {where_clause}");
+    env.wait_for(what, within, || {
+        let (ledger, sql) = (ledger.clone(), sql.clone());
+        async move {
+            let seen: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .fetch_one(ledger.pool())
+                .await?;
+            Ok((seen == n).then_some(()))
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_pauses_on_429s_resumes_and_delivers_every_dead_letter_once() {
     let mut env = TestEnv::start("redrive-drill").await.unwrap();
@@ -57,21 +73,12 @@ async fn a_redrive_pauses_on_429s_resumes_and_delivers_every_dead_letter_once() 
     };
     env.start_worker(Channel::Sms, "worker-sms", &options)
         .unwrap();
-    let ledger = env.ledger.clone();
-    env.wait_for(
+    wait_count(
+        &mut env,
         "every reminder to be dead-lettered by the 400s",
+        "state = 'dead_lettered'",
+        REMINDERS,
         Duration::from_secs(60),
-        || {
-            let ledger = ledger.clone();
-            async move {
-                let n: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM deliveries WHERE state = 'dead_lettered'",
-                )
-                .fetch_one(ledger.pool())
-                .await?;
-                Ok((n == REMINDERS).then_some(()))
-            }
-        },
     )
     .await;
 
@@ -156,20 +163,12 @@ async fn a_redrive_pauses_on_429s_resumes_and_delivers_every_dead_letter_once() 
         .unwrap();
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("resumed"), "{out}");
-    let ledger = env.ledger.clone();
-    env.wait_for(
+    wait_count(
+        &mut env,
         "every redriven reminder to be delivered",
+        "state = 'delivered'",
+        REMINDERS,
         Duration::from_secs(90),
-        || {
-            let ledger = ledger.clone();
-            async move {
-                let n: i64 =
-                    sqlx::query_scalar("SELECT count(*) FROM deliveries WHERE state = 'delivered'")
-                        .fetch_one(ledger.pool())
-                        .await?;
-                Ok((n == REMINDERS).then_some(()))
-            }
-        },
     )
     .await;
     let done = ctl_json(&env, &["redrive", "status", &id, "--json"]);
@@ -271,21 +270,12 @@ async fn a_drain_finishes_due_work_while_nothing_new_is_scheduled_then_rollback_
     };
     env.start_worker(Channel::Sms, "worker-sms", &options)
         .unwrap();
-    let ledger = env.ledger.clone();
-    env.wait_for(
+    wait_count(
+        &mut env,
         "the 40 owed to be delivered during the drain",
+        "channel = 'sms' AND state = 'delivered'",
+        40,
         Duration::from_secs(60),
-        || {
-            let ledger = ledger.clone();
-            async move {
-                let n: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM deliveries WHERE channel = 'sms' AND state = 'delivered'",
-                )
-                .fetch_one(ledger.pool())
-                .await?;
-                Ok((n == 40).then_some(()))
-            }
-        },
     )
     .await;
     // Nothing new was scheduled: the ten held have no delivery, and status says so.
@@ -330,21 +320,12 @@ async fn a_drain_finishes_due_work_while_nothing_new_is_scheduled_then_rollback_
         .unwrap();
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("10 held deliveries scheduled now"), "{out}");
-    let ledger = env.ledger.clone();
-    env.wait_for(
+    wait_count(
+        &mut env,
         "the held ten to be delivered",
+        "channel = 'sms' AND state = 'delivered'",
+        50,
         Duration::from_secs(60),
-        || {
-            let ledger = ledger.clone();
-            async move {
-                let n: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM deliveries WHERE channel = 'sms' AND state = 'delivered'",
-                )
-                .fetch_one(ledger.pool())
-                .await?;
-                Ok((n == 50).then_some(()))
-            }
-        },
     )
     .await;
     assert_eq!(sms_delivered(&env).await, 50);
@@ -453,21 +434,12 @@ async fn a_drain_finishes_due_work_while_nothing_new_is_scheduled_then_rollback_
         ])
         .unwrap();
     assert_eq!(code, 0, "{err}");
-    let ledger = env.ledger.clone();
-    env.wait_for(
+    wait_count(
+        &mut env,
         "the five to be delivered by nudge",
+        "channel = 'sms' AND state = 'delivered'",
+        55,
         Duration::from_secs(60),
-        || {
-            let ledger = ledger.clone();
-            async move {
-                let n: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM deliveries WHERE channel = 'sms' AND state = 'delivered'",
-                )
-                .fetch_one(ledger.pool())
-                .await?;
-                Ok((n == 55).then_some(()))
-            }
-        },
     )
     .await;
 
