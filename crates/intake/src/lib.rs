@@ -192,8 +192,10 @@ pub async fn serve(
                 Err(e) => {
                     // Out of descriptors and the like: wait a little rather than spin.
                     warn!(error.cause_chain = ?e, "failed to accept a connection");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(Duration::from_millis(50)) => continue,
+                    }
                 }
             },
         };

@@ -95,19 +95,6 @@ async fn a_pause_waits_for_every_running_producer_to_acknowledge_it(pool: PgPool
     // Two producers ran a pass a moment ago; one of them stops before the pause.
     ledger.ack_producer_pass("p-1", now).await.unwrap();
     ledger.ack_producer_pass("p-2", now).await.unwrap();
-    let acker = {
-        let ledger = ledger.clone();
-        tokio::spawn(async move {
-            for _ in 0..20 {
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                let now = ledger
-                    .clock(nudge_ledger::LedgerTime::Database)
-                    .await
-                    .unwrap();
-                ledger.ack_producer_pass("p-1", now).await.unwrap();
-            }
-        })
-    };
     let pause = |name: &str, timeout_ms| {
         Command::Tenant(TenantCommand::Pause {
             name: name.into(),
@@ -116,33 +103,84 @@ async fn a_pause_waits_for_every_running_producer_to_acknowledge_it(pool: PgPool
             ack_timeout: std::time::Duration::from_millis(timeout_ms),
         })
     };
+    // p-1 keeps running its passes; p-2 has stopped.
+    let stop = simulated::Stop::default();
+    let acker = producer(&ledger, "clinic-a", &["p-1"], &stop);
     let printed = run(&ledger, pause("clinic-a", 1_000)).await.unwrap();
+    stop.set();
+    acker.await.unwrap();
     assert!(
         printed.contains("not yet acknowledged after 1 s by: p-2"),
         "{printed}"
     );
-    // Once p-2 passes too, the next pause is acknowledged by both.
-    acker.await.unwrap();
+    // Once p-2 runs again too, the next pause is acknowledged by both.
     create_tenant(&ledger, "clinic-b").await;
-    let acker = {
-        let ledger = ledger.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-            let now = ledger
-                .clock(nudge_ledger::LedgerTime::Database)
-                .await
-                .unwrap();
-            for instance in ["p-1", "p-2"] {
-                ledger.ack_producer_pass(instance, now).await.unwrap();
-            }
-        })
-    };
-    let printed = run(&ledger, pause("clinic-b", 5_000)).await.unwrap();
+    let stop = simulated::Stop::default();
+    let acker = producer(&ledger, "clinic-b", &["p-1", "p-2"], &stop);
+    let printed = run(&ledger, pause("clinic-b", 10_000)).await.unwrap();
+    stop.set();
     acker.await.unwrap();
     assert!(
         printed.contains("acknowledged by 2 producer(s) within"),
         "{printed}"
     );
+}
+
+mod simulated {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Tells a simulated producer to stop its passes.
+    #[derive(Debug, Clone, Default)]
+    pub struct Stop(Arc<AtomicBool>);
+
+    impl Stop {
+        pub fn set(&self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+        pub fn is_set(&self) -> bool {
+            self.0.load(Ordering::SeqCst)
+        }
+    }
+}
+
+/// Producers `instances` as the real one behaves: once `tenant`'s pause has committed (polled,
+/// with a deadline), a schedule pass every 50 ms acknowledging the database's time, until told
+/// to stop.
+#[allow(clippy::unwrap_used)]
+fn producer(
+    ledger: &Ledger,
+    tenant: &str,
+    instances: &'static [&'static str],
+    stop: &simulated::Stop,
+) -> tokio::task::JoinHandle<()> {
+    let (ledger, tenant, stop) = (ledger.clone(), tenant.to_owned(), stop.clone());
+    tokio::spawn(async move {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !ledger
+            .tenant_by_name(&tenant)
+            .await
+            .unwrap()
+            .unwrap()
+            .intake_paused
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the pause never committed"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        while !stop.is_set() {
+            let now = ledger
+                .clock(nudge_ledger::LedgerTime::Database)
+                .await
+                .unwrap();
+            for instance in instances {
+                ledger.ack_producer_pass(instance, now).await.unwrap();
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
