@@ -914,32 +914,20 @@ async fn inserted_deliveries(
     if ids.is_empty() {
         return Ok(Vec::new());
     }
-    let open: Vec<(String, String)> = sqlx::query_as(
-        "SELECT channel, owner FROM channel_controls
-         WHERE channel = ANY($1::text[]) AND NOT draining
-         ORDER BY channel FOR SHARE",
-    )
-    .bind(&channels)
-    .fetch_all(&mut *tx)
-    .await?;
-    let owners: Vec<&str> = channels
-        .iter()
-        .map(|c| {
-            open.iter()
-                .find(|(open, _)| open == c)
-                .map_or("", |(_, owner)| owner.as_str())
-        })
-        .collect();
+    // One statement: the channels' control rows are joined and locked `FOR SHARE` by the
+    // insert itself (a draining channel's row drops out of the join, and a drain turned on
+    // meanwhile is seen once its lock is released).
     let done: Vec<uuid::Uuid> = sqlx::query_scalar(
         "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
                                  scheduled_at, expires_at, next_attempt_at, created_at, updated_at,
                                  owner)
          SELECT d.id, d.reminder_id, $1, d.channel, 'scheduled', d.key,
-                d.scheduled_at, d.expires_at, d.scheduled_at, $2, $2, d.owner
+                d.scheduled_at, d.expires_at, d.scheduled_at, $2, $2, cc.owner
          FROM UNNEST($3::uuid[], $4::uuid[], $5::text[], $6::text[], $7::timestamptz[],
-                     $8::timestamptz[], $9::text[])
-              AS d(id, reminder_id, channel, key, scheduled_at, expires_at, owner)
-         WHERE d.owner <> ''
+                     $8::timestamptz[])
+              AS d(id, reminder_id, channel, key, scheduled_at, expires_at)
+         JOIN channel_controls cc ON cc.channel = d.channel AND NOT cc.draining
+         FOR SHARE OF cc
          ON CONFLICT (reminder_id, channel) DO NOTHING
          RETURNING reminder_id",
     )
@@ -951,7 +939,6 @@ async fn inserted_deliveries(
     .bind(&keys)
     .bind(&scheduled)
     .bind(&expires)
-    .bind(&owners)
     .fetch_all(&mut *tx)
     .await?;
     Ok(done)
