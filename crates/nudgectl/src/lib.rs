@@ -691,7 +691,7 @@ pub async fn execute(
                         "\n{} draining since {}{}; nothing new is scheduled for it. What remains:",
                         s.channel,
                         s.drain_started_at
-                            .map_or_else(|| "-".to_owned(), |t| t.to_rfc3339()),
+                            .map_or_else(|| "-".to_owned(), rate::timestamp),
                         s.drain_incident
                             .as_deref()
                             .map_or_else(String::new, |i| format!(" (incident {i})")),

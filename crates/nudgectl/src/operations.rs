@@ -214,7 +214,7 @@ pub async fn owner(
                         c.previous_owner.as_deref().unwrap_or("-"),
                         if c.draining { "yes" } else { "no" },
                         c.drain_incident.as_deref().unwrap_or("-"),
-                        c.changed_at.to_rfc3339(),
+                        crate::rate::timestamp(c.changed_at),
                         c.changed_by,
                         c.change_reason
                             .as_deref()

@@ -497,7 +497,7 @@ fn write_status(s: &RedriveStatus, out: &mut impl Write) -> anyhow::Result<()> {
         out,
         "  by {} at {}: {}{}",
         s.actor,
-        s.created_at.to_rfc3339(),
+        crate::rate::timestamp(s.created_at),
         s.reason,
         s.incident
             .as_deref()
@@ -509,7 +509,7 @@ fn write_status(s: &RedriveStatus, out: &mut impl Write) -> anyhow::Result<()> {
             "  canary: {canary}, {}",
             s.canary_passed_at.map_or_else(
                 || "not passed yet".to_owned(),
-                |t| format!("passed at {}", t.to_rfc3339())
+                |t| format!("passed at {}", crate::rate::timestamp(t))
             )
         )?;
     }

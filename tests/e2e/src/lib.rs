@@ -814,6 +814,15 @@ pub fn stats(value: Value) -> anyhow::Result<Stats> {
     Ok(serde_json::from_value(value)?)
 }
 
+/// The `p`-th percentile (nearest rank) of `sorted`, ascending; NaN when it is empty.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
 /// A loopback port that was free a moment ago (for a process that binds it itself).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

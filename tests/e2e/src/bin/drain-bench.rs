@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use nudge_domain::Channel;
-use nudge_e2e::{TestEnv, WorkerOptions, keys_report, stats};
+use nudge_e2e::{TestEnv, WorkerOptions, keys_report, percentile, stats};
 use serde::Serialize;
 
 const PROVIDER_LIMIT: f64 = 40.0;
@@ -68,14 +68,6 @@ struct Case {
     /// Dead letters redriven from the drain's start, and the redrive's rate.
     redrive: usize,
     redrive_rate: f64,
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 async fn run_case(case: Case) -> anyhow::Result<CaseResult> {

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use nudge_e2e::TestEnv;
+use nudge_e2e::{TestEnv, percentile};
 use serde::Serialize;
 
 /// The longest the timed run may take, whatever `--posts` asks.
@@ -39,14 +39,6 @@ struct Result {
     p50_ms: f64,
     p99_ms: f64,
     max_ms: f64,
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 fn arg(args: &[String], name: &str, default: usize) -> anyhow::Result<usize> {
