@@ -21,7 +21,7 @@
 //! | `database.max_connections` | `10` | 1..=1000 |
 //! | `database.acquire_timeout_ms` | `5000` | > 0 |
 //! | `amqp.url` (secret) | `"amqp://guest:guest@127.0.0.1:5672/%2f"` | `amqp://` or `amqps://` URL |
-//! | `amqp.prefetch` | `32` | >= 1 |
+//! | `amqp.prefetch` | `128` | >= 1 |
 //! | `amqp.connect_timeout_ms` | `10000` | > 0 |
 //! | `amqp.namespace` | `""` | empty, or `[a-z0-9-]{1,40}` then `.`: prefix of exchange and queue names |
 //! | `amqp.delivery_limit` | `5` | >= 1: redeliveries before the broker dead-letters a message |

@@ -140,7 +140,7 @@ impl Default for AmqpConfig {
     fn default() -> Self {
         Self {
             url: Secret::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
-            prefetch: 32,
+            prefetch: 128,
             connect_timeout_ms: 10_000,
             namespace: String::new(),
             delivery_limit: 5,

@@ -77,7 +77,7 @@ async fn deliveries(pool: &PgPool, tenant: Uuid, state: &str, n: usize, days_ago
             "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
                  attempt_count, scheduled_at, expires_at, next_attempt_at, settled_at, created_at,
                  updated_at)
-             SELECT $1, $2, $3, 'sms', $4, $1::text, 1, r.scheduled_at, r.expires_at,
+             SELECT $1, $2, $3, 'sms', $4, 'nudge-' || $2::text || '-sms', 1, r.scheduled_at, r.expires_at,
                  CASE WHEN NOT $5 THEN r.scheduled_at END,
                  CASE WHEN $5 THEN r.scheduled_at END, r.scheduled_at, r.scheduled_at
              FROM reminders r WHERE r.id = $2",

@@ -128,7 +128,7 @@ async fn delivery(
         "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
              attempt_count, scheduled_at, expires_at, next_attempt_at, lease_owner,
              lease_expires_at, settled_at, created_at, updated_at, owner)
-         VALUES ($1, $2, $3, 'sms', $4, $1::text, $5, $6, $6 + interval '1 hour',
+         VALUES ($1, $2, $3, 'sms', $4, 'nudge-' || $2::text || '-sms', $5, $6, $6 + interval '1 hour',
              CASE WHEN $4 IN ('scheduled', 'queued', 'retry_wait') THEN $6 END,
              CASE WHEN $4 = 'sending' THEN 'worker-1' END,
              CASE WHEN $4 = 'sending' THEN $8 + interval '1 minute' END,
@@ -616,7 +616,7 @@ async fn a_reminder_with_two_settled_deliveries_goes_with_the_last_of_them(pool:
         "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
              scheduled_at, expires_at, settled_at, created_at, updated_at)
          SELECT gen_random_uuid(), reminder_id, tenant_id, 'email', 'delivered',
-             idempotency_key || '-email', scheduled_at, expires_at,
+             'nudge-' || reminder_id::text || '-email', scheduled_at, expires_at,
              settled_at + interval '1 day', created_at, updated_at
          FROM deliveries WHERE id = $1",
     )

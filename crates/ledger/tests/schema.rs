@@ -43,7 +43,7 @@ async fn insert_in_state(
     .bind(reminder)
     .bind(tenant.id.as_uuid())
     .bind(state)
-    .bind(format!("key-{n}"))
+    .bind(format!("nudge-{reminder}-sms"))
     .bind(t0())
     .bind(t0() + secs(60))
     .bind(leased.then_some("w"))
@@ -330,7 +330,7 @@ async fn the_same_reminder_and_channel_cannot_have_two_deliveries(pool: PgPool) 
     let dup = sqlx::query(
         "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
              scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
-         VALUES (gen_random_uuid(), $1, $2, 'sms', 'scheduled', 'other-key', $3, $4, $3, $3, $3)",
+         VALUES (gen_random_uuid(), $1, $2, 'sms', 'scheduled', 'nudge-' || $1::text || '-sms', $3, $4, $3, $3, $3)",
     )
     .bind(reminder.as_uuid())
     .bind(tenant.id.as_uuid())
@@ -341,6 +341,45 @@ async fn the_same_reminder_and_channel_cannot_have_two_deliveries(pool: PgPool) 
     .unwrap_err();
 
     assert!(dup.as_database_error().unwrap().is_unique_violation());
+}
+
+/// The key a provider sees is the one its reminder and channel make, so no two deliveries can
+/// share one: the database holds every row to it.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_delivery_cannot_carry_a_key_other_than_its_reminder_and_channel_make(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    let reminder = owed(&ledger, tenant.id, "k", &[Channel::Sms], t0()).await;
+    let insert = |channel: &'static str, key: String| {
+        sqlx::query(
+            "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
+                 scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
+             VALUES (gen_random_uuid(), $1, $2, $3, 'scheduled', $4, $5, $6, $5, $5, $5)",
+        )
+        .bind(reminder.as_uuid())
+        .bind(tenant.id.as_uuid())
+        .bind(channel)
+        .bind(key)
+        .bind(t0())
+        .bind(t0() + secs(60))
+        .execute(&pool)
+    };
+
+    // Another channel's key on an email delivery, or a key of the caller's own making.
+    let email_key = nudge_domain::IdempotencyKey::for_delivery(reminder, Channel::Email)
+        .as_str()
+        .to_owned();
+    let sms_key = nudge_domain::IdempotencyKey::for_delivery(reminder, Channel::Sms)
+        .as_str()
+        .to_owned();
+    for (channel, key) in [("email", sms_key), ("email", "my-own-key".to_owned())] {
+        let refused = insert(channel, key).await.unwrap_err();
+        assert_eq!(
+            refused.as_database_error().unwrap().constraint(),
+            Some("deliveries_idempotency_key_derived")
+        );
+    }
+    insert("email", email_key).await.unwrap();
 }
 
 async fn one_attempt(ledger: &Ledger) -> nudge_domain::DeliveryId {
@@ -581,7 +620,7 @@ async fn finding_due_work_uses_the_partial_index_on_a_large_ledger(pool: PgPool)
              scheduled_at, expires_at, next_attempt_at, settled_at, created_at, updated_at)
          SELECT gen_random_uuid(), r.id, r.tenant_id, 'sms',
                 CASE WHEN n % 4 = 0 THEN 'scheduled' ELSE 'delivered' END,
-                'bulk-key-' || n, r.scheduled_at, r.expires_at + interval '1 day',
+                'nudge-' || r.id::text || '-sms', r.scheduled_at, r.expires_at + interval '1 day',
                 r.scheduled_at + interval '1 day',
                 CASE WHEN n % 4 = 0 THEN NULL ELSE r.scheduled_at END, r.created_at, r.created_at
          FROM (SELECT *, row_number() OVER () AS n FROM reminders WHERE event_id LIKE 'bulk-%') r",
@@ -594,7 +633,7 @@ async fn finding_due_work_uses_the_partial_index_on_a_large_ledger(pool: PgPool)
         "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
              scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
          SELECT gen_random_uuid(), r.id, r.tenant_id, 'email', 'scheduled',
-                'bulk-email-' || n, r.scheduled_at - interval '1 hour', r.expires_at,
+                'nudge-' || r.id::text || '-email', r.scheduled_at - interval '1 hour', r.expires_at,
                 r.scheduled_at - interval '1 hour', r.created_at, r.created_at
          FROM (SELECT *, row_number() OVER () AS n FROM reminders WHERE event_id LIKE 'bulk-%') r
          WHERE n % 4 = 1",

@@ -43,7 +43,7 @@ async fn delivery(pool: &PgPool, tenant: uuid::Uuid, state: &str, days_ago: i32)
     sqlx::query(
         "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
              scheduled_at, expires_at, next_attempt_at, settled_at, created_at, updated_at)
-         SELECT gen_random_uuid(), r.id, r.tenant_id, 'sms', $2, r.id::text, r.scheduled_at,
+         SELECT gen_random_uuid(), r.id, r.tenant_id, 'sms', $2, 'nudge-' || r.id::text || '-sms', r.scheduled_at,
              r.expires_at, CASE WHEN $2 = 'retry_wait' THEN r.scheduled_at END,
              CASE WHEN $2 <> 'retry_wait' THEN r.scheduled_at END, r.scheduled_at, r.scheduled_at
          FROM reminders r WHERE r.id = $1",

@@ -288,8 +288,18 @@ struct FenceRow {
 /// UPDATE per transaction: a second UPDATE of a row the same transaction wrote makes
 /// PostgreSQL re-check its foreign keys, taking `KEY SHARE` on the tenant, which deadlocks
 /// with a window holding the tenant `FOR UPDATE` while it inserts deliveries.
-const CANDIDATES: &str = "WITH input AS (
-        SELECT * FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation))
+///
+/// Each message's delivery is found by its primary key alone (`found`: nothing but the id to go
+/// on), then locked at that row version if it still qualifies (a concurrent update is
+/// followed and re-checked, as for any `FOR UPDATE`), one at a time in id order; the lateral
+/// subquery with its own `FOR UPDATE` is never flattened. Given the conditions and the id
+/// together, the planner costed a range scan of every due delivery of the channel
+/// (`deliveries_eligible_idx`) the same as the key whenever its statistics missed the
+/// transient `queued` state, which is most of the time, and walked the whole in-flight window
+/// (dead versions included) per message: milliseconds per batch, growing with the backlog.
+/// The id order is the lock order, so two workers never wait on each other in a cycle.
+const CANDIDATES: &str = "WITH input AS MATERIALIZED (
+        SELECT * FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation) ORDER BY id)
     SELECT d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
            d.idempotency_key, d.scheduled_at, d.expires_at, a.account, a.bucketed,
            r.subscriber_ref, r.content_ciphertext,
@@ -298,7 +308,16 @@ const CANDIDATES: &str = "WITH input AS (
               AND c.channel = d.channel) AS destination_ciphertext,
            COALESCE($5, now()) AS db_now
     FROM input i
-    JOIN deliveries d ON d.id = i.id AND d.generation = i.generation
+    CROSS JOIN LATERAL (SELECT k.ctid AS version FROM deliveries k WHERE k.id = i.id) found
+    CROSS JOIN LATERAL (
+        SELECT d0.id, d0.reminder_id, d0.tenant_id, d0.channel, d0.generation, d0.lane,
+               d0.idempotency_key, d0.scheduled_at, d0.expires_at
+        FROM deliveries d0
+        WHERE d0.ctid = found.version AND d0.id = i.id AND d0.generation = i.generation
+          AND d0.state = 'queued'
+          AND d0.channel = $3 AND d0.owner = $7
+          AND d0.next_attempt_at <= COALESCE($5, now()) AND d0.expires_at > COALESCE($5, now())
+        FOR UPDATE) d
     JOIN reminders r ON r.id = d.reminder_id
     CROSS JOIN LATERAL (
         SELECT x.account, EXISTS (
@@ -308,11 +327,8 @@ const CANDIDATES: &str = "WITH input AS (
                   (SELECT tc.provider_account FROM tenant_channels tc
                    WHERE tc.tenant_id = r.tenant_id AND tc.channel = $3),
                   $4) AS account) x) a
-    WHERE d.state = 'queued' AND d.channel = $3 AND r.cancelled_at IS NULL AND d.owner = $7
-      AND d.next_attempt_at <= COALESCE($5, now()) AND d.expires_at > COALESCE($5, now())
-      AND a.account = ANY($6::text[])
-    ORDER BY d.id
-    FOR UPDATE OF d";
+    WHERE r.cancelled_at IS NULL AND a.account = ANY($6::text[])
+    ORDER BY d.id";
 
 /// One UPDATE for every locked candidate: `now` leases and fences (the slot has come, or the
 /// account has no bucket), `wait` leases for a slot ahead, `defer` gives it back due when its
@@ -372,7 +388,9 @@ const EXPLAIN_UNLEASED: &str = "WITH input AS (
     FROM input i LEFT JOIN deliveries d ON d.id = i.id";
 
 /// Stamps the send start of leases whose slot has come (the fence, inside the admission
-/// transaction) and gives back those without a slot in time.
+/// transaction) and gives back those without a slot in time. The lease owner stands for
+/// `state = 'sending'` (a CHECK holds them together), so each row is found by its key, never
+/// by a scan of the lease index (see `record::APPLY`).
 const STAMP_AND_RELEASE: &str = "WITH started AS (
         UPDATE deliveries d
         SET send_started_at = COALESCE($7, clock_timestamp()),
@@ -380,7 +398,7 @@ const STAMP_AND_RELEASE: &str = "WITH started AS (
             updated_at = COALESCE($7, clock_timestamp())
         FROM unnest($1::uuid[], $2::bigint[]) AS s(id, generation), reminders r
         WHERE d.id = s.id AND d.generation = s.generation AND d.lease_owner = $3
-          AND d.state = 'sending' AND d.send_started_at IS NULL
+          AND d.send_started_at IS NULL
           AND d.lease_expires_at > COALESCE($7, clock_timestamp())
           AND d.expires_at > COALESCE($7, clock_timestamp())
           AND r.id = d.reminder_id AND r.cancelled_at IS NULL
@@ -392,7 +410,7 @@ const STAMP_AND_RELEASE: &str = "WITH started AS (
             attempt_count = d.attempt_count - 1, updated_at = COALESCE($7, clock_timestamp())
         FROM unnest($5::uuid[], $6::bigint[], $8::timestamptz[]) AS u(id, generation, until)
         WHERE d.id = u.id AND d.generation = u.generation AND d.lease_owner = $3
-          AND d.state = 'sending' AND d.send_started_at IS NULL
+          AND d.send_started_at IS NULL
         RETURNING d.id)
     SELECT id, lease_expires_at FROM started";
 

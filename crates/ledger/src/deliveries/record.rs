@@ -131,8 +131,11 @@ const APPLY: &str = "WITH input AS (
                               THEN COALESCE($20, now()) END,
             updated_at = COALESCE($20, now())
         FROM input i
-        WHERE d.id = i.id AND d.state = 'sending' AND d.lease_owner = i.owner
-          AND d.generation = i.generation
+        -- A lease owner is set exactly while the delivery is `sending` (a CHECK holds them
+        -- together), so the owner is the state test. Spelling out `state = 'sending'` would
+        -- let the planner scan the lease index, dead versions and all, instead of looking
+        -- each outcome's delivery up by its key.
+        WHERE d.id = i.id AND d.lease_owner = i.owner AND d.generation = i.generation
         RETURNING d.id, d.provider_account,
             -- A redriven delivery's attempts carry its redrive's incident; any other attempt
             -- made while its channel drains, the drain's.

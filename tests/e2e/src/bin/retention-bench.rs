@@ -148,7 +148,7 @@ async fn seed_history(pool: &sqlx::PgPool, tenant: TenantId, n: u32) -> anyhow::
                  SELECT gen_random_uuid(), r.id, $1, 'sms',
                      CASE (substr(r.event_id, 9)::int % 10) WHEN 7 THEN 'expired'
                           WHEN 8 THEN 'cancelled' WHEN 9 THEN 'dead_lettered' ELSE 'delivered' END,
-                     'history-' || r.id, 1, 1, r.scheduled_at, r.expires_at,
+                     'nudge-' || r.id || '-sms', 1, 1, r.scheduled_at, r.expires_at,
                      r.scheduled_at + interval '5 seconds', r.scheduled_at, r.scheduled_at,
                      'sms-main', 'msg-' || r.id
                  FROM r

@@ -48,6 +48,11 @@ struct Args {
     /// Runs per case; the median run is reported.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=9))]
     runs: u32,
+    /// Unacknowledged messages each worker takes at once (`amqp.prefetch`); default: the
+    /// configuration's default.
+    #[arg(long, default_value_t = nudge_config::AmqpConfig::default().prefetch,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    prefetch: u16,
     /// Also run the scale cases (about ten more minutes at the default sizes).
     #[arg(long)]
     scale: bool,
@@ -99,6 +104,7 @@ const CASES: [(&str, Shape); 4] = [
 pub struct Results {
     deliveries: u32,
     runs: u32,
+    prefetch: u16,
     statements_loaded: bool,
     cases: Vec<(String, Vec<RunSample>)>,
     load: Vec<LoadSample>,
@@ -153,7 +159,15 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
                 load::due_now(&ledger, &env.cipher, tenant.id, n, "due").await?;
                 ledger.pool().close().await;
             }
-            let sample = run::measure(&mut env, tenant.id, n, *shape, statements_loaded).await?;
+            let sample = run::measure(
+                &mut env,
+                tenant.id,
+                n,
+                *shape,
+                args.prefetch,
+                statements_loaded,
+            )
+            .await?;
             eprintln!(
                 "run {}: {name}: {:.0} deliveries/s, {:.2} commits/delivery",
                 run + 1,
@@ -173,6 +187,7 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
             args.runs as usize,
             args.ledger_reminders as usize,
             CASES[0].1,
+            args.prefetch,
             statements_loaded,
         )
         .await?;
@@ -185,6 +200,7 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
     Ok(Results {
         deliveries: args.deliveries,
         runs: args.runs,
+        prefetch: args.prefetch,
         statements_loaded,
         cases,
         load: loads,

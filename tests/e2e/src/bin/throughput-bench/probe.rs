@@ -158,6 +158,15 @@ impl Observer {
         self.queries
     }
 
+    /// Makes `pg_stat_statements` readable in this database (the server preloads it; each
+    /// database needs the extension's view).
+    pub async fn enable_statements(&mut self) -> anyhow::Result<()> {
+        sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .execute(self.conn())
+            .await?;
+        Ok(())
+    }
+
     /// Statements executed in this database so far, by every client (`pg_stat_statements`).
     pub async fn statements(&mut self) -> anyhow::Result<i64> {
         let total: i64 = sqlx::query_scalar(

@@ -231,10 +231,12 @@ pub fn write(results: &Results, dir: &Path) -> anyhow::Result<()> {
              and idle polling included; the benchmark's own queries taken out). CPU: each \
              process over its life; postgres: the backends serving the run's database. The \
              bucket cases configure the account at 100,000/s: admission runs, never waits. \
-             Producer and janitor run with their default configuration. {scale_note}\n\n\
+             Producer and janitor run with their default configuration; each worker with \
+             `amqp.prefetch` = {prefetch}. {scale_note}\n\n\
              ## Against the targets\n\n{targets}\n## Per case\n\n{cases}",
             n = results.deliveries,
             runs = results.runs,
+            prefetch = results.prefetch,
             secs = results.seconds,
             loads = loads.join("; "),
         ),

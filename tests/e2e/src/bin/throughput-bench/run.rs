@@ -57,6 +57,7 @@ pub async fn measure(
     tenant: TenantId,
     n: usize,
     shape: Shape,
+    prefetch: u16,
     statements_loaded: bool,
 ) -> anyhow::Result<RunSample> {
     let load_average_before = probe::load_average();
@@ -64,6 +65,7 @@ pub async fn measure(
     let commits_before = admin.settled_commits(&env.db_name).await?;
     let mut observer = Observer::connect(&env.db_url).await?;
     let statements_before = if statements_loaded {
+        observer.enable_statements().await?;
         Some(observer.statements().await?)
     } else {
         None
@@ -71,6 +73,7 @@ pub async fn measure(
 
     let janitor = env.start_with_defaults("nudge-janitor", "janitor")?;
     let mut options = WorkerOptions::for_channel(Channel::Sms);
+    options.prefetch = prefetch;
     if shape.bucket {
         options.rate = Some((BUCKET_RATE, BUCKET_RATE as u32));
     }

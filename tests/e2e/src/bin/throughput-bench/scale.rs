@@ -19,6 +19,7 @@ pub async fn large_ledger(
     runs: usize,
     ledger_size: usize,
     shape: Shape,
+    prefetch: u16,
     statements_loaded: bool,
 ) -> anyhow::Result<Vec<RunSample>> {
     let mut env = TestEnv::start("throughput-scale").await?;
@@ -49,7 +50,8 @@ pub async fn large_ledger(
             .await?;
         load::due_now(&ledger, &env.cipher, tenant.id, n, &format!("due{run}")).await?;
         ledger.pool().close().await;
-        let sample = run::measure(&mut env, tenant.id, n, shape, statements_loaded).await?;
+        let sample =
+            run::measure(&mut env, tenant.id, n, shape, prefetch, statements_loaded).await?;
         eprintln!(
             "  large ledger, run {}: {:.0} deliveries/s",
             run + 1,
