@@ -16,10 +16,12 @@
 //! treat a publish as done without the broker's confirm.
 
 mod config;
+mod metrics;
 
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -32,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 pub use config::{ProducerConfig, ProducerSection};
+pub use metrics::ProducerMetrics;
 
 /// Where a tenant's first window starts: early enough that a reminder created before the
 /// producer ever ran is still covered.
@@ -70,10 +73,13 @@ pub async fn main() -> ExitCode {
 
 async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     let config: ProducerConfig = nudge_runtime::load_config(cli.config.as_deref())?;
-    let app = nudge_runtime::Application::build("nudge-producer", config, None).await?;
+    let metrics = Arc::new(ProducerMetrics::new());
+    let app =
+        nudge_runtime::Application::build("nudge-producer", config, metrics.registry()).await?;
     let broker = app.broker()?;
-    let clock = Clock::new(app.ledger.clone());
-    let relay = Relay::new(app.ledger.clone(), broker, app.config.producer.clone());
+    let clock = Clock::new(app.ledger.clone()).with_metrics(metrics.clone());
+    let relay =
+        Relay::new(app.ledger.clone(), broker, app.config.producer.clone()).with_metrics(metrics);
     tokio::join!(
         clock.run(
             Duration::from_millis(app.config.producer.schedule_interval_ms),
@@ -100,6 +106,7 @@ pub struct Clock {
     parsed: HashMap<String, cron::Schedule>,
     /// This process's name in `producer_acks`.
     instance: String,
+    metrics: Arc<ProducerMetrics>,
 }
 
 impl Clock {
@@ -112,7 +119,14 @@ impl Clock {
             ledger,
             parsed: HashMap::new(),
             instance: format!("{host}:{}", std::process::id()),
+            metrics: Arc::new(ProducerMetrics::new()),
         }
+    }
+
+    /// Counts windows into `metrics` (served on `/metrics`) instead of a private registry.
+    pub fn with_metrics(mut self, metrics: Arc<ProducerMetrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// One pass over every schedule at `now`. Returns what each tenant's window did.
@@ -198,6 +212,20 @@ impl Clock {
                               "failed to acknowledge the schedule pass");
                     }
                     for (schedule, outcome) in outcomes {
+                        let (label, created) = match &outcome {
+                            Ok(WindowOutcome::Materialised {
+                                deliveries_created: 0,
+                            }) => (Some("empty"), 0),
+                            Ok(WindowOutcome::Materialised { deliveries_created }) => {
+                                (Some("materialised"), *deliveries_created)
+                            }
+                            Ok(WindowOutcome::Paused) => (Some("paused"), 0),
+                            Ok(WindowOutcome::AlreadyRun) => (None, 0),
+                            Err(_) => (Some("bad_schedule"), 0),
+                        };
+                        if let Some(label) = label {
+                            self.metrics.window(label, created);
+                        }
                         match outcome {
                             // Most windows of a quiet tenant are empty: not worth a line
                             // per tick in production logs.
@@ -234,6 +262,7 @@ pub struct Relay {
     broker: Broker,
     settings: ProducerSection,
     publisher: Option<Publisher>,
+    metrics: Arc<ProducerMetrics>,
 }
 
 /// What one relay pass did.
@@ -251,7 +280,14 @@ impl Relay {
             broker,
             settings,
             publisher: None,
+            metrics: Arc::new(ProducerMetrics::new()),
         }
+    }
+
+    /// Counts publishes into `metrics` (served on `/metrics`) instead of a private registry.
+    pub fn with_metrics(mut self, metrics: Arc<ProducerMetrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Publishes one batch of due work per channel, within the channel's in-flight window,
@@ -274,11 +310,13 @@ impl Relay {
                 .await
                 .context("failed to claim due deliveries")?;
             let (ok, failed) = self.publish(&due, now).await?;
+            self.metrics.published(channel, false, ok, failed);
             report.published += ok;
             report.failed += failed;
         }
         for channel in Channel::ALL {
             let (ok, failed) = self.republish(channel, now, at).await?;
+            self.metrics.published(channel, true, ok, failed);
             report.republished += ok;
             report.failed += failed;
         }

@@ -3,8 +3,9 @@
 //! Owns: installing the process-wide tracing subscriber once, from `main`, via [`init`] (JSON or
 //! human-readable logs on stderr, filtered by `RUST_LOG` or `telemetry.log_filter`), the
 //! [`TelemetryGuard`] that flushes on exit, [`error_chain`] for reporting an error once with its
-//! causes, and [`serve_metrics`], the Prometheus `/metrics` listener a binary starts on
-//! `telemetry.metrics_addr` with its own registry. OTLP export will live here too.
+//! causes, [`MetricRegistry`] (a Prometheus registry that lists what it holds) and
+//! [`serve_admin`], the admin listener (`/metrics`, `/healthz`, `/readyz`) a binary starts on
+//! `telemetry.metrics_addr` with its own registry and readiness check.
 //!
 //! Must never: be called from a library crate (libraries only emit `tracing` events), log a
 //! destination, subscriber reference, message body or secret (it logs only the service name, the
@@ -15,7 +16,10 @@ mod metrics;
 
 use std::io::{IsTerminal as _, Write as _};
 
-pub use metrics::{OPENMETRICS_CONTENT_TYPE, serve_metrics};
+pub use metrics::{
+    FamilyName, MetricRegistry, NotReady, OPENMETRICS_CONTENT_TYPE, READY_TIMEOUT, ReadyCheck,
+    always_ready, serve_admin,
+};
 use nudge_config::{LogFormat, TelemetryConfig};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::filter::ParseError;
@@ -97,7 +101,7 @@ pub fn init(
 
     tracing::info!(service = service_name, log_format = ?cfg.log_format, "telemetry initialised");
     // Not silently ignored: an operator who set this expects export, and it is not built yet.
-    // `metrics_addr` is served by each binary through [`serve_metrics`], with its own registry.
+    // `metrics_addr` is served by each binary through [`serve_admin`], with its own registry.
     if cfg.otlp_endpoint.is_some() {
         tracing::warn!(
             "telemetry.otlp_endpoint is set but OTLP export is not available yet; ignoring it"

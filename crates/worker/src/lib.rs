@@ -35,7 +35,7 @@ use tracing::{info, warn};
 
 pub use clock::{Clock, LedgerClock};
 pub use config::{AdmissionSection, WorkerConfig, WorkerSection};
-pub use metrics::WorkerMetrics;
+pub use metrics::{AttemptLabelsIn, SCHEDULED_TO_DELIVERED_BUCKETS, WorkerMetrics};
 pub use process::{Processed, Providers, Step, ToSend, Worker};
 pub use recorder::{NotRecorded, Recorder};
 
@@ -75,7 +75,7 @@ async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
         Channel::Sms => "nudge-sms",
     };
     let metrics = Arc::new(WorkerMetrics::new());
-    let app = nudge_runtime::Application::build(service, config, Some(metrics.registry())).await?;
+    let app = nudge_runtime::Application::build(service, config, metrics.registry()).await?;
     let worker = Arc::new(
         build(
             &app.config,

@@ -22,7 +22,7 @@ use nudge_provider::{HttpProvider, Provider, SendRequest};
 use tracing::{Instrument, debug, error, info, warn};
 
 use crate::clock::LedgerClock;
-use crate::metrics::WorkerMetrics;
+use crate::metrics::{AttemptLabelsIn, WorkerMetrics};
 use crate::recorder::{NotRecorded, Recorder};
 
 /// How a message ends, and so how it is settled with the broker.
@@ -475,6 +475,12 @@ impl Worker {
             .await;
         drop(destination);
         let finished_at = self.clock.now();
+        let response_class = nudge_domain::response_class(&outcome);
+        self.metrics.provider_request(
+            &lease.provider_account,
+            self.channel,
+            (finished_at - started_at).as_seconds_f64(),
+        );
         let ctx = AttemptContext {
             // The retry policy's limit counts from the last redrive.
             attempt_number: lease
@@ -486,6 +492,21 @@ impl Worker {
         };
         let mut jitter = RandJitter::from_entropy();
         let decision = decide(&ctx, &outcome, finished_at, &self.policy, &mut jitter);
+        if decision.facts.retry_after_seen.is_some() {
+            let validity = if !decision.facts.retry_after_valid {
+                "invalid"
+            } else if decision
+                .facts
+                .delay_chosen
+                .is_some_and(|d| d > self.policy.max_retry_after())
+            {
+                "over_ceiling"
+            } else {
+                "valid"
+            };
+            self.metrics
+                .retry_after(&lease.provider_account, self.channel, validity);
+        }
         self.feedback(
             &lease.provider_account,
             &decision,
@@ -504,8 +525,14 @@ impl Worker {
             send_ms = (finished_at - started_at).num_milliseconds(),
             "attempt finished"
         );
-        self.record(lease, decision, (started_at, finished_at), &correlation_id)
-            .await
+        self.record(
+            lease,
+            decision,
+            (started_at, finished_at),
+            &correlation_id,
+            response_class,
+        )
+        .await
     }
 
     async fn record_unsendable(
@@ -515,8 +542,14 @@ impl Worker {
         correlation_id: &str,
     ) -> Processed {
         let now = self.clock.now();
-        self.record(lease, without_send(reason), (now, now), correlation_id)
-            .await
+        self.record(
+            lease,
+            without_send(reason),
+            (now, now),
+            correlation_id,
+            "none",
+        )
+        .await
     }
 
     async fn record(
@@ -525,7 +558,10 @@ impl Worker {
         decision: Decision,
         (started_at, finished_at): (DateTime<Utc>, DateTime<Utc>),
         correlation_id: &str,
+        response_class: &'static str,
     ) -> Processed {
+        let account = lease.provider_account.clone();
+        let scheduled_at = lease.scheduled_at;
         let attempt = AttemptRecord {
             started_at,
             finished_at: finished_at.max(started_at),
@@ -535,7 +571,17 @@ impl Worker {
         let (class, next_state) = (decision.facts.outcome_class, decision.next_state);
         match self.recorder.record(lease, decision, attempt).await {
             Ok(Recorded::Applied) => {
-                self.metrics.attempt(self.channel, class, next_state);
+                self.metrics.attempt(AttemptLabelsIn {
+                    account: &account,
+                    channel: self.channel,
+                    response_class,
+                    outcome_class: class,
+                    next_state,
+                });
+                if next_state == DeliveryState::Delivered {
+                    self.metrics
+                        .delivered(self.channel, (finished_at - scheduled_at).as_seconds_f64());
+                }
                 Processed::Attempted(next_state)
             }
             Ok(Recorded::LeaseLost) => {
@@ -600,6 +646,13 @@ impl Worker {
             (_, OutcomeClass::Delivered) if below_full_rate => Feedback::Success,
             _ => return,
         };
+        let asked_for_pause = matches!(
+            feedback,
+            Feedback::Throttled {
+                retry_at: Some(_),
+                ..
+            }
+        );
         match self
             .ledger
             .bucket_feedback(
@@ -612,8 +665,9 @@ impl Worker {
             .await
         {
             Ok(Some(applied)) => {
+                let paused = asked_for_pause && applied.paused_until.is_some();
                 self.metrics
-                    .effective_rate(account, self.channel, applied.effective_rate);
+                    .feedback(account, self.channel, applied.effective_rate, paused);
                 info!(
                     provider_account = %account,
                     channel = %self.channel,
