@@ -194,6 +194,9 @@ pub struct TestEnv {
     /// on a free loopback port ([`TestEnv::admin_url`]).
     pub admin_listeners: bool,
     admin_ports: HashMap<String, u16>,
+    /// When set, every process started afterwards exports its spans there
+    /// (`telemetry.otlp_endpoint`).
+    pub otlp_endpoint: Option<String>,
 }
 
 impl std::fmt::Debug for TestEnv {
@@ -290,6 +293,7 @@ impl TestEnv {
             http: reqwest::Client::new(),
             admin_listeners: false,
             admin_ports: HashMap::new(),
+            otlp_endpoint: None,
         };
         env.start_stub()?;
         Ok(env)
@@ -366,7 +370,12 @@ impl TestEnv {
         let admin = self
             .admin_port(name)
             .map(|port| format!("metrics_addr = \"127.0.0.1:{port}\"\n"))
-            .unwrap_or_default();
+            .unwrap_or_default()
+            + &self
+                .otlp_endpoint
+                .as_ref()
+                .map(|url| format!("otlp_endpoint = \"{url}\"\n"))
+                .unwrap_or_default();
         format!(
             r#"[database]
 url = "{db}"
@@ -587,6 +596,7 @@ log_filter = "info"
         config.crypto.subscriber_key =
             Some(nudge_config::Secret::new(SUBSCRIBER_KEY_B64.to_owned()));
         config.intake.listen_addr = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        config.telemetry.otlp_endpoint = self.otlp_endpoint.clone();
         config.telemetry.metrics_addr = self
             .admin_port(name)
             .map(|port| std::net::SocketAddr::from(([127, 0, 0, 1], port)));
