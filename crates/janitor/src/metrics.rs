@@ -6,8 +6,9 @@
 //! Labels are tenant ids (opaque), provider accounts, channels, states and fixed reasons:
 //! never a subscriber, destination or message content.
 
-use std::sync::Arc;
+use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use nudge_domain::Channel;
@@ -120,6 +121,33 @@ pub struct JanitorMetrics {
     expired: Counter,
     dead_letters: Family<DeadLetterLabels, Counter>,
     orphaned: Counter,
+    /// The tenant series set by the last refresh, so the next one removes only those that
+    /// are gone (a scrape never sees the tenant series missing while they are replaced).
+    tenant_series: Arc<Mutex<TenantSeries>>,
+}
+
+#[derive(Debug, Default)]
+struct TenantSeries {
+    deliveries: HashSet<TenantChannelStateLabels>,
+    oldest: HashSet<TenantChannelLabels>,
+    paused: HashSet<TenantLabels>,
+}
+
+/// Sets `now`'s series in `family` with `value`, then removes those of `before` not in `now`.
+fn replace<L, M>(family: &Family<L, M>, before: &mut HashSet<L>, now: Vec<(L, impl FnOnce(&M))>)
+where
+    L: Clone + Eq + std::hash::Hash,
+    M: Default,
+{
+    let mut current = HashSet::with_capacity(now.len());
+    for (labels, set) in now {
+        set(&family.get_or_create(&labels));
+        current.insert(labels);
+    }
+    for stale in before.difference(&current) {
+        family.remove(stale);
+    }
+    *before = current;
 }
 
 impl Default for JanitorMetrics {
@@ -147,6 +175,7 @@ impl JanitorMetrics {
             expired: Counter::default(),
             dead_letters: Family::default(),
             orphaned: Counter::default(),
+            tenant_series: Arc::default(),
         };
         registry.register(
             "nudge_ledger_deliveries",
@@ -234,8 +263,8 @@ impl JanitorMetrics {
         self.registry.encode()
     }
 
-    /// Sets every ledger gauge from `gauges`. Tenant series are replaced as a whole, so a
-    /// tenant whose work is done (or who is resumed) drops out.
+    /// Sets every ledger gauge from `gauges`. A tenant whose work is done (or who is
+    /// resumed) drops out: its series are removed once the new ones are set.
     pub fn set_gauges(&self, gauges: &LedgerGauges) {
         for channel in Channel::ALL {
             let work = gauges.work.iter().filter(|w| w.channel == channel);
@@ -283,8 +312,12 @@ impl JanitorMetrics {
                 })
                 .set(i64::from(draining));
         }
-        self.tenant_deliveries.clear();
-        self.tenant_oldest.clear();
+        let mut series = self
+            .tenant_series
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut deliveries = Vec::new();
+        let mut oldest = Vec::new();
         for w in &gauges.work {
             let tenant_id = w.tenant_id.to_string();
             for (state, n) in [
@@ -293,29 +326,46 @@ impl JanitorMetrics {
                 ("leased", w.leased),
                 ("backoff", w.backoff),
             ] {
-                self.tenant_deliveries
-                    .get_or_create(&TenantChannelStateLabels {
+                deliveries.push((
+                    TenantChannelStateLabels {
                         tenant_id: tenant_id.clone(),
                         channel: w.channel.as_str(),
                         state,
-                    })
-                    .set(as_i64(n));
+                    },
+                    move |g: &Gauge| {
+                        g.set(as_i64(n));
+                    },
+                ));
             }
-            self.tenant_oldest
-                .get_or_create(&TenantChannelLabels {
+            let age = w.oldest_eligible_age_s.unwrap_or(0.0);
+            oldest.push((
+                TenantChannelLabels {
                     tenant_id,
                     channel: w.channel.as_str(),
-                })
-                .set(w.oldest_eligible_age_s.unwrap_or(0.0));
+                },
+                move |g: &F64Gauge| {
+                    g.set(age);
+                },
+            ));
         }
-        self.tenant_paused.clear();
-        for tenant in &gauges.paused_tenants {
-            self.tenant_paused
-                .get_or_create(&TenantLabels {
-                    tenant_id: tenant.to_string(),
-                })
-                .set(1);
-        }
+        replace(&self.tenant_deliveries, &mut series.deliveries, deliveries);
+        replace(&self.tenant_oldest, &mut series.oldest, oldest);
+        let paused = gauges
+            .paused_tenants
+            .iter()
+            .map(|tenant| {
+                (
+                    TenantLabels {
+                        tenant_id: tenant.to_string(),
+                    },
+                    |g: &Gauge| {
+                        g.set(1);
+                    },
+                )
+            })
+            .collect();
+        replace(&self.tenant_paused, &mut series.paused, paused);
+        drop(series);
         for bucket in &gauges.buckets {
             self.bucket_paused
                 .get_or_create(&BucketLabels {
