@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes sure PostgreSQL (127.0.0.1:5432) and RabbitMQ (127.0.0.1:5672) answer: uses them when
 # they already do, otherwise installs them from Debian's packages if missing and starts them.
-# Fails loudly, naming the service, when one cannot be brought up.
+# Also installs `promtool` (Debian's `prometheus` package; nothing is started) for the alert
+# rule tests. Fails loudly, naming the service, when one cannot be brought up.
 set -euo pipefail
 
 PG_HOST=127.0.0.1 PG_PORT=5432 AMQP_PORT=5672
@@ -69,5 +70,20 @@ ensure_rabbitmq() {
   log "RabbitMQ answers on 127.0.0.1:$AMQP_PORT"
 }
 
+# promtool tests the alert rules (scripts/check-observability.sh). Installing the package does
+# not start a Prometheus server where services are not started by the package manager
+# (policy-rc.d, no systemd); where they are, it is stopped again.
+ensure_promtool() {
+  if command -v promtool >/dev/null; then
+    return
+  fi
+  apt_install prometheus
+  if command -v systemctl >/dev/null && systemctl is-active --quiet prometheus 2>/dev/null; then
+    systemctl stop prometheus prometheus-node-exporter 2>/dev/null || true
+  fi
+  command -v promtool >/dev/null || { log "promtool missing after installing prometheus"; return 1; }
+}
+
 ensure_postgres
 ensure_rabbitmq
+ensure_promtool

@@ -117,6 +117,7 @@ pub const NOT_CONFIG_VARIABLES: &[&str] = &[
     "NUDGE_RABBITMQ_UI_PORT",
     "NUDGE_STUB_PORT",
     "NUDGE_INTAKE_PORT",
+    "NUDGE_PROMETHEUS_PORT",
 ];
 
 /// Prefixes of `NUDGE_` variables that are not configuration keys: the benchmarks' and the

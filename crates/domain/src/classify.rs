@@ -124,11 +124,56 @@ pub fn classify(outcome: &SendOutcome, idem: IdempotencySupport) -> OutcomeClass
     }
 }
 
+/// The class of a provider's answer, a metric label: `2xx`, `3xx`, `4xx` (other than 429),
+/// `429`, `5xx`, `timeout` (no answer after the request left) or `network` (the request never
+/// left). Nothing of the answer beyond its status is used.
+pub fn response_class(outcome: &SendOutcome) -> &'static str {
+    match outcome {
+        SendOutcome::Response { status: 429, .. } => "429",
+        SendOutcome::Response { status, .. } => match status {
+            200..=299 => "2xx",
+            300..=399 => "3xx",
+            400..=499 => "4xx",
+            500..=599 => "5xx",
+            _ => "other",
+        },
+        SendOutcome::FailedBeforeSend { .. } => "network",
+        SendOutcome::UnknownAfterSend { .. } => "timeout",
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // A failed unwrap is a failed test, with its location.
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn response_classes_name_the_status_family_429_and_transport_failures() {
+        for (code, class) in [
+            (200, "2xx"),
+            (202, "2xx"),
+            (301, "3xx"),
+            (400, "4xx"),
+            (408, "4xx"),
+            (429, "429"),
+            (500, "5xx"),
+            (503, "5xx"),
+        ] {
+            assert_eq!(response_class(&status(code)), class, "{code}");
+        }
+        let reason = String::from("x");
+        assert_eq!(
+            response_class(&SendOutcome::FailedBeforeSend {
+                reason: reason.clone()
+            }),
+            "network"
+        );
+        assert_eq!(
+            response_class(&SendOutcome::UnknownAfterSend { reason }),
+            "timeout"
+        );
+    }
 
     fn status(status: u16) -> SendOutcome {
         SendOutcome::Response {

@@ -27,7 +27,7 @@ pub use admission::{
     Admission, AdmissionSettings, BucketConfig, BucketState, DeferReason, InvalidBucket, admit,
     on_success, on_throttled, on_throttled_after, reconfigured,
 };
-pub use classify::{IdempotencySupport, OutcomeClass, SendOutcome, classify};
+pub use classify::{IdempotencySupport, OutcomeClass, SendOutcome, classify, response_class};
 pub use decide::{AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide};
 pub use ids::{
     Channel, DeliveryId, EventId, IdError, IdempotencyKey, ProviderAccount, ReminderId,

@@ -270,8 +270,7 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     let config: IntakeConfig = nudge_runtime::load_config(cli.config.as_deref())?;
     config.validate_to_run().context("invalid configuration")?;
     let metrics = Arc::new(IntakeMetrics::new());
-    let app =
-        nudge_runtime::Application::build("nudge-intake", config, Some(metrics.registry())).await?;
+    let app = nudge_runtime::Application::build("nudge-intake", config, metrics.registry()).await?;
     let crypto = &app.config.crypto;
     let key = crypto
         .destination_key_bytes()?

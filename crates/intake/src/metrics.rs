@@ -3,11 +3,12 @@
 
 use std::sync::Arc;
 
+use nudge_telemetry::MetricRegistry;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::Registry;
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct RequestLabels {
@@ -33,7 +34,7 @@ struct OutcomeLabels {
 ///   `invalid`.
 #[derive(Debug)]
 pub struct IntakeMetrics {
-    registry: Arc<Registry>,
+    registry: Arc<MetricRegistry>,
     requests: Family<RequestLabels, Counter>,
     durations: Family<RequestLabels, Histogram>,
     refusals: Family<ReasonLabels, Counter>,
@@ -48,7 +49,7 @@ impl Default for IntakeMetrics {
 
 impl IntakeMetrics {
     pub fn new() -> Self {
-        let mut registry = Registry::default();
+        let mut registry = MetricRegistry::new();
         let requests = Family::<RequestLabels, Counter>::default();
         let durations = Family::<RequestLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.001, 2.0, 14))
@@ -84,7 +85,7 @@ impl IntakeMetrics {
         }
     }
 
-    pub fn registry(&self) -> Arc<Registry> {
+    pub fn registry(&self) -> Arc<MetricRegistry> {
         self.registry.clone()
     }
 
@@ -109,8 +110,6 @@ impl IntakeMetrics {
 
     /// The registry in the OpenMetrics text format.
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
-        Ok(text)
+        self.registry.encode()
     }
 }

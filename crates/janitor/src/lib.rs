@@ -30,9 +30,11 @@
 //! as, `nudge_janitor`, has no DELETE at all), touch a delivery that a live lease holds, or
 //! acknowledge a dead letter before it is recorded.
 
+pub mod metrics;
 pub mod retention;
 
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -48,11 +50,15 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+pub use metrics::JanitorMetrics;
+
 /// Configuration of `nudge-janitor`.
 ///
 /// Keys, beyond the shared `database.*`, `amqp.*` and `telemetry.*`:
 /// - `janitor.interval_ms` (default 1000): how often the sweep and the reaper run.
 /// - `janitor.batch_size` (default 1000): deliveries settled per pass of each.
+/// - `janitor.metrics_interval_ms` (default 15000): how often the ledger's gauges are read
+///   for `/metrics` (see [`metrics`]).
 /// - `redrive.*`: when a running redrive pauses itself (see [`RedriveSection`]).
 /// - `retry.*`: the retry policy, which must match the workers' (the reaper decides an
 ///   expired lease with it): `base_delay_ms`, `max_delay_ms`, `max_attempts`,
@@ -112,6 +118,12 @@ impl Validate for JanitorConfig {
             return Err(ConfigError::invalid(
                 "janitor.interval_ms",
                 "must be between 50 and 600000",
+            ));
+        }
+        if !(100..=3_600_000).contains(&self.janitor.metrics_interval_ms) {
+            return Err(ConfigError::invalid(
+                "janitor.metrics_interval_ms",
+                "must be between 100 and 3600000",
             ));
         }
         if !(1..=100_000).contains(&self.janitor.batch_size) {
@@ -199,6 +211,7 @@ impl RedriveSection {
 pub struct JanitorSection {
     pub interval_ms: u64,
     pub batch_size: u32,
+    pub metrics_interval_ms: u64,
 }
 
 impl Default for JanitorSection {
@@ -206,6 +219,7 @@ impl Default for JanitorSection {
         Self {
             interval_ms: 1_000,
             batch_size: 1_000,
+            metrics_interval_ms: 15_000,
         }
     }
 }
@@ -237,7 +251,9 @@ pub async fn main() -> ExitCode {
 
 async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     let config: JanitorConfig = nudge_runtime::load_config(cli.config.as_deref())?;
-    let app = nudge_runtime::Application::build("nudge-janitor", config, None).await?;
+    let metrics = Arc::new(JanitorMetrics::new());
+    let app =
+        nudge_runtime::Application::build("nudge-janitor", config, metrics.registry()).await?;
     let (config, ledger, broker, shutdown) = (
         &app.config,
         app.ledger.clone(),
@@ -251,9 +267,16 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
             ledger.clone(),
             broker.clone(),
             channel,
+            metrics.clone(),
             shutdown.clone(),
         )));
     }
+    tasks.push(tokio::spawn(gauges_loop(
+        ledger.clone(),
+        metrics.clone(),
+        Duration::from_millis(config.janitor.metrics_interval_ms),
+        shutdown.clone(),
+    )));
     if config.retention.enabled {
         tasks.push(tokio::spawn(retention::retention_loop(
             ledger.clone(),
@@ -266,6 +289,7 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     }
     sweep_loop(
         &ledger,
+        &metrics,
         &policy,
         &config.redrive.rules(),
         Duration::from_millis(config.janitor.interval_ms),
@@ -388,8 +412,27 @@ pub async fn watch_orphans_once(ledger: &Ledger, batch_size: u32) -> anyhow::Res
     Ok(repaired)
 }
 
+/// Reads the ledger's gauges every `every` until shutdown (the first read at once).
+async fn gauges_loop(
+    ledger: Ledger,
+    metrics: Arc<JanitorMetrics>,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
+    loop {
+        if let Err(e) = metrics::refresh_gauges(&ledger, &metrics, LedgerTime::Database).await {
+            warn!(error.cause_chain = ?e, "failed to read the ledger's gauges; retrying");
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
 async fn sweep_loop(
     ledger: &Ledger,
+    metrics: &JanitorMetrics,
     policy: &RetryPolicy,
     redrive: &AutoPause,
     every: Duration,
@@ -398,7 +441,12 @@ async fn sweep_loop(
 ) {
     let mut last_orphan_watch: Option<std::time::Instant> = None;
     loop {
-        match sweep_once(ledger, policy, batch_size, LedgerTime::Database).await {
+        let swept = sweep_once(ledger, policy, batch_size, LedgerTime::Database).await;
+        if let Ok(report) = &swept {
+            metrics.expired(report.expired);
+            metrics.lease_expiries(report.returned_unsent, report.reaped);
+        }
+        match swept {
             Ok(report) if report.expired > 0 || report.reaped > 0 || report.returned_unsent > 0 => {
                 info!(
                     expired = report.expired,
@@ -415,8 +463,11 @@ async fn sweep_loop(
         }
         if last_orphan_watch.is_none_or(|at| at.elapsed() >= ORPHAN_EVERY) {
             last_orphan_watch = Some(std::time::Instant::now());
-            if let Err(e) = watch_orphans_once(ledger, batch_size).await {
-                error!(error.cause_chain = %format!("{e:#}"), "orphan watchdog failed; retrying");
+            match watch_orphans_once(ledger, batch_size).await {
+                Ok(repaired) => metrics.orphaned(repaired),
+                Err(e) => {
+                    error!(error.cause_chain = %format!("{e:#}"), "orphan watchdog failed; retrying")
+                }
             }
         }
         tokio::select! {
@@ -431,13 +482,14 @@ async fn record_dead_letters(
     ledger: Ledger,
     broker: Broker,
     channel: Channel,
+    metrics: Arc<JanitorMetrics>,
     shutdown: CancellationToken,
 ) {
     let queue = broker.topology().dead_queue(channel);
     let tag = format!("janitor-dead-{channel}-{}", std::process::id());
     broker
         .consume_until(QueueKind::Dead(channel), 16, &tag, &shutdown, |incoming| {
-            record_one(&ledger, &queue, channel, incoming, &shutdown)
+            record_one(&ledger, &queue, channel, &metrics, incoming, &shutdown)
         })
         .await;
 }
@@ -447,6 +499,7 @@ async fn record_one(
     ledger: &Ledger,
     queue: &str,
     channel: Channel,
+    metrics: &JanitorMetrics,
     incoming: nudge_broker::Incoming,
     shutdown: &CancellationToken,
 ) {
@@ -472,6 +525,7 @@ async fn record_one(
     };
     match recorded {
         Ok(action) => {
+            metrics.dead_letter(channel, &letter.death_reason);
             warn!(%channel, death_reason = %letter.death_reason,
                   decode_error = letter.decode_error.as_deref(),
                   delivery_id = letter.delivery.map(|(id, _)| id.to_string()),

@@ -26,6 +26,7 @@ mod dlq;
 mod error;
 mod estimate;
 mod export;
+mod gauges;
 pub mod input;
 mod intake;
 mod redrive;
@@ -53,6 +54,7 @@ pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
 pub use error::LedgerError;
 pub use estimate::{Backlog, OwedDelivery};
 pub use export::IncidentAttempt;
+pub use gauges::{BucketGauge, LedgerGauges, TenantChannelWork};
 pub use intake::{
     Cancellation, ChannelStatus as IntakeChannelStatus, Erasure, IntakeTenant, MAX_ACTIVE_SECRETS,
     ReminderStatus, SigningSecret,

@@ -16,10 +16,12 @@
 //! treat a publish as done without the broker's confirm.
 
 mod config;
+mod metrics;
 
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -29,9 +31,10 @@ use nudge_domain::Channel;
 use nudge_ledger::{DueDelivery, Ledger, LedgerTime, Schedule, WindowOutcome};
 use nudge_proto::Envelope;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, error, info, warn};
+use tracing::{Instrument as _, debug, error, info, warn};
 
 pub use config::{ProducerConfig, ProducerSection};
+pub use metrics::ProducerMetrics;
 
 /// Where a tenant's first window starts: early enough that a reminder created before the
 /// producer ever ran is still covered.
@@ -70,10 +73,13 @@ pub async fn main() -> ExitCode {
 
 async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     let config: ProducerConfig = nudge_runtime::load_config(cli.config.as_deref())?;
-    let app = nudge_runtime::Application::build("nudge-producer", config, None).await?;
+    let metrics = Arc::new(ProducerMetrics::new());
+    let app =
+        nudge_runtime::Application::build("nudge-producer", config, metrics.registry()).await?;
     let broker = app.broker()?;
-    let clock = Clock::new(app.ledger.clone());
-    let relay = Relay::new(app.ledger.clone(), broker, app.config.producer.clone());
+    let clock = Clock::new(app.ledger.clone()).with_metrics(metrics.clone());
+    let relay =
+        Relay::new(app.ledger.clone(), broker, app.config.producer.clone()).with_metrics(metrics);
     tokio::join!(
         clock.run(
             Duration::from_millis(app.config.producer.schedule_interval_ms),
@@ -100,6 +106,7 @@ pub struct Clock {
     parsed: HashMap<String, cron::Schedule>,
     /// This process's name in `producer_acks`.
     instance: String,
+    metrics: Arc<ProducerMetrics>,
 }
 
 impl Clock {
@@ -112,7 +119,14 @@ impl Clock {
             ledger,
             parsed: HashMap::new(),
             instance: format!("{host}:{}", std::process::id()),
+            metrics: Arc::new(ProducerMetrics::new()),
         }
+    }
+
+    /// Counts windows into `metrics` (served on `/metrics`) instead of a private registry.
+    pub fn with_metrics(mut self, metrics: Arc<ProducerMetrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// One pass over every schedule at `now`. Returns what each tenant's window did.
@@ -138,9 +152,14 @@ impl Clock {
                     if start >= end {
                         Ok(WindowOutcome::AlreadyRun)
                     } else {
+                        let span = tracing::info_span!("window run",
+                            tenant_id = %schedule.tenant_id,
+                            window_start = %start,
+                            window_end = %end);
                         Ok(self
                             .ledger
                             .materialise_window(schedule.tenant_id, start, end, now)
+                            .instrument(span)
                             .await?)
                     }
                 }
@@ -198,6 +217,20 @@ impl Clock {
                               "failed to acknowledge the schedule pass");
                     }
                     for (schedule, outcome) in outcomes {
+                        let (label, created) = match &outcome {
+                            Ok(WindowOutcome::Materialised {
+                                deliveries_created: 0,
+                            }) => (Some("empty"), 0),
+                            Ok(WindowOutcome::Materialised { deliveries_created }) => {
+                                (Some("materialised"), *deliveries_created)
+                            }
+                            Ok(WindowOutcome::Paused) => (Some("paused"), 0),
+                            Ok(WindowOutcome::AlreadyRun) => (None, 0),
+                            Err(_) => (Some("bad_schedule"), 0),
+                        };
+                        if let Some(label) = label {
+                            self.metrics.window(label, created);
+                        }
                         match outcome {
                             // Most windows of a quiet tenant are empty: not worth a line
                             // per tick in production logs.
@@ -234,6 +267,7 @@ pub struct Relay {
     broker: Broker,
     settings: ProducerSection,
     publisher: Option<Publisher>,
+    metrics: Arc<ProducerMetrics>,
 }
 
 /// What one relay pass did.
@@ -251,7 +285,14 @@ impl Relay {
             broker,
             settings,
             publisher: None,
+            metrics: Arc::new(ProducerMetrics::new()),
         }
+    }
+
+    /// Counts publishes into `metrics` (served on `/metrics`) instead of a private registry.
+    pub fn with_metrics(mut self, metrics: Arc<ProducerMetrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Publishes one batch of due work per channel, within the channel's in-flight window,
@@ -273,12 +314,14 @@ impl Relay {
                 .claim_due(channel, room.min(self.settings.batch_size), at)
                 .await
                 .context("failed to claim due deliveries")?;
-            let (ok, failed) = self.publish(&due, now).await?;
+            let (ok, failed) = self.publish(&due, now, false).await?;
+            self.metrics.published(channel, false, ok, failed);
             report.published += ok;
             report.failed += failed;
         }
         for channel in Channel::ALL {
             let (ok, failed) = self.republish(channel, now, at).await?;
+            self.metrics.published(channel, true, ok, failed);
             report.republished += ok;
             report.failed += failed;
         }
@@ -351,7 +394,7 @@ impl Relay {
             ready,
             "republishing queued deliveries whose message is missing from the queue"
         );
-        self.publish(lost, now).await
+        self.publish(lost, now, true).await
     }
 
     /// How many more deliveries of `channel` may be published now: about
@@ -383,11 +426,23 @@ impl Relay {
         &mut self,
         items: &[DueDelivery],
         now: DateTime<Utc>,
+        republish: bool,
     ) -> anyhow::Result<(usize, usize)> {
         if items.is_empty() {
             return Ok((0, 0));
         }
-        let messages: Vec<OutgoingMessage> = items.iter().map(|d| message(d, now)).collect();
+        let correlations: Vec<String> = items.iter().map(correlation_id).collect();
+        let spans: Vec<tracing::Span> = items
+            .iter()
+            .zip(&correlations)
+            .map(|(d, correlation)| publish_span(d, correlation, republish))
+            .collect();
+        let messages: Vec<OutgoingMessage> = items
+            .iter()
+            .zip(correlations)
+            .zip(&spans)
+            .map(|((d, correlation), span)| message(d, correlation, span, now))
+            .collect();
         let timeout = self.publish_timeout();
         let attempt = tokio::time::timeout(timeout, async {
             let publisher = self.publisher().await?;
@@ -397,11 +452,17 @@ impl Relay {
         let results = match attempt {
             Ok(Ok(results)) => results,
             Ok(Err(e)) => {
+                spans.iter().for_each(|s| {
+                    s.record("error.type", "no_publisher");
+                });
                 warn!(error.cause_chain = %format!("{e:#}"), "no publisher; handing the batch back");
                 self.ledger.mark_unpublished(items).await?;
                 return Ok((0, items.len()));
             }
             Err(_elapsed) => {
+                spans.iter().for_each(|s| {
+                    s.record("error.type", "timeout");
+                });
                 warn!(
                     timeout_ms = self.settings.publish_timeout_ms,
                     count = items.len(),
@@ -415,8 +476,9 @@ impl Relay {
             }
         };
         let mut failed = Vec::new();
-        for (item, result) in items.iter().zip(results) {
+        for ((item, result), span) in items.iter().zip(results).zip(&spans) {
             if let Err(e) = result {
+                span.record("error.type", "not_confirmed");
                 debug!(delivery_id = %item.id, error.cause_chain = ?e, "publish failed");
                 failed.push(item.clone());
             }
@@ -473,11 +535,46 @@ impl Relay {
     }
 }
 
-/// The envelope of one publish. It carries the reminder's correlation id when it has one
-/// (the intake's `X-Correlation-Id`), else a fresh one; the trace id is fresh either way, since
-/// a client's id need not be 32 hex digits.
-fn message(d: &DueDelivery, now: DateTime<Utc>) -> OutgoingMessage {
-    let correlation = uuid::Uuid::new_v4();
+/// The correlation id every envelope of a delivery carries: the reminder's (the intake's
+/// `X-Correlation-Id`), else a fresh one.
+fn correlation_id(d: &DueDelivery) -> String {
+    d.correlation_id
+        .clone()
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
+/// The messaging "send" span of one publish (OpenTelemetry conventions), in the delivery's
+/// trace: its trace id is the delivery id, so every attempt of a delivery is one trace.
+fn publish_span(d: &DueDelivery, correlation_id: &str, republish: bool) -> tracing::Span {
+    let span = tracing::info_span!("publish",
+        otel.name = %format_args!("publish {}", d.channel),
+        otel.kind = "producer",
+        messaging.system = "rabbitmq",
+        messaging.operation.type = "send",
+        messaging.operation.name = "publish",
+        messaging.destination.name = "nudge.work",
+        messaging.rabbitmq.destination.routing_key = %d.channel,
+        messaging.message.id = %format_args!("{}:{}", d.id, d.generation),
+        error.type = tracing::field::Empty,
+        delivery_id = %d.id,
+        channel = %d.channel,
+        generation = d.generation,
+        lane = %d.lane,
+        correlation_id,
+        republish);
+    nudge_telemetry::set_delivery_parent(&span, *d.id.as_uuid().as_bytes());
+    span
+}
+
+/// The envelope of one publish, with its span's W3C context as `traceparent` (the worker's
+/// process span joins it). Without trace export the header still names the delivery's trace
+/// (trace id = delivery id), for whoever reads it downstream.
+fn message(
+    d: &DueDelivery,
+    correlation_id: String,
+    span: &tracing::Span,
+    now: DateTime<Utc>,
+) -> OutgoingMessage {
     let envelope = Envelope {
         delivery_id: d.id,
         reminder_id: d.reminder_id,
@@ -485,19 +582,18 @@ fn message(d: &DueDelivery, now: DateTime<Utc>) -> OutgoingMessage {
         channel: d.channel,
         generation: d.generation,
         lane: d.lane,
-        correlation_id: d
-            .correlation_id
-            .clone()
-            .unwrap_or_else(|| correlation.simple().to_string()),
+        correlation_id,
         enqueued_at: now,
     };
-    let span_id = &uuid::Uuid::new_v4().simple().to_string()[..16];
+    let traceparent = nudge_telemetry::traceparent_of(span).unwrap_or_else(|| {
+        let span_id = &uuid::Uuid::new_v4().simple().to_string()[..16];
+        format!("00-{}-{span_id}-01", d.id.as_uuid().simple())
+    });
     OutgoingMessage {
         channel: d.channel,
         payload: envelope.encode(),
         message_id: format!("{}:{}", d.id, d.generation),
         correlation_id: envelope.correlation_id.clone(),
-        // W3C trace context: the correlation id is the trace id of this delivery attempt.
-        traceparent: Some(format!("00-{}-{span_id}-01", correlation.simple())),
+        traceparent: Some(traceparent),
     }
 }

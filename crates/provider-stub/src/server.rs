@@ -122,7 +122,15 @@ async fn send_message(
     };
     let invalid = key_invalid.or_else(|| check_body(&body));
     drop(body);
-    let reply = app.stub.handle(&account, Incoming { key, invalid });
+    let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok());
+    let reply = app.stub.handle(
+        &account,
+        Incoming {
+            key,
+            invalid,
+            traceparent,
+        },
+    );
     tracing::debug!(
         provider_account = %account,
         status = reply.status,

@@ -104,6 +104,8 @@ pub(crate) struct Incoming<'a> {
     pub(crate) key: Option<&'a str>,
     /// Why the request is refused before the script is consulted (bad key header, bad body).
     pub(crate) invalid: Option<&'static str>,
+    /// The W3C `traceparent` header, kept with the key's history (at most 64 characters).
+    pub(crate) traceparent: Option<&'a str>,
 }
 
 /// What to answer, decided under the lock and carried out after it.
@@ -199,6 +201,7 @@ impl StubState {
         // Stored at the precision it is reported with, so the library and HTTP views agree.
         let now = Utc::now().trunc_subsecs(3);
         let instant = Instant::now();
+        let traceparent = req.traceparent.filter(|t| t.len() <= 64);
         let mut guard = self.lock();
         let inner = &mut *guard;
         let acct = inner
@@ -262,6 +265,7 @@ impl StubState {
                 at: now,
                 status: reply.status,
                 kind,
+                traceparent: traceparent.map(str::to_owned),
             });
         }
         reply

@@ -79,6 +79,9 @@ pub struct KeyRequest {
     /// The status answered (for a hung request: the status it was scripted with).
     pub status: u16,
     pub kind: AnswerKind,
+    /// The request's W3C `traceparent` header, when it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 /// Which rule produced an answer.
@@ -232,6 +235,7 @@ mod tests {
             at: t,
             status: 202,
             kind: AnswerKind::Scripted,
+            traceparent: None,
         };
         let json = serde_json::to_value(&r).unwrap();
         assert_eq!(json["at"], "2026-11-29T20:29:05.000Z");

@@ -36,6 +36,7 @@ const MAX_MESSAGE_ID_LEN: usize = 256;
 
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 const CORRELATION_ID: HeaderName = HeaderName::from_static("x-correlation-id");
+const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
 /// A provider account reached over HTTP with one pooled client.
 ///
@@ -120,6 +121,9 @@ impl HttpProvider {
                 provider_account = %self.account,
                 "correlation id is not a valid header value; sending without it"
             ),
+        }
+        if let Some(v) = req.traceparent.and_then(|t| HeaderValue::from_str(t).ok()) {
+            headers.insert(TRACEPARENT, v);
         }
         headers.insert(header::ACCEPT, HeaderValue::from_static("application/json"));
         Ok(headers)

@@ -34,6 +34,8 @@ pub struct SendRequest<'a> {
     pub content: Option<&'a serde_json::Value>,
     /// Opaque id tying the attempt to our traces; sent as `X-Correlation-Id`.
     pub correlation_id: &'a str,
+    /// W3C trace context of the attempt's provider span, sent as `traceparent` when set.
+    pub traceparent: Option<&'a str>,
 }
 
 impl std::fmt::Debug for SendRequest<'_> {
@@ -44,6 +46,7 @@ impl std::fmt::Debug for SendRequest<'_> {
             .field("destination", &"<redacted>")
             .field("content", &self.content.map(|_| "<redacted>"))
             .field("correlation_id", &self.correlation_id)
+            .field("traceparent", &self.traceparent)
             .finish()
     }
 }

@@ -118,6 +118,7 @@ async fn send(p: &HttpProvider, key: &IdempotencyKey, content: Option<&Value>) -
         destination: DESTINATION,
         content,
         correlation_id: "corr-1",
+        traceparent: None,
     })
     .await
 }
@@ -488,6 +489,7 @@ async fn a_provider_can_be_held_behind_dyn_dispatch() {
             destination: DESTINATION,
             content: None,
             correlation_id: "c",
+            traceparent: None,
         })
         .await;
     assert_eq!(outcome, response(202, None, Some("m-1")));
@@ -506,6 +508,7 @@ async fn debug_output_never_shows_the_token_the_destination_or_the_content() {
         destination: DESTINATION,
         content: Some(&content),
         correlation_id: "c",
+        traceparent: None,
     };
     let debug = format!("{p:?} {cfg:?} {req:?}");
     for secret in ["tok-secret", DESTINATION, "appointment"] {

@@ -1,7 +1,8 @@
 //! The one start-up of the long-running binaries, in the shape of zero-to-production's
 //! `Application::build`: configuration, telemetry, the shutdown token, the ledger, the broker
-//! (topology declared, connection named after the service) and the metrics listener. A
-//! binary's `run_binary` is [`load_config`], [`Application::build`], then its own loop.
+//! (topology declared, connection named after the service) and the admin listener
+//! (`/metrics`, `/healthz`, `/readyz` on `telemetry.metrics_addr`). A binary's `run_binary` is
+//! [`load_config`], [`Application::build`], then its own loop.
 //!
 //! It must never decide anything about the work itself: it hands out connected resources
 //! and the token; what a binary does with them, and how it stops, stays in the binary.
@@ -15,11 +16,10 @@ use anyhow::Context;
 use nudge_broker::{Broker, Topology};
 use nudge_config::{AmqpConfig, DatabaseConfig, TelemetryConfig, Validate};
 use nudge_ledger::Ledger;
-use nudge_telemetry::TelemetryGuard;
-use prometheus_client::registry::Registry;
+use nudge_telemetry::{MetricRegistry, ReadyCheck, TelemetryGuard};
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::info;
 
 /// What the bootstrap needs to know of a binary's configuration struct.
 pub trait ServiceConfig: DeserializeOwned + serde::Serialize + Default + Validate {
@@ -59,7 +59,8 @@ pub struct Application<C> {
     pub broker: Option<Broker>,
     /// Cancelled by SIGTERM or Ctrl-C.
     pub shutdown: CancellationToken,
-    /// Where `/metrics` is served, when `telemetry.metrics_addr` is set.
+    /// Where `/metrics`, `/healthz` and `/readyz` are served, when `telemetry.metrics_addr`
+    /// is set.
     pub metrics_addr: Option<SocketAddr>,
     _telemetry: TelemetryGuard,
 }
@@ -67,15 +68,15 @@ pub struct Application<C> {
 impl<C: ServiceConfig> Application<C> {
     /// Initialises telemetry as `service`, installs the shutdown token, connects the ledger
     /// (for the configured sender) and the broker (named `service` in RabbitMQ's connection
-    /// list), and serves `metrics` on `telemetry.metrics_addr` when that is set. A binary
-    /// without metrics of its own passes `None`: a configured address is then reported and
-    /// left unused rather than served empty.
+    /// list), and serves `metrics` on `telemetry.metrics_addr` when that is set, with
+    /// `/healthz` (the process answers) and `/readyz` (the ledger answers a query and, for a
+    /// binary with a broker, its connection is open).
     ///
     /// Must be called inside a tokio runtime, once per process (telemetry is global).
     pub async fn build(
         service: &'static str,
         config: C,
-        metrics: Option<Arc<Registry>>,
+        metrics: Arc<MetricRegistry>,
     ) -> anyhow::Result<Self> {
         let telemetry = nudge_telemetry::init(service, config.telemetry())
             .context("failed to initialise logging")?;
@@ -92,19 +93,20 @@ impl<C: ServiceConfig> Application<C> {
             Some(amqp) => Some(connect_broker(service, amqp).await?),
             None => None,
         };
-        let metrics_addr = match (config.telemetry().metrics_addr, metrics) {
-            (Some(addr), Some(registry)) => Some(
-                nudge_telemetry::serve_metrics(addr, registry, shutdown.clone().cancelled_owned())
-                    .await
-                    .with_context(|| {
-                        format!("failed to listen for metrics on {addr} (telemetry.metrics_addr)")
-                    })?,
+        let metrics_addr = match config.telemetry().metrics_addr {
+            Some(addr) => Some(
+                nudge_telemetry::serve_admin(
+                    addr,
+                    metrics,
+                    readiness(ledger.clone(), broker.clone()),
+                    shutdown.clone().cancelled_owned(),
+                )
+                .await
+                .with_context(|| {
+                    format!("failed to listen for metrics on {addr} (telemetry.metrics_addr)")
+                })?,
             ),
-            (Some(_), None) => {
-                warn!("telemetry.metrics_addr is set, but {service} has no metrics to serve");
-                None
-            }
-            (None, _) => None,
+            None => None,
         };
         info!(service, "started");
         Ok(Self {
@@ -133,6 +135,22 @@ impl<C: ServiceConfig> Application<C> {
         }
         info!(service = self.service, "stopped cleanly");
     }
+}
+
+/// Ready when the ledger answers a query and the broker connection (if any) is open.
+fn readiness(ledger: Ledger, broker: Option<Broker>) -> ReadyCheck {
+    Arc::new(move || {
+        let (ledger, broker) = (ledger.clone(), broker.clone());
+        Box::pin(async move {
+            if ledger.ping().await.is_err() {
+                return Err("ledger not reachable");
+            }
+            match broker {
+                Some(broker) if !broker.is_connected().await => Err("broker not connected"),
+                _ => Ok(()),
+            }
+        })
+    })
 }
 
 async fn connect_broker(service: &str, amqp: &AmqpConfig) -> anyhow::Result<Broker> {

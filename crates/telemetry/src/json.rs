@@ -8,8 +8,9 @@ use tracing_subscriber::fmt::format::{Format, Json, JsonFields, Writer};
 use tracing_subscriber::fmt::{self as tfmt, FmtContext, FormatEvent, FormatFields, MakeWriter};
 use tracing_subscriber::registry::LookupSpan;
 
-/// One JSON object per line: `service`, `timestamp`, `level`, `fields`, `target`, `span`, `spans`.
-pub(crate) fn json_layer<S, W>(service: &'static str, writer: W) -> impl Layer<S>
+/// One JSON object per line: `service`, then (when `trace_ids`, inside a recorded span)
+/// `trace_id` and `span_id`, then `timestamp`, `level`, `fields`, `target`, `span`, `spans`.
+pub(crate) fn json_layer<S, W>(service: &'static str, trace_ids: bool, writer: W) -> impl Layer<S>
 where
     S: Subscriber + for<'a> LookupSpan<'a>,
     W: for<'w> MakeWriter<'w> + 'static,
@@ -20,7 +21,7 @@ where
         .with_span_list(true);
     tfmt::layer()
         .fmt_fields(JsonFields::new())
-        .event_format(WithService::new(service, format))
+        .event_format(WithService::new(service, format).with_trace_ids(trace_ids))
         .with_writer(writer)
 }
 
@@ -34,12 +35,22 @@ struct WithService {
     /// `"service":"<name>"`, JSON-escaped once at start-up.
     field: String,
     inner: Format<Json>,
+    trace_ids: bool,
 }
 
 impl WithService {
     fn new(service: &'static str, inner: Format<Json>) -> Self {
         let field = format!("\"service\":{}", serde_json::Value::from(service));
-        Self { field, inner }
+        Self {
+            field,
+            inner,
+            trace_ids: false,
+        }
+    }
+
+    fn with_trace_ids(mut self, trace_ids: bool) -> Self {
+        self.trace_ids = trace_ids;
+        self
     }
 }
 
@@ -57,9 +68,16 @@ where
         let mut line = String::new();
         self.inner
             .format_event(ctx, Writer::new(&mut line), event)?;
+        let ids = if self.trace_ids {
+            crate::otel::current_ids()
+                .map(|(trace, span)| format!(",\"trace_id\":\"{trace}\",\"span_id\":\"{span}\""))
+                .unwrap_or_default()
+        } else {
+            String::new()
+        };
         match line.strip_prefix('{') {
-            Some(rest) if rest.starts_with('}') => write!(writer, "{{{}{rest}", self.field),
-            Some(rest) => write!(writer, "{{{},{rest}", self.field),
+            Some(rest) if rest.starts_with('}') => write!(writer, "{{{}{ids}{rest}", self.field),
+            Some(rest) => write!(writer, "{{{}{ids},{rest}", self.field),
             None => writer.write_str(&line),
         }
     }
@@ -111,7 +129,7 @@ mod tests {
     fn every_json_line_is_one_object_with_the_service_level_target_fields_and_span() {
         let buffer = Buffer::default();
         let subscriber =
-            tracing_subscriber::registry().with(json_layer("nudge-test", buffer.clone()));
+            tracing_subscriber::registry().with(json_layer("nudge-test", false, buffer.clone()));
         tracing::subscriber::with_default(subscriber, || {
             let span = tracing::info_span!("lease", delivery_id = 7);
             let _entered = span.enter();

@@ -3,20 +3,32 @@
 //! Owns: installing the process-wide tracing subscriber once, from `main`, via [`init`] (JSON or
 //! human-readable logs on stderr, filtered by `RUST_LOG` or `telemetry.log_filter`), the
 //! [`TelemetryGuard`] that flushes on exit, [`error_chain`] for reporting an error once with its
-//! causes, and [`serve_metrics`], the Prometheus `/metrics` listener a binary starts on
-//! `telemetry.metrics_addr` with its own registry. OTLP export will live here too.
+//! causes, [`MetricRegistry`] (a Prometheus registry that lists what it holds) and
+//! [`serve_admin`], the admin listener (`/metrics`, `/healthz`, `/readyz`) a binary starts on
+//! `telemetry.metrics_addr` with its own registry and readiness check. When
+//! `telemetry.otlp_endpoint` is set, spans are exported over OTLP (HTTP/protobuf, batch
+//! exporter), JSON log lines carry `trace_id` and `span_id`, and [`traceparent_of`] /
+//! [`set_parent_from_traceparent`] carry W3C context across RabbitMQ and to providers.
 //!
-//! Must never: be called from a library crate (libraries only emit `tracing` events), log a
-//! destination, subscriber reference, message body or secret (it logs only the service name, the
-//! log format and the metrics address), or panic when called twice.
+//! Must never: have [`init`] called from a library crate (libraries emit `tracing` events and
+//! spans, and use the context helpers), log or put on a span a destination, subscriber
+//! reference, message body or secret (it logs only the service name, the log format and the
+//! metrics address), or panic when called twice.
 
 mod json;
 mod metrics;
+mod otel;
 
 use std::io::{IsTerminal as _, Write as _};
 
-pub use metrics::{OPENMETRICS_CONTENT_TYPE, serve_metrics};
+pub use metrics::{
+    FamilyName, MetricRegistry, NotReady, OPENMETRICS_CONTENT_TYPE, READY_TIMEOUT, ReadyCheck,
+    always_ready, serve_admin,
+};
 use nudge_config::{LogFormat, TelemetryConfig};
+pub use otel::{
+    TRACEPARENT, delivery_context, set_delivery_parent, set_parent_from_traceparent, traceparent_of,
+};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::filter::ParseError;
 use tracing_subscriber::layer::SubscriberExt as _;
@@ -39,21 +51,25 @@ pub enum TelemetryError {
     /// A global subscriber (or `log` logger) is already installed, e.g. `init` ran twice.
     #[error("telemetry is already initialised in this process")]
     AlreadyInitialised(#[source] TryInitError),
+
+    /// The OTLP exporter could not be built from `telemetry.otlp_endpoint`.
+    #[error("invalid configuration: telemetry.otlp_endpoint: {0}")]
+    Otlp(String),
 }
 
-/// Keeps telemetry alive; hold it until `main` returns, then let it drop.
-///
-/// Logs are written synchronously to stderr today, so dropping it only flushes stderr. It exists
-/// now so binaries are already wired correctly for when it owns the OTLP exporter and metrics
-/// handles, whose buffered spans and samples must be flushed before the process exits.
+/// Keeps telemetry alive; hold it until `main` returns, then let it drop: dropping it exports
+/// the spans still buffered (bounded by the exporter's timeout) and flushes stderr.
 #[must_use = "dropping the guard flushes and stops telemetry; bind it (`let _telemetry = ...`) in main"]
 #[derive(Debug)]
 pub struct TelemetryGuard {
-    _private: (),
+    traces: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
 }
 
 impl Drop for TelemetryGuard {
     fn drop(&mut self) {
+        if let Some(Err(e)) = self.traces.take().map(|provider| provider.shutdown()) {
+            tracing::warn!(error.cause_chain = %e, "failed to export the last spans");
+        }
         // Nowhere left to report a failed flush of stderr; the process is exiting.
         let _ = std::io::stderr().flush();
     }
@@ -77,8 +93,20 @@ pub fn init(
     let rust_log = std::env::var("RUST_LOG").ok();
     let filter = build_filter(rust_log.as_deref(), &cfg.log_filter)?;
 
+    let traces = cfg
+        .otlp_endpoint
+        .as_deref()
+        .map(|endpoint| otel::provider(service_name, endpoint))
+        .transpose()?;
+    let otel_layer = traces.as_ref().map(|provider| {
+        tracing_opentelemetry::layer().with_tracer(otel::tracer(provider, service_name))
+    });
+    let trace_ids = traces.is_some();
     let (json, pretty) = match cfg.log_format {
-        LogFormat::Json => (Some(json::json_layer(service_name, std::io::stderr)), None),
+        LogFormat::Json => (
+            Some(json::json_layer(service_name, trace_ids, std::io::stderr)),
+            None,
+        ),
         LogFormat::Pretty => (
             None,
             Some(
@@ -90,21 +118,17 @@ pub fn init(
     };
     tracing_subscriber::registry()
         .with(filter)
+        .with(otel_layer)
         .with(json)
         .with(pretty)
         .try_init()
         .map_err(TelemetryError::AlreadyInitialised)?;
 
-    tracing::info!(service = service_name, log_format = ?cfg.log_format, "telemetry initialised");
-    // Not silently ignored: an operator who set this expects export, and it is not built yet.
-    // `metrics_addr` is served by each binary through [`serve_metrics`], with its own registry.
-    if cfg.otlp_endpoint.is_some() {
-        tracing::warn!(
-            "telemetry.otlp_endpoint is set but OTLP export is not available yet; ignoring it"
-        );
-    }
+    // `metrics_addr` is served by each binary through [`serve_admin`], with its own registry.
+    tracing::info!(service = service_name, log_format = ?cfg.log_format,
+                   otlp_export = trace_ids, "telemetry initialised");
 
-    Ok(TelemetryGuard { _private: () })
+    Ok(TelemetryGuard { traces })
 }
 
 /// The filter from `RUST_LOG` when set and non-empty, else from the configured directives.

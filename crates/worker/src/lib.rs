@@ -35,8 +35,8 @@ use tracing::{info, warn};
 
 pub use clock::{Clock, LedgerClock};
 pub use config::{AdmissionSection, WorkerConfig, WorkerSection};
-pub use metrics::WorkerMetrics;
-pub use process::{Processed, Providers, Step, ToSend, Worker};
+pub use metrics::{AttemptLabelsIn, SCHEDULED_TO_DELIVERED_BUCKETS, WorkerMetrics};
+pub use process::{Inbound, Processed, Providers, Step, ToSend, Worker};
 pub use recorder::{NotRecorded, Recorder};
 
 /// Command line of a channel worker binary.
@@ -75,7 +75,7 @@ async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
         Channel::Sms => "nudge-sms",
     };
     let metrics = Arc::new(WorkerMetrics::new());
-    let app = nudge_runtime::Application::build(service, config, Some(metrics.registry())).await?;
+    let app = nudge_runtime::Application::build(service, config, metrics.registry()).await?;
     let worker = Arc::new(
         build(
             &app.config,
@@ -211,8 +211,14 @@ pub async fn run(
                     break;
                 }
                 let incoming = std::mem::take(&mut batch);
-                let payloads: Vec<&[u8]> = incoming.iter().map(Incoming::payload).collect();
-                let steps = worker.lease_step(&payloads).await;
+                let messages: Vec<Inbound<'_>> = incoming
+                    .iter()
+                    .map(|m| Inbound {
+                        payload: m.payload(),
+                        traceparent: m.traceparent(),
+                    })
+                    .collect();
+                let steps = worker.lease_step(&messages).await;
                 for (incoming, step) in incoming.into_iter().zip(steps) {
                     let worker = worker.clone();
                     tracker.spawn(async move {

@@ -22,7 +22,7 @@ use nudge_provider::{HttpProvider, Provider, SendRequest};
 use tracing::{Instrument, debug, error, info, warn};
 
 use crate::clock::LedgerClock;
-use crate::metrics::WorkerMetrics;
+use crate::metrics::{AttemptLabelsIn, WorkerMetrics};
 use crate::recorder::{NotRecorded, Recorder};
 
 /// How a message ends, and so how it is settled with the broker.
@@ -114,6 +114,14 @@ impl std::fmt::Debug for Worker {
     }
 }
 
+/// One message as the lease step takes it: its payload and the W3C context it carried.
+#[derive(Debug, Clone, Copy)]
+pub struct Inbound<'a> {
+    pub payload: &'a [u8],
+    /// The `traceparent` header: the worker's process span joins the trace it names.
+    pub traceparent: Option<&'a str>,
+}
+
 /// What the lease step decided for one message.
 #[derive(Debug)]
 pub enum Step {
@@ -142,7 +150,14 @@ impl Worker {
     /// Processes a batch of message payloads: the lease step, then every send at once.
     /// Returns each message's end, in order.
     pub async fn process_batch(&self, payloads: &[&[u8]]) -> Vec<Processed> {
-        let steps = self.lease_step(payloads).await;
+        let messages: Vec<Inbound<'_>> = payloads
+            .iter()
+            .map(|payload| Inbound {
+                payload,
+                traceparent: None,
+            })
+            .collect();
+        let steps = self.lease_step(&messages).await;
         futures_util::future::join_all(steps.into_iter().map(|step| self.finish_step(step))).await
     }
 
@@ -179,11 +194,11 @@ impl Worker {
     }
 
     /// Decodes a batch and leases what it points at in one transaction.
-    pub async fn lease_step(&self, payloads: &[&[u8]]) -> Vec<Step> {
-        let mut steps: Vec<Option<Step>> = Vec::with_capacity(payloads.len());
-        let mut envelopes: Vec<(usize, Envelope)> = Vec::with_capacity(payloads.len());
-        for (i, payload) in payloads.iter().enumerate() {
-            match Envelope::decode(payload) {
+    pub async fn lease_step(&self, inbound: &[Inbound<'_>]) -> Vec<Step> {
+        let mut steps: Vec<Option<Step>> = Vec::with_capacity(inbound.len());
+        let mut envelopes: Vec<(usize, Envelope)> = Vec::with_capacity(inbound.len());
+        for (i, message) in inbound.iter().enumerate() {
+            match Envelope::decode(message.payload) {
                 Ok(envelope) if envelope.channel == self.channel => {
                     envelopes.push((i, envelope));
                     steps.push(None);
@@ -232,6 +247,7 @@ impl Worker {
                     for ((i, envelope), outcome) in envelopes.into_iter().zip(result.outcomes) {
                         steps[i] = Some(self.after_lease(
                             envelope,
+                            inbound[i].traceparent,
                             outcome,
                             result.leased_at,
                             &below_full_rate,
@@ -257,16 +273,32 @@ impl Worker {
     fn after_lease(
         &self,
         envelope: Envelope,
+        traceparent: Option<&str>,
         outcome: LeaseOutcome,
         leased_at: DateTime<Utc>,
         below_full_rate: &[&ProviderAccount],
     ) -> Step {
+        // The messaging "process" span (OpenTelemetry conventions), joined to the trace the
+        // message's `traceparent` names (the relay's publish), else to the delivery's own.
         let span = tracing::info_span!("delivery",
+            otel.name = %format_args!("process work.{}", self.channel),
+            otel.kind = "consumer",
+            messaging.system = "rabbitmq",
+            messaging.operation.type = "process",
+            messaging.operation.name = "process",
+            messaging.destination.name = %format_args!("work.{}", self.channel),
             delivery_id = %envelope.delivery_id,
             channel = %self.channel,
             generation = envelope.generation,
             lane = %envelope.lane,
             correlation_id = %envelope.correlation_id);
+        match traceparent {
+            Some(traceparent) => nudge_telemetry::set_parent_from_traceparent(&span, traceparent),
+            None => nudge_telemetry::set_delivery_parent(
+                &span,
+                *envelope.delivery_id.as_uuid().as_bytes(),
+            ),
+        }
         let _entered = span.enter();
         let done = match outcome {
             LeaseOutcome::Leased {
@@ -463,6 +495,19 @@ impl Worker {
             };
         }
 
+        // The provider call, an HTTP client span (OpenTelemetry conventions) whose context
+        // goes to the provider as `traceparent`.
+        let request_span = tracing::info_span!("provider request",
+            otel.name = "POST",
+            otel.kind = "client",
+            http.request.method = "POST",
+            server.address = provider.endpoint().host_str().unwrap_or_default(),
+            url.scheme = provider.endpoint().scheme(),
+            http.response.status_code = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+            provider_account = %lease.provider_account,
+            attempt = lease.attempt_number);
+        let traceparent = nudge_telemetry::traceparent_of(&request_span);
         let started_at = self.clock.now();
         let outcome = provider
             .send(SendRequest {
@@ -471,10 +516,30 @@ impl Worker {
                 destination: destination.expose(),
                 content: content.as_ref(),
                 correlation_id: &correlation_id,
+                traceparent: traceparent.as_deref(),
             })
+            .instrument(request_span.clone())
             .await;
+        match &outcome {
+            nudge_domain::SendOutcome::Response { status, .. } => {
+                request_span.record("http.response.status_code", status);
+                if *status >= 400 {
+                    request_span.record("error.type", status.to_string());
+                }
+            }
+            other => {
+                request_span.record("error.type", nudge_domain::response_class(other));
+            }
+        }
+        drop(request_span);
         drop(destination);
         let finished_at = self.clock.now();
+        let response_class = nudge_domain::response_class(&outcome);
+        self.metrics.provider_request(
+            &lease.provider_account,
+            self.channel,
+            (finished_at - started_at).as_seconds_f64(),
+        );
         let ctx = AttemptContext {
             // The retry policy's limit counts from the last redrive.
             attempt_number: lease
@@ -486,6 +551,21 @@ impl Worker {
         };
         let mut jitter = RandJitter::from_entropy();
         let decision = decide(&ctx, &outcome, finished_at, &self.policy, &mut jitter);
+        if decision.facts.retry_after_seen.is_some() {
+            let validity = if !decision.facts.retry_after_valid {
+                "invalid"
+            } else if decision
+                .facts
+                .delay_chosen
+                .is_some_and(|d| d > self.policy.max_retry_after())
+            {
+                "over_ceiling"
+            } else {
+                "valid"
+            };
+            self.metrics
+                .retry_after(&lease.provider_account, self.channel, validity);
+        }
         self.feedback(
             &lease.provider_account,
             &decision,
@@ -504,8 +584,14 @@ impl Worker {
             send_ms = (finished_at - started_at).num_milliseconds(),
             "attempt finished"
         );
-        self.record(lease, decision, (started_at, finished_at), &correlation_id)
-            .await
+        self.record(
+            lease,
+            decision,
+            (started_at, finished_at),
+            &correlation_id,
+            response_class,
+        )
+        .await
     }
 
     async fn record_unsendable(
@@ -515,8 +601,14 @@ impl Worker {
         correlation_id: &str,
     ) -> Processed {
         let now = self.clock.now();
-        self.record(lease, without_send(reason), (now, now), correlation_id)
-            .await
+        self.record(
+            lease,
+            without_send(reason),
+            (now, now),
+            correlation_id,
+            "none",
+        )
+        .await
     }
 
     async fn record(
@@ -525,7 +617,10 @@ impl Worker {
         decision: Decision,
         (started_at, finished_at): (DateTime<Utc>, DateTime<Utc>),
         correlation_id: &str,
+        response_class: &'static str,
     ) -> Processed {
+        let account = lease.provider_account.clone();
+        let scheduled_at = lease.scheduled_at;
         let attempt = AttemptRecord {
             started_at,
             finished_at: finished_at.max(started_at),
@@ -535,7 +630,17 @@ impl Worker {
         let (class, next_state) = (decision.facts.outcome_class, decision.next_state);
         match self.recorder.record(lease, decision, attempt).await {
             Ok(Recorded::Applied) => {
-                self.metrics.attempt(self.channel, class, next_state);
+                self.metrics.attempt(AttemptLabelsIn {
+                    account: &account,
+                    channel: self.channel,
+                    response_class,
+                    outcome_class: class,
+                    next_state,
+                });
+                if next_state == DeliveryState::Delivered {
+                    self.metrics
+                        .delivered(self.channel, (finished_at - scheduled_at).as_seconds_f64());
+                }
                 Processed::Attempted(next_state)
             }
             Ok(Recorded::LeaseLost) => {
@@ -600,6 +705,13 @@ impl Worker {
             (_, OutcomeClass::Delivered) if below_full_rate => Feedback::Success,
             _ => return,
         };
+        let asked_for_pause = matches!(
+            feedback,
+            Feedback::Throttled {
+                retry_at: Some(_),
+                ..
+            }
+        );
         match self
             .ledger
             .bucket_feedback(
@@ -612,8 +724,9 @@ impl Worker {
             .await
         {
             Ok(Some(applied)) => {
+                let paused = asked_for_pause && applied.paused_until.is_some();
                 self.metrics
-                    .effective_rate(account, self.channel, applied.effective_rate);
+                    .feedback(account, self.channel, applied.effective_rate, paused);
                 info!(
                     provider_account = %account,
                     channel = %self.channel,

@@ -190,6 +190,13 @@ pub struct TestEnv {
     stub: Option<Proc>,
     procs: Vec<Proc>,
     pub http: reqwest::Client,
+    /// When set, every process started afterwards serves `/metrics`, `/healthz` and `/readyz`
+    /// on a free loopback port ([`TestEnv::admin_url`]).
+    pub admin_listeners: bool,
+    admin_ports: HashMap<String, u16>,
+    /// When set, every process started afterwards exports its spans there
+    /// (`telemetry.otlp_endpoint`).
+    pub otlp_endpoint: Option<String>,
 }
 
 impl std::fmt::Debug for TestEnv {
@@ -284,6 +291,9 @@ impl TestEnv {
             stub: None,
             procs: Vec::new(),
             http: reqwest::Client::new(),
+            admin_listeners: false,
+            admin_ports: HashMap::new(),
+            otlp_endpoint: None,
         };
         env.start_stub()?;
         Ok(env)
@@ -354,7 +364,18 @@ impl TestEnv {
             .await?)
     }
 
-    fn common_config(&self) -> String {
+    /// The database, broker and telemetry sections of the process `name`: with a metrics
+    /// address when [`TestEnv::admin_listeners`] is set.
+    fn common_config(&mut self, name: &str) -> String {
+        let admin = self
+            .admin_port(name)
+            .map(|port| format!("metrics_addr = \"127.0.0.1:{port}\"\n"))
+            .unwrap_or_default()
+            + &self
+                .otlp_endpoint
+                .as_ref()
+                .map(|url| format!("otlp_endpoint = \"{url}\"\n"))
+                .unwrap_or_default();
         format!(
             r#"[database]
 url = "{db}"
@@ -368,11 +389,42 @@ delivery_limit = 3
 [telemetry]
 log_format = "json"
 log_filter = "info"
-"#,
+{admin}"#,
             db = self.db_url,
             amqp = amqp_url(),
             ns = self.namespace,
         )
+    }
+
+    /// A free port for the admin listener of `name`, when admin listeners are on.
+    fn admin_port(&mut self, name: &str) -> Option<u16> {
+        if !self.admin_listeners {
+            return None;
+        }
+        let port = free_port();
+        self.admin_ports.insert(name.to_owned(), port);
+        Some(port)
+    }
+
+    /// `http://127.0.0.1:<port>` of the admin listener of the process started as `name`.
+    pub fn admin_url(&self, name: &str) -> Option<String> {
+        self.admin_ports
+            .get(name)
+            .map(|port| format!("http://127.0.0.1:{port}"))
+    }
+
+    /// The `/metrics` page of the process started as `name`.
+    pub async fn scrape(&self, name: &str) -> anyhow::Result<String> {
+        let url = self
+            .admin_url(name)
+            .with_context(|| format!("{name} has no admin listener"))?;
+        let response = self.http.get(format!("{url}/metrics")).send().await?;
+        anyhow::ensure!(
+            response.status().is_success(),
+            "{name}/metrics answered {}",
+            response.status()
+        );
+        Ok(response.text().await?)
     }
 
     fn write_config(&self, name: &str, body: &str) -> anyhow::Result<PathBuf> {
@@ -412,7 +464,8 @@ log_filter = "info"
     /// database, broker and telemetry settings: every other key at its default, as a
     /// deployment without tuning runs it. Returns its index.
     pub fn start_with_defaults(&mut self, binary: &str, name: &str) -> anyhow::Result<usize> {
-        let config = self.write_config(name, &self.common_config())?;
+        let body = self.common_config(name);
+        let config = self.write_config(name, &body)?;
         self.spawn(binary, name, &config)
     }
 
@@ -447,7 +500,7 @@ log_filter = "info"
     pub fn start_producer(&mut self, name: &str) -> anyhow::Result<usize> {
         let body = format!(
             "{}\n[producer]\nrelay_interval_ms = 50\nbatch_size = 200\nrepublish_after_s = 5\nschedule_interval_ms = 200\n",
-            self.common_config()
+            self.common_config(name)
         );
         let config = self.write_config(name, &body)?;
         self.spawn("nudge-producer", name, &config)
@@ -471,8 +524,8 @@ log_filter = "info"
         max_new_work_age_s: u64,
     ) -> anyhow::Result<usize> {
         let body = format!(
-            "{}\n[janitor]\ninterval_ms = 200\n\n[redrive]\nmax_throttled_ratio = 0.2\nwindow_s = 30\nmin_attempts = 5\nmax_new_work_age_s = {max_new_work_age_s}\n\n[retry]\nbase_delay_ms = {retry_base_ms}\nmax_delay_ms = {retry_max_ms}\n",
-            self.common_config()
+            "{}\n[janitor]\ninterval_ms = 200\nmetrics_interval_ms = 200\n\n[redrive]\nmax_throttled_ratio = 0.2\nwindow_s = 30\nmin_attempts = 5\nmax_new_work_age_s = {max_new_work_age_s}\n\n[retry]\nbase_delay_ms = {retry_base_ms}\nmax_delay_ms = {retry_max_ms}\n",
+            self.common_config("janitor")
         );
         let config = self.write_config("janitor", &body)?;
         self.spawn("nudge-janitor", "janitor", &config)
@@ -482,7 +535,7 @@ log_filter = "info"
     /// telemetry settings followed by `sections` (TOML, e.g. a `[retention]` table): every
     /// other key at its default. Returns its index.
     pub fn start_janitor_sections(&mut self, name: &str, sections: &str) -> anyhow::Result<usize> {
-        let body = format!("{}\n{sections}", self.common_config());
+        let body = format!("{}\n{sections}", self.common_config(name));
         let config = self.write_config(name, &body)?;
         self.spawn("nudge-janitor", name, &config)
     }
@@ -494,12 +547,13 @@ log_filter = "info"
         name: &str,
         options: &WorkerOptions,
     ) -> anyhow::Result<usize> {
-        let mut body = self.common_config();
+        let mut body = self.common_config(name);
         body = body.replace(
             "delivery_limit = 3",
             &format!("delivery_limit = 3\nprefetch = {}", options.prefetch),
         );
-        if let Some(port) = options.metrics_port {
+        if let Some(port) = options.metrics_port.filter(|_| !self.admin_listeners) {
+            self.admin_ports.insert(name.to_owned(), port);
             body = body.replace(
                 "log_filter = \"info\"",
                 &format!("log_filter = \"info\"\nmetrics_addr = \"127.0.0.1:{port}\""),
@@ -542,6 +596,10 @@ log_filter = "info"
         config.crypto.subscriber_key =
             Some(nudge_config::Secret::new(SUBSCRIBER_KEY_B64.to_owned()));
         config.intake.listen_addr = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        config.telemetry.otlp_endpoint = self.otlp_endpoint.clone();
+        config.telemetry.metrics_addr = self
+            .admin_port(name)
+            .map(|port| std::net::SocketAddr::from(([127, 0, 0, 1], port)));
         let path = self.write_config(name, &toml::to_string(&config)?)?;
         let index = self.spawn("nudge-intake", name, &path)?;
         let out = self.dir.join(format!("{name}.out"));
