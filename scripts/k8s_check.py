@@ -380,6 +380,9 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
                 err(f"{cname}: NUDGE_CONFIG must be /etc/nudge/nudge.toml")
             if command in WORKER_COMMANDS and "NUDGE_CRYPTO__SUBSCRIBER_KEY" in envs:
                 err(f"{cname}: workers must not have the subscriber key")
+            if "NUDGE_CRYPTO__SUBSCRIBER_KEY" in envs and "NUDGE_CRYPTO__DESTINATION_KEY" not in envs:
+                err(f"{cname}: the subscriber key without the destination key: nudge refuses "
+                    "to start with one and not the other")
             # A provider's token by its entry's index: the entry must exist, belong to this
             # worker's channel (no process holds another channel's tokens), and the Secret's key
             # be named after the account, so that a reordered nudge.toml is caught here.
@@ -576,7 +579,13 @@ def _m_token_channel(rs):
                 "valueFrom": {"secretKeyRef": {"name": "nudge-secrets", "key": "sms-main-token"}}})
 
 
+def _m_subscriber_alone(rs):
+    c = find(rs, "Job", "nudge-migrate")["spec"]["template"]["spec"]["containers"][0]
+    c["env"] = [e for e in c["env"] if e["name"] != "NUDGE_CRYPTO__DESTINATION_KEY"]
+
+
 MUTATIONS = [
+    (_m_subscriber_alone, "the subscriber key without the destination key"),
     (_m_token_order, "should come from Secret key sms-a-token"),
     (_m_token_channel, "is the token of sms-main (sms), not of this worker's channel"),
     (_m_service_links, "enableServiceLinks must be false"),

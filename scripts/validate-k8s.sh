@@ -20,10 +20,11 @@ VENV=${K8S_VALIDATE_VENV:-$HOME/.cache/nudge/k8s-venv}
 read -r -a versions <<<"${K8S_VERSIONS:-1.30.0 1.37.0}"
 say() { printf 'validate-k8s.sh: %s\n' "$*"; }
 
-if [[ ! -x $VENV/bin/kubernetes-validate ]]; then
-  say "installing kubernetes-validate from PyPI into $VENV"
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet --index-url https://pypi.org/simple kubernetes-validate
+# pika: scripts/k8s-smoke.sh, which shares this virtualenv, deletes its exchanges with it.
+if ! "$VENV/bin/python" -c 'import kubernetes_validate, yaml, pika' 2>/dev/null; then
+  say "installing kubernetes-validate and pika from PyPI into $VENV"
+  [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --index-url https://pypi.org/simple kubernetes-validate pika
 fi
 say "kubernetes-validate $("$VENV/bin/kubernetes-validate" --version)"
 if command -v kubectl >/dev/null; then
