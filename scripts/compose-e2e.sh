@@ -2,8 +2,11 @@
 # The compose stack end to end, on a machine without a container registry: builds the images
 # as deploy/README.md describes ("Without a registry": the binaries built on the host, a Debian
 # base image made with debootstrap), starts docker-compose.yml with the SMS worker scaled to two,
-# runs the demo (420 deliveries), SIGKILLs one of the two SMS workers while SMS is being sent,
-# and checks, from the provider stub's record of every idempotency key (GET /stats/keys), that
+# runs the demo (420 deliveries), SIGKILLs one of the two SMS workers while it holds leases on
+# SMS deliveries (the stub takes 2 s to accept an SMS here, and the SMS workers' leases last
+# 15 s, so that the janitor reaps the dead worker's leases within the run: a compose override
+# in the work directory), and checks, from the provider stub's record of every idempotency key
+# (GET /stats/keys), that
 # every delivery of the demo was accepted exactly once: one accepting answer per key (repeats of
 # an accepted key are answered from the stub's dedup and counted, not accepted again), as many
 # keys as deliveries. Also checks that no other service restarted (RabbitMQ's health check
@@ -125,6 +128,22 @@ export NUDGE_DOCKERFILE=deploy/docker/Dockerfile.prebuilt NUDGE_BIN_DIR=$bin_dir
   NUDGE_POSTGRES_PORT=35433 NUDGE_RABBITMQ_PORT=35673 NUDGE_RABBITMQ_UI_PORT=35674 \
   NUDGE_STUB_PORT=38080 NUDGE_INTAKE_PORT=38090
 STUB=http://127.0.0.1:$NUDGE_STUB_PORT
+# The demo's stub accounts, but an SMS takes 2 s to accept: a killed worker then dies holding
+# sends in progress. Leases of 15 s (at least the provider timeout of 10 s + admission's 1.5 s
+# + 1 s) let the janitor reap them within the run.
+jq '."sms-main".default.delay_ms = 2000' deploy/compose/provider-stub.json >"$work/provider-stub.json"
+cat >"$work/override.yml" <<YAML
+services:
+  provider-stub:
+    command: [provider-stub, --listen, "0.0.0.0:8080", --allow-non-loopback,
+              --script-file, /etc/nudge-e2e/provider-stub.json]
+    volumes:
+      - $work/provider-stub.json:/etc/nudge-e2e/provider-stub.json:ro
+  sms:
+    environment:
+      NUDGE_WORKER__LEASE_SECONDS: "15"
+YAML
+compose() { docker-compose -p "$PROJECT" -f docker-compose.yml -f "$work/override.yml" "$@"; }
 compose down -v --remove-orphans >/dev/null 2>&1 || true
 say "building the images"
 compose build >"$work/build.log" 2>&1 || fail "docker-compose build: $(tail -n 5 "$work/build.log" | tr '\n' ' ')"
@@ -137,19 +156,38 @@ say "stack up in $((SECONDS - started)) s"
 mapfile -t sms < <(compose ps -q sms)
 ((${#sms[@]} == 2)) || fail "expected two sms containers, found ${#sms[@]}"
 
-# ---- the demo, with one SMS worker killed while SMS is sent -------------------------------
+# ---- the demo, with one SMS worker killed while it holds leases ---------------------------
+# Each worker logs its worker_id at start; the ledger's lease_owner says who holds what.
+declare -A owner_of
+for c in "${sms[@]}"; do
+  deadline=$((SECONDS + 60))
+  until id=$(docker logs "$c" 2>&1 | grep -o 'sms-[0-9]*-[0-9a-f]\{8\}' | head -n 1) && [[ -n $id ]]; do
+    ((SECONDS < deadline)) || fail "sms container ${c:0:12} did not log its worker_id"
+    sleep 0.5
+  done
+  owner_of[$id]=$c
+done
+held() { # lease_owner count, the owner holding the most SMS leases
+  PGOPTIONS=--client-min-messages=warning psql -h 127.0.0.1 -p "$NUDGE_POSTGRES_PORT" -U postgres -d nudge -AtF ' ' -c \
+    "SELECT lease_owner, count(*) FROM deliveries WHERE channel = 'sms' AND state = 'sending'
+     GROUP BY 1 ORDER BY 2 DESC LIMIT 1" 2>/dev/null
+}
 say "running the demo"
 compose run --rm demo >"$work/demo.log" 2>&1 &
 demo_pid=$!
-sms_requests() { curl -fsS "$STUB/stats" 2>/dev/null | jq '.accounts["sms-main"].requests // 0' 2>/dev/null || echo 0; }
 deadline=$((SECONDS + 120))
-until (($(sms_requests) >= 20)); do
-  kill -0 "$demo_pid" 2>/dev/null || break
-  ((SECONDS < deadline)) || fail "no SMS sent within 120 s (demo log: $work/demo.log)"
-  sleep 0.5
+victim= victim_leases=0
+while [[ -z $victim ]]; do
+  kill -0 "$demo_pid" 2>/dev/null || fail "the demo ended before an SMS worker held 5 leases (demo log: $work/demo.log)"
+  ((SECONDS < deadline)) || fail "no SMS worker held 5 leases within 120 s (demo log: $work/demo.log)"
+  read -r id count < <(held) || true
+  if [[ -n ${id:-} && ${count:-0} -ge 5 && -n ${owner_of[$id]:-} ]]; then
+    victim=${owner_of[$id]} victim_leases=$count
+  else
+    sleep 0.2
+  fi
 done
-victim=${sms[0]}
-say "SMS under way ($(sms_requests) requests): SIGKILL of sms container ${victim:0:12}"
+say "SIGKILL of sms container ${victim:0:12} while it holds $victim_leases SMS leases"
 docker kill -s KILL "$victim" >/dev/null
 demo_status=0
 wait "$demo_pid" || demo_status=$?
@@ -171,4 +209,6 @@ say "provider stub: $keys keys, $accepted_once accepted once, $over_once accepte
 restarts=$(for c in $(compose ps -q producer janitor push email intake provider-stub); do
   docker inspect -f '{{.Name}} {{.RestartCount}}' "$c"; done | awk '$2 > 0' | tr '\n' ' ')
 [[ -z $restarts ]] || fail "services restarted: $restarts"
-say "passed: $EXPECTED deliveries accepted exactly once with one of two SMS workers killed mid-run; no service restarted"
+reaped=$(PGOPTIONS=--client-min-messages=warning psql -h 127.0.0.1 -p "$NUDGE_POSTGRES_PORT" -U postgres -d nudge -Atc \
+  "SELECT count(*) FROM attempts WHERE worker = 'lease-reaper'" 2>/dev/null || echo '?')
+say "passed: $EXPECTED deliveries accepted exactly once with one of two SMS workers killed holding $victim_leases leases ($duplicates repeats answered from the stub's dedup, $reaped sends the lease reaper decided); no other service restarted"
