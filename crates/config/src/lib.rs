@@ -13,7 +13,10 @@
 //! # Keys
 //!
 //! Environment form: `NUDGE_` + key in upper case with `.` replaced by `__`, e.g.
-//! `database.url` is `NUDGE_DATABASE__URL`. A binary reads only the sections it has.
+//! `database.url` is `NUDGE_DATABASE__URL`. A binary reads only the sections it has. A key of
+//! an entry of a list of tables takes the entry's index: `providers.0.auth_token` (the first
+//! `[[providers]]` of the file) is `NUDGE_PROVIDERS__0__AUTH_TOKEN`; the environment cannot add
+//! an entry.
 //!
 //! | key | default | rule |
 //! |-----|---------|------|

@@ -1,8 +1,9 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
+use figment::value::{Dict, Value};
+use figment::{Figment, Metadata, Profile};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -46,6 +47,12 @@ pub trait Validate {
 ///
 /// The file may hold sections of other nudge binaries ([`KNOWN_SECTIONS`]): they are ignored.
 ///
+/// A list of tables (`[[providers]]`) cannot be written as variables, but a key of one of its
+/// entries can: `NUDGE_PROVIDERS__0__AUTH_TOKEN` sets `auth_token` of the first entry the
+/// defaults and the file give (so that a secret of an entry comes from the environment like
+/// any other). An index past the entries is an error naming the key: the environment never
+/// creates an entry.
+///
 /// A file that was asked for but cannot be read is an error naming the path; when neither
 /// `config_file` nor `NUDGE_CONFIG` is given, no file is read.
 pub fn load<T>(config_file: Option<&Path>, sections: &[&str]) -> Result<T, ConfigError>
@@ -77,6 +84,10 @@ where
         });
     }
     figment = figment.merge(env_provider(sections));
+    let entries = list_entries(&figment, sections, std::env::vars_os())?;
+    if !entries.is_empty() {
+        figment = figment.merge(ListEntries(entries));
+    }
 
     let config: T = figment.extract()?;
     config.validate()?;
@@ -179,7 +190,8 @@ fn config_file_from_env() -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
-/// `NUDGE_<SECTION>__<KEY>` variables for the listed sections only (see [`load`]).
+/// `NUDGE_<SECTION>__<KEY>` variables for the listed sections only (see [`load`]), less the
+/// ones with a list index ([`list_entries`] applies those).
 fn env_provider(sections: &[&str]) -> Env {
     let sections: Vec<String> = sections.iter().map(|s| (*s).to_owned()).collect();
     Env::prefixed(ENV_PREFIX)
@@ -187,7 +199,109 @@ fn env_provider(sections: &[&str]) -> Env {
             // `name` has the prefix stripped but is not split yet: `DATABASE__URL`.
             let name = name.as_str();
             let top = name.split_once(ENV_NESTING).map_or(name, |(top, _)| top);
-            sections.iter().any(|s| s.eq_ignore_ascii_case(top))
+            sections.iter().any(|s| s.eq_ignore_ascii_case(top)) && !has_index(name)
         })
         .split(ENV_NESTING)
+}
+
+/// Whether a variable name (prefix stripped) has a list index among its levels: `PROVIDERS__0__AUTH_TOKEN`.
+fn has_index(name: &str) -> bool {
+    name.split(ENV_NESTING)
+        .any(|level| !level.is_empty() && level.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// The lists of the listed sections that `NUDGE_<SECTION>__<INDEX>__<KEY>` variables change:
+/// each list as the defaults and the file give it, with those keys set in its entries.
+fn list_entries(
+    figment: &Figment,
+    sections: &[&str],
+    vars: impl Iterator<Item = (OsString, OsString)>,
+) -> Result<Dict, ConfigError> {
+    let mut vars: Vec<(String, String)> = vars
+        .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
+        .filter(|(name, _)| name.strip_prefix(ENV_PREFIX).is_some_and(has_index))
+        .collect();
+    // One order whatever the environment's: a later variable cannot silently lose to an earlier one.
+    vars.sort();
+    let mut lists = Dict::new();
+    for (name, value) in vars {
+        let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
+            continue;
+        };
+        let path: Vec<String> = rest
+            .split(ENV_NESTING)
+            .map(str::to_ascii_lowercase)
+            .collect();
+        let Some((section, keys)) = path.split_first() else {
+            continue;
+        };
+        if !sections.contains(&section.as_str()) {
+            continue;
+        }
+        let key = path.join(".");
+        if !lists.contains_key(section) {
+            let list = figment.find_value(section).map_err(|_| {
+                ConfigError::invalid(&key, format!("{name}: {section} is not a list"))
+            })?;
+            lists.insert(section.clone(), list);
+        }
+        let Some(list) = lists.get_mut(section) else {
+            continue;
+        };
+        let Ok(value) = value.parse::<Value>();
+        set_in_list(list, section, keys, value)
+            .map_err(|message| ConfigError::invalid(&key, format!("{name}: {message}")))?;
+    }
+    Ok(lists)
+}
+
+/// Sets `keys` (an index, then keys and indexes) under `at`, a list, naming what is wrong
+/// otherwise. `at_name` is the dotted path of `at`, for the message.
+fn set_in_list(at: &mut Value, at_name: &str, keys: &[String], value: Value) -> Result<(), String> {
+    let Some((first, rest)) = keys.split_first() else {
+        return Err(format!("{at_name}: a key is needed after the index"));
+    };
+    let next_name = format!("{at_name}.{first}");
+    let slot = match (at, first.parse::<usize>()) {
+        (Value::Array(_, items), Ok(index)) => {
+            let len = items.len();
+            items.get_mut(index).ok_or_else(|| {
+                format!(
+                    "{at_name} has {len} entries (from the defaults and the file); the \
+                     environment sets keys of an entry, it cannot add one"
+                )
+            })?
+        }
+        (Value::Array(..), Err(_)) => {
+            return Err(format!(
+                "{at_name} is a list: expected an index, got {first}"
+            ));
+        }
+        (Value::Dict(_, dict), Err(_)) => {
+            if rest.is_empty() {
+                dict.insert(first.clone(), value);
+                return Ok(());
+            }
+            dict.entry(first.clone())
+                .or_insert_with(|| Value::from(Dict::new()))
+        }
+        (_, _) => return Err(format!("{at_name} is not a list")),
+    };
+    if rest.is_empty() {
+        return Err(format!("{next_name}: a key is needed after the index"));
+    }
+    set_in_list(slot, &next_name, rest, value)
+}
+
+/// The lists [`list_entries`] changed, merged over the defaults, the file and the other variables.
+struct ListEntries(Dict);
+
+impl figment::Provider for ListEntries {
+    fn metadata(&self) -> Metadata {
+        Metadata::named("`NUDGE_` environment variable(s) of list entries")
+    }
+
+    fn data(&self) -> Result<figment::value::Map<Profile, Dict>, figment::Error> {
+        Ok(Profile::Default.collect(self.0.clone()))
+    }
 }

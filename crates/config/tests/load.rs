@@ -462,3 +462,107 @@ fn a_misspelt_section_in_the_file_is_refused_by_name() {
         Ok(())
     });
 }
+
+/// A binary with a list of tables, as the workers' `[[providers]]`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct ListConfig {
+    database: DatabaseConfig,
+    providers: Vec<Entry>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Entry {
+    account: String,
+    auth_token: Option<nudge_config::Secret>,
+    timeout_ms: u64,
+}
+
+impl Validate for ListConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.database.validate()
+    }
+}
+
+const TWO_ENTRIES: &str = r#"
+    [[providers]]
+    account = "sms-main"
+    timeout_ms = 1000
+
+    [[providers]]
+    account = "sms-backup"
+    timeout_ms = 2000
+"#;
+
+fn load_list(file: &str) -> Result<ListConfig, ConfigError> {
+    load(Some(Path::new(file)), &["database", "providers"])
+}
+
+#[test]
+fn an_indexed_variable_sets_a_key_of_that_entry_and_leaves_the_rest_of_the_list() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("list.toml", TWO_ENTRIES)?;
+        jail.set_env("NUDGE_PROVIDERS__1__AUTH_TOKEN", "tok-backup");
+        jail.set_env("NUDGE_PROVIDERS__0__TIMEOUT_MS", "1500");
+        jail.set_env("NUDGE_DATABASE__MAX_CONNECTIONS", "4");
+        let config = load_list("list.toml").map_err(|e| chain(&e))?;
+        assert_eq!(config.providers.len(), 2);
+        assert_eq!(config.providers[0].account, "sms-main");
+        assert_eq!(config.providers[0].timeout_ms, 1500);
+        assert!(config.providers[0].auth_token.is_none());
+        assert_eq!(config.providers[1].account, "sms-backup");
+        assert_eq!(config.providers[1].timeout_ms, 2000);
+        assert_eq!(
+            config.providers[1].auth_token.as_ref().map(|t| t.expose()),
+            Some("tok-backup")
+        );
+        assert_eq!(config.database.max_connections, 4);
+        Ok(())
+    });
+}
+
+#[test]
+fn an_index_past_the_entries_is_refused_naming_the_key_without_the_value() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("list.toml", TWO_ENTRIES)?;
+        jail.set_env("NUDGE_PROVIDERS__2__AUTH_TOKEN", "tok-s3cr3t");
+        let err = load_list("list.toml").unwrap_err();
+        assert_eq!(err.key().as_deref(), Some("providers.2.auth_token"));
+        let message = chain(&err);
+        assert!(message.contains("has 2 entries"), "{message}");
+        assert!(!message.contains("s3cr3t"), "{message}");
+        Ok(())
+    });
+}
+
+#[test]
+fn an_unknown_key_of_an_entry_from_the_environment_is_named() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("list.toml", TWO_ENTRIES)?;
+        jail.set_env("NUDGE_PROVIDERS__0__AUTH_TOKN", "x");
+        let err = load_list("list.toml").unwrap_err();
+        assert!(chain(&err).contains("auth_tokn"), "{}", chain(&err));
+        Ok(())
+    });
+}
+
+#[test]
+fn an_index_into_a_section_that_is_no_list_is_refused() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file("list.toml", TWO_ENTRIES)?;
+        jail.set_env("NUDGE_DATABASE__0__URL", "postgres://x@y/z");
+        let err = load_list("list.toml").unwrap_err();
+        assert_eq!(err.key().as_deref(), Some("database.0.url"));
+        assert!(
+            chain(&err).contains("database is not a list"),
+            "{}",
+            chain(&err)
+        );
+        Ok(())
+    });
+}
