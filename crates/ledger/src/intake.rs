@@ -15,6 +15,7 @@ use rand::RngExt;
 use crate::audit::{self, Operator};
 use crate::contacts::{destination_aad, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher};
+use crate::deliveries::LedgerTime;
 use crate::{Ledger, LedgerError};
 
 /// The most signing secrets a tenant has at once (the current one and the one it replaces).
@@ -286,21 +287,23 @@ impl Ledger {
     }
 
     /// Cancels a reminder ([`Ledger::cancel_reminder`]'s rules) and answers per channel, in
-    /// one transaction; `None` when the tenant has no such event.
+    /// one transaction; `None` when the tenant has no such event. `cancelled_at` and the
+    /// deliveries' `settled_at` are the database's time ([`LedgerTime::Database`]), like every
+    /// other settlement.
     pub async fn cancel_reminder_by_channel(
         &self,
         tenant_id: TenantId,
         event_id: &EventId,
-        now: DateTime<Utc>,
+        at: LedgerTime,
     ) -> Result<Option<Cancellation>, LedgerError> {
         let mut tx = self.pool.begin().await?;
         let id: Option<uuid::Uuid> = sqlx::query_scalar(
-            "UPDATE reminders SET cancelled_at = COALESCE(cancelled_at, $3)
+            "UPDATE reminders SET cancelled_at = COALESCE(cancelled_at, $3, now())
              WHERE tenant_id = $1 AND event_id = $2 RETURNING id",
         )
         .bind(tenant_id.as_uuid())
         .bind(event_id.as_str())
-        .bind(now)
+        .bind(at.bind())
         .fetch_optional(&mut *tx)
         .await?;
         let Some(id) = id else {
@@ -308,13 +311,14 @@ impl Ledger {
         };
         let cancelled: Vec<String> = sqlx::query_scalar(
             "UPDATE deliveries
-             SET state = 'cancelled', settled_at = $2, updated_at = $2, next_attempt_at = NULL,
+             SET state = 'cancelled', settled_at = COALESCE($2, now()),
+                 updated_at = COALESCE($2, now()), next_attempt_at = NULL,
                  last_error_reason = 'cancelled_by_client'
              WHERE reminder_id = $1 AND state IN ('scheduled', 'queued', 'retry_wait')
              RETURNING channel",
         )
         .bind(id)
-        .bind(now)
+        .bind(at.bind())
         .fetch_all(&mut *tx)
         .await?;
         let status = status_in(&mut tx, tenant_id, event_id)
@@ -370,17 +374,22 @@ impl Ledger {
     /// being sent finishes), and strips their reminders to the audit fields: the reference is
     /// replaced by a random value unrelated to the subscriber, content and request digest are
     /// dropped, `erased_at` is set. An audit row with the counts (never the reference) is
-    /// written in the same transaction. Needs the subscriber key.
+    /// written in the same transaction. Every time it writes, the audit row's included, is the
+    /// database's ([`LedgerTime::Database`]), read once at its start. Needs the subscriber key.
     pub async fn erase_subscriber(
         &self,
         tenant_id: TenantId,
         subscriber_ref: &SubscriberRef,
         cipher: &DestinationCipher,
         by: &Operator,
+        at: LedgerTime,
     ) -> Result<Erasure, LedgerError> {
         let stored_ref = cipher.stored_ref(tenant_id, subscriber_ref)?;
-        let now = by.at();
         let mut tx = self.pool.begin().await?;
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT COALESCE($1, now())")
+            .bind(at.bind())
+            .fetch_one(&mut *tx)
+            .await?;
         let contacts_deleted = sqlx::query(
             "DELETE FROM contacts WHERE tenant_id = $1
                AND (subscriber_ref = $2 OR (NOT subscriber_ref_keyed AND subscriber_ref = $3))",
@@ -432,19 +441,17 @@ impl Ledger {
             reminders_erased,
             deliveries_cancelled,
         };
-        audit::insert(
-            &mut tx,
-            &by.entry(
-                "subscriber_erase",
-                format!("tenant:{tenant_id}"),
-                serde_json::json!({
-                    "contacts_deleted": contacts_deleted,
-                    "reminders_erased": reminders_erased,
-                    "deliveries_cancelled": deliveries_cancelled,
-                }),
-            ),
-        )
-        .await?;
+        let mut entry = by.entry(
+            "subscriber_erase",
+            format!("tenant:{tenant_id}"),
+            serde_json::json!({
+                "contacts_deleted": contacts_deleted,
+                "reminders_erased": reminders_erased,
+                "deliveries_cancelled": deliveries_cancelled,
+            }),
+        );
+        entry.at = now;
+        audit::insert(&mut tx, &entry).await?;
         tx.commit().await?;
         Ok(erasure)
     }
