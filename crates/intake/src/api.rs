@@ -27,6 +27,7 @@ use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
+use crate::commit::Committer;
 use crate::error::{ApiError, ErrorBody, InvalidRequest, Problem, Unauthorized};
 use crate::metrics::IntakeMetrics;
 use crate::signature::{HEADER, Refusal, SignatureHeader, Signed};
@@ -42,6 +43,7 @@ pub struct AppState {
 
 struct Inner {
     ledger: Ledger,
+    committer: Committer,
     cipher: DestinationCipher,
     metrics: Arc<IntakeMetrics>,
     limits: Limits,
@@ -66,7 +68,9 @@ pub struct Limits {
 
 impl AppState {
     /// `cipher` needs the subscriber key. `clock` is the intake's clock (signature freshness
-    /// and the schedule-ahead limit); tests move it.
+    /// and the schedule-ahead limit); tests move it. Starts the committers of single
+    /// reminders ([`Committer`]) on the current tokio runtime; they stop when the last clone
+    /// of this state is dropped.
     pub fn new(
         ledger: Ledger,
         cipher: DestinationCipher,
@@ -74,9 +78,11 @@ impl AppState {
         limits: Limits,
         clock: Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>,
     ) -> Self {
+        let committer = Committer::start(ledger.clone(), cipher.clone(), clock.clone());
         Self {
             inner: Arc::new(Inner {
                 ledger,
+                committer,
                 cipher,
                 metrics,
                 limits,
@@ -646,20 +652,13 @@ async fn post_one(
         state.metrics().reminder("invalid");
         ApiError::Invalid(problems)
     })?;
-    let outcomes = state
+    // Committed together with whatever other single posts are waiting (see `commit`).
+    let outcome = state
         .inner
-        .ledger
-        .import_reminders(
-            std::slice::from_ref(&item),
-            &state.inner.cipher,
-            state.now(),
-        )
+        .committer
+        .import(item.clone())
         .await
         .map_err(ApiError::internal)?;
-    let outcome = outcomes
-        .first()
-        .copied()
-        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("the import answered nothing")))?;
     let (status, accepted) = answer(state, tenant, &item, outcome, correlation)?;
     Ok((status, Json(accepted)).into_response())
 }

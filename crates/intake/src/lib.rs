@@ -8,6 +8,7 @@
 //! a client whether a tenant exists.
 
 pub mod api;
+pub mod commit;
 mod config;
 pub mod error;
 pub mod metrics;
