@@ -3,11 +3,15 @@
 //!
 //! Every `/v1` request is authenticated first ([`authenticate`]: signature header, timestamp,
 //! then the tenant's secrets), after the content type and body size are checked and before its
-//! body is parsed; a refused request writes nothing. A reminder is answered only after its
+//! body is parsed; a refused request writes nothing. A single reminder's post may take the
+//! secrets from the intake's cache of tenants ([`Secrets::Cached`]) because its committer
+//! verifies it again against the tenant read just before the import; every other request
+//! reads its tenant from the ledger. A reminder is answered only after its
 //! transaction committed (202 new, 200 the same event again, 409 the event id with another
 //! body). No handler logs or answers with a destination, subscriber reference or content.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use axum::Json;
 use axum::body::Bytes;
@@ -27,7 +31,7 @@ use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use crate::commit::Committer;
+use crate::commit::{Check, CommitError, Committer};
 use crate::error::{ApiError, ErrorBody, InvalidRequest, Problem, Unauthorized};
 use crate::metrics::IntakeMetrics;
 use crate::signature::{HEADER, Refusal, SignatureHeader, Signed};
@@ -44,6 +48,9 @@ pub struct AppState {
 struct Inner {
     ledger: Ledger,
     committer: Committer,
+    /// Tenants as last read, by name: a single post whose signature matches here skips the
+    /// read before its body is parsed (its committer reads and verifies again).
+    tenants: Mutex<HashMap<String, IntakeTenant>>,
     cipher: DestinationCipher,
     metrics: Arc<IntakeMetrics>,
     limits: Limits,
@@ -83,6 +90,7 @@ impl AppState {
             inner: Arc::new(Inner {
                 ledger,
                 committer,
+                tenants: Mutex::new(HashMap::new()),
                 cipher,
                 metrics,
                 limits,
@@ -102,7 +110,40 @@ impl AppState {
     fn now(&self) -> DateTime<Utc> {
         (self.inner.clock)()
     }
+
+    fn cached_tenant(&self, name: &str) -> Option<IntakeTenant> {
+        self.inner
+            .tenants
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .cloned()
+    }
+
+    /// Keeps `found` as the tenant named `name` (or forgets the name when it has no tenant
+    /// with a secret). At most [`TENANTS_CACHED`]: past that the cache starts again empty.
+    fn remember_tenant(&self, name: &str, found: Option<&IntakeTenant>) {
+        let mut tenants = self
+            .inner
+            .tenants
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match found {
+            Some(tenant) if !tenant.secrets.is_empty() => {
+                if tenants.len() >= TENANTS_CACHED && !tenants.contains_key(name) {
+                    tenants.clear();
+                }
+                tenants.insert(name.to_owned(), tenant.clone());
+            }
+            _ => {
+                tenants.remove(name);
+            }
+        }
+    }
 }
+
+/// The most tenants the intake keeps between requests.
+const TENANTS_CACHED: usize = 1024;
 
 // ---- shapes -------------------------------------------------------------------------------
 
@@ -339,14 +380,35 @@ impl SignedRequest<'_> {
     }
 }
 
+/// Where [`authenticate`] may take a tenant's secrets from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Secrets {
+    /// Read from the ledger: what every request that acts at once needs (a secret retired a
+    /// moment ago no longer passes; the pause and drain flags are current).
+    Ledger,
+    /// The intake's cache of tenants, read from the ledger again when the signature does not
+    /// match there. Only for a single reminder's post: its committer reads the tenant again and
+    /// verifies the signature once more before anything is written (see `commit`).
+    Cached,
+}
+
+/// An authenticated request: its tenant (as read; see [`Secrets`]) and its signature.
+#[derive(Debug, Clone)]
+pub struct Authenticated {
+    pub tenant: IntakeTenant,
+    pub signature: SignatureHeader,
+}
+
 /// The tenant, if the request carries a fresh signature of its method, target and body under
-/// one of the tenant's secrets. A tenant that does not exist costs the same work (the same
-/// query, and as many HMACs under a placeholder), and its answer is a wrong signature's.
+/// one of the tenant's secrets. A tenant that does not exist costs the same work as a wrong
+/// signature (a look in the cache and a verification, the same query, as many HMACs under a
+/// placeholder), and its answer is a wrong signature's.
 pub async fn authenticate(
     state: &AppState,
     tenant: &str,
     request: SignedRequest<'_>,
-) -> Result<IntakeTenant, ApiError> {
+    from: Secrets,
+) -> Result<Authenticated, ApiError> {
     let refuse = |refusal: Refusal| {
         state.metrics().refusal(refusal.internal());
         ApiError::Unauthorized(refusal)
@@ -364,27 +426,52 @@ pub async fn authenticate(
     ) {
         return Err(refuse(Refusal::StaleTimestamp));
     }
-    let found = if tenant.is_empty() || tenant.len() > 200 {
-        None
-    } else {
+    let valid_name = !tenant.is_empty() && tenant.len() <= 200;
+    let signed = request.signed();
+    if from == Secrets::Cached {
+        let cached = if valid_name {
+            state.cached_tenant(tenant)
+        } else {
+            None
+        };
+        // Verified whether or not there is an entry: the same HMACs either way.
+        if verify(&signature, cached.as_ref(), &signed)
+            && let Some(tenant) = cached
+        {
+            return Ok(Authenticated { tenant, signature });
+        }
+    }
+    let found = if valid_name {
         state
             .inner
             .ledger
             .intake_tenant(tenant, &state.inner.cipher)
             .await
             .map_err(ApiError::internal)?
+    } else {
+        None
     };
-    let secrets: Vec<&[u8]> = found
-        .iter()
-        .flat_map(|t| t.secrets.iter().map(|s| s.expose().as_bytes()))
-        .collect();
-    // The same number of HMACs whether the tenant has one secret, two or none.
-    let matched = signature.matches(&secrets, &request.signed());
+    state.remember_tenant(tenant, found.as_ref());
+    let matched = verify(&signature, found.as_ref(), &signed);
     match found {
-        Some(t) if matched => Ok(t),
+        Some(tenant) if matched => Ok(Authenticated { tenant, signature }),
         Some(t) if !t.secrets.is_empty() => Err(refuse(Refusal::BadSignature)),
         _ => Err(refuse(Refusal::UnknownTenant)),
     }
+}
+
+/// Whether `signature` matches `signed` under one of the tenant's secrets; the same number of
+/// HMACs whether the tenant has one secret, two or none (see `SignatureHeader::matches`).
+pub fn verify(
+    signature: &SignatureHeader,
+    tenant: Option<&IntakeTenant>,
+    signed: &Signed<'_>,
+) -> bool {
+    let secrets: Vec<&[u8]> = tenant
+        .iter()
+        .flat_map(|t| t.secrets.iter().map(|s| s.expose().as_bytes()))
+        .collect();
+    signature.matches(&secrets, signed) && tenant.is_some()
 }
 
 /// The request's correlation id when it is 1 to 128 printable ASCII characters, else a new one.
@@ -507,17 +594,13 @@ pub async fn post_reminders(
     let tenant_name = path(tenant)?;
     require_json(&headers)?;
     let raw = body(raw)?;
-    let tenant = authenticate(
-        &state,
-        &tenant_name,
-        SignedRequest {
-            method: &method,
-            uri: &uri,
-            headers: &headers,
-            body: &raw,
-        },
-    )
-    .await?;
+    let request = SignedRequest {
+        method: &method,
+        uri: &uri,
+        headers: &headers,
+        body: &raw,
+    };
+    let authenticated = authenticate(&state, &tenant_name, request, Secrets::Cached).await?;
     let correlation = correlation_id(&headers);
     let value: Value = serde_json::from_slice(&raw).map_err(|e| {
         state.metrics().reminder("invalid");
@@ -525,9 +608,29 @@ pub async fn post_reminders(
     })?;
     let batch = matches!(&value, Value::Object(map) if map.contains_key("reminders"));
     let mut response = if batch {
+        // A batch is imported here, at once: its tenant as the ledger has it now.
+        let tenant = authenticate(&state, &tenant_name, request, Secrets::Ledger)
+            .await?
+            .tenant;
         post_batch(&state, &tenant, value, &correlation).await?
     } else {
-        post_one(&state, &tenant, value, &raw, &correlation).await?
+        let signed = request.signed();
+        let check = Check {
+            tenant: tenant_name.clone(),
+            signature: authenticated.signature,
+            method: signed.method.to_owned(),
+            target: signed.target.to_owned(),
+            body: raw.clone(),
+        };
+        post_one(
+            &state,
+            &authenticated.tenant,
+            value,
+            &raw,
+            check,
+            &correlation,
+        )
+        .await?
     };
     if let Ok(v) = HeaderValue::from_str(&correlation) {
         response.headers_mut().insert(CORRELATION_HEADER, v);
@@ -646,20 +749,30 @@ async fn post_one(
     tenant: &IntakeTenant,
     value: Value,
     raw: &[u8],
+    check: Check,
     correlation: &str,
 ) -> Result<Response, ApiError> {
     let item = prepare(state, tenant, value, Some(raw), correlation, "").map_err(|problems| {
         state.metrics().reminder("invalid");
         ApiError::Invalid(problems)
     })?;
-    // Committed together with whatever other single posts are waiting (see `commit`).
-    let outcome = state
-        .inner
-        .committer
-        .import(item.clone())
-        .await
-        .map_err(ApiError::internal)?;
-    let (status, accepted) = answer(state, tenant, &item, outcome, correlation)?;
+    // Committed together with whatever other single posts are waiting, after the committer
+    // read the tenant and verified the signature again (see `commit`).
+    let committed = match state.inner.committer.import(item.clone(), check).await {
+        Ok(committed) => committed,
+        Err(CommitError::Refused(refusal)) => {
+            state.metrics().refusal(refusal.internal());
+            return Err(ApiError::Unauthorized(refusal));
+        }
+        Err(e) => return Err(ApiError::internal(e)),
+    };
+    let (status, accepted) = answer(
+        state,
+        &committed.tenant,
+        &item,
+        committed.outcome,
+        correlation,
+    )?;
     Ok((status, Json(accepted)).into_response())
 }
 
@@ -821,8 +934,10 @@ pub async fn get_reminder(
             headers: &headers,
             body: &raw,
         },
+        Secrets::Ledger,
     )
-    .await?;
+    .await?
+    .tenant;
     let event_id = event_id(&event)?;
     let status = state
         .inner
@@ -871,8 +986,10 @@ pub async fn cancel_reminder(
             headers: &headers,
             body: &raw,
         },
+        Secrets::Ledger,
     )
-    .await?;
+    .await?
+    .tenant;
     let event_id = event_id(&event)?;
     let cancellation = state
         .inner
@@ -930,8 +1047,10 @@ pub async fn put_contacts(
             headers: &headers,
             body: &raw,
         },
+        Secrets::Ledger,
     )
-    .await?;
+    .await?
+    .tenant;
     let subscriber = subscriber_ref(&subscriber)?;
     let value: Value =
         serde_json::from_slice(&raw).map_err(|e| ApiError::Invalid(vec![json_problem(&e)]))?;
@@ -1022,8 +1141,10 @@ pub async fn erase_subscriber(
             headers: &headers,
             body: &raw,
         },
+        Secrets::Ledger,
     )
-    .await?;
+    .await?
+    .tenant;
     let subscriber = subscriber_ref(&subscriber)?;
     let by = Operator::new(
         &format!("nudge-intake:{tenant_name}"),

@@ -11,7 +11,10 @@
 //!
 //! Protocol: a few committer tasks share one bounded queue. A free committer waits for the
 //! first post, takes whatever else is already queued (up to [`BATCH_MAX`]) without waiting
-//! for more, imports them and answers each. Nothing is held back for a batch to fill: a lone
+//! for more, reads each of their tenants from the ledger once and verifies each post's
+//! signature again against the secrets read (a post authenticated from the intake's cache of
+//! tenants is refused here, writing nothing, if its secret was retired since; the answer's
+//! pause and drain flags are those read), imports the rest and answers each. Nothing is held back for a batch to fill: a lone
 //! post is committed at once, and batches grow only while the committers are busy. When a
 //! batch fails as a whole, each of its reminders is imported again on its own, so a failure
 //! answers only the post it belongs to.
@@ -20,11 +23,17 @@
 //! post with another's outcome or error. The committers end when every handle is dropped,
 //! after answering what they hold.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
+use axum::body::Bytes;
 use chrono::{DateTime, Utc};
-use nudge_ledger::{DestinationCipher, ImportOutcome, ImportReminder, Ledger, LedgerError};
+use nudge_ledger::{
+    DestinationCipher, ImportOutcome, ImportReminder, IntakeTenant, Ledger, LedgerError,
+};
 use tokio::sync::{Mutex, mpsc, oneshot};
+
+use crate::signature::{Refusal, SignatureHeader, Signed};
 
 /// The most reminders imported in one transaction.
 pub const BATCH_MAX: usize = 64;
@@ -44,11 +53,35 @@ pub enum CommitError {
     NoOutcome,
     #[error("the committers have stopped")]
     Stopped,
+    #[error("failed to read the tenant: {0}")]
+    Tenant(String),
+    /// The signature does not match the tenant's secrets as read before the import.
+    #[error("refused: {}", .0.internal())]
+    Refused(Refusal),
+}
+
+/// What a post's signature covered, to verify it again against its tenant as read just
+/// before the import.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub tenant: String,
+    pub signature: SignatureHeader,
+    pub method: String,
+    pub target: String,
+    pub body: Bytes,
+}
+
+/// A post's outcome, with its tenant as read just before the import.
+#[derive(Debug, Clone)]
+pub struct Committed {
+    pub outcome: ImportOutcome,
+    pub tenant: IntakeTenant,
 }
 
 struct Job {
     item: ImportReminder,
-    answer: oneshot::Sender<Result<ImportOutcome, CommitError>>,
+    check: Check,
+    answer: oneshot::Sender<Result<Committed, CommitError>>,
 }
 
 type Clock = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
@@ -82,12 +115,20 @@ impl Committer {
         Self { queue }
     }
 
-    /// Imports `item`, with whatever other posts are waiting, and answers its own outcome
-    /// after the commit.
-    pub async fn import(&self, item: ImportReminder) -> Result<ImportOutcome, CommitError> {
+    /// Imports `item`, with whatever other posts are waiting, once `check` passes against
+    /// its tenant as read then, and answers its own outcome after the commit.
+    pub async fn import(
+        &self,
+        item: ImportReminder,
+        check: Check,
+    ) -> Result<Committed, CommitError> {
         let (answer, outcome) = oneshot::channel();
         self.queue
-            .send(Job { item, answer })
+            .send(Job {
+                item,
+                check,
+                answer,
+            })
             .await
             .map_err(|_| CommitError::Stopped)?;
         outcome.await.map_err(|_| CommitError::Stopped)?
@@ -119,36 +160,81 @@ async fn run(
     }
 }
 
-/// Imports the jobs' reminders in one transaction and answers each; when that fails, each on
-/// its own.
+/// Reads the jobs' tenants, refuses the jobs whose signature no longer matches, imports the
+/// rest in one transaction and answers each; when that fails, each on its own.
 async fn commit(ledger: &Ledger, cipher: &DestinationCipher, now: DateTime<Utc>, jobs: Vec<Job>) {
-    let (items, answers): (Vec<ImportReminder>, Vec<_>) =
-        jobs.into_iter().map(|j| (j.item, j.answer)).unzip();
+    let mut tenants: HashMap<String, Result<Option<IntakeTenant>, String>> = HashMap::new();
+    for job in &jobs {
+        if !tenants.contains_key(&job.check.tenant) {
+            let read = ledger
+                .intake_tenant(&job.check.tenant, cipher)
+                .await
+                .map_err(|e| format!("{e:#}"));
+            tenants.insert(job.check.tenant.clone(), read);
+        }
+    }
+    let mut items = Vec::with_capacity(jobs.len());
+    let mut waiting = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let tenant = match tenants.get(&job.check.tenant) {
+            Some(Ok(tenant)) => tenant.as_ref(),
+            Some(Err(e)) => {
+                let _ = job.answer.send(Err(CommitError::Tenant(e.clone())));
+                continue;
+            }
+            None => None,
+        };
+        let signed = Signed {
+            method: &job.check.method,
+            target: &job.check.target,
+            body: &job.check.body,
+        };
+        let matched = crate::api::verify(&job.check.signature, tenant, &signed);
+        match tenant {
+            Some(tenant) if matched && tenant.id == job.item.reminder.tenant_id() => {
+                items.push(job.item);
+                waiting.push((job.answer, tenant.clone()));
+            }
+            Some(tenant) if !tenant.secrets.is_empty() => {
+                let _ = job
+                    .answer
+                    .send(Err(CommitError::Refused(Refusal::BadSignature)));
+            }
+            _ => {
+                let _ = job
+                    .answer
+                    .send(Err(CommitError::Refused(Refusal::UnknownTenant)));
+            }
+        }
+    }
+    if items.is_empty() {
+        return;
+    }
     let together = ledger.import_reminders(&items, cipher, now).await;
     match together {
         Ok(outcomes) if outcomes.len() == items.len() => {
-            for (answer, outcome) in answers.into_iter().zip(outcomes) {
+            for ((answer, tenant), outcome) in waiting.into_iter().zip(outcomes) {
                 // A post whose client has gone is committed all the same.
-                let _ = answer.send(Ok(outcome));
+                let _ = answer.send(Ok(Committed { outcome, tenant }));
             }
         }
         together => {
-            if let ([_], [_]) = (items.as_slice(), answers.as_slice()) {
+            if let ([_], [_]) = (items.as_slice(), waiting.as_slice()) {
                 let result = together
                     .map_err(CommitError::from)
                     .and_then(|o| o.first().copied().ok_or(CommitError::NoOutcome));
-                if let Some(answer) = answers.into_iter().next() {
-                    let _ = answer.send(result);
+                if let Some((answer, tenant)) = waiting.into_iter().next() {
+                    let _ = answer.send(result.map(|outcome| Committed { outcome, tenant }));
                 }
                 return;
             }
-            for (item, answer) in items.iter().zip(answers) {
+            for (item, (answer, tenant)) in items.iter().zip(waiting) {
                 let result = ledger
                     .import_reminders(std::slice::from_ref(item), cipher, now)
                     .await
                     .map_err(CommitError::from)
                     .and_then(|o| o.first().copied().ok_or(CommitError::NoOutcome));
-                let _ = answer.send(result);
+                let _ = answer.send(result.map(|outcome| Committed { outcome, tenant }));
             }
         }
     }

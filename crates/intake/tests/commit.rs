@@ -1,12 +1,14 @@
 //! The group commit of single reminders against a real database: posts committed together
-//! are each answered with their own outcome, and one that fails its batch answers alone.
+//! are each answered with their own outcome, one that fails its batch answers alone, and one
+//! whose signature no longer matches the tenant's secrets is refused and writes nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
 
 use chrono::{DateTime, TimeZone, Utc};
 use nudge_domain::{Channel, EventId, SubscriberRef, TenantId};
-use nudge_intake::commit::{CommitError, Committer};
+use nudge_intake::commit::{Check, CommitError, Committed, Committer};
+use nudge_intake::signature::{SignatureHeader, Signed, header_value};
 use nudge_ledger::{
     Destination, DestinationCipher, ImportOutcome, ImportReminder, Ledger, NewReminder, Operator,
     SubscriberKey,
@@ -33,13 +35,36 @@ fn reminder(tenant: TenantId, event: &str, subscriber: &str, destination: &str) 
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
-async fn posts_committed_together_are_each_answered_with_their_own_outcome(pool: PgPool) {
+async fn posts_committed_together_are_each_answered_with_their_own_outcome_and_a_stale_signature_is_refused(
+    pool: PgPool,
+) {
     let ledger = Ledger::from_pool(pool);
     let operator = Operator::new("test", Some("test"), Utc::now()).unwrap();
     ledger.create_tenant("clinic", &operator).await.unwrap();
     let tenant = ledger.tenant_by_name("clinic").await.unwrap().unwrap().id;
     let cipher = DestinationCipher::new(&[7; 32]).with_subscriber_key(SubscriberKey::new(&[9; 32]));
+    let secret = ledger
+        .rotate_signing_secret(tenant, &cipher, &operator)
+        .await
+        .unwrap();
     let committer = Committer::start(ledger.clone(), cipher, Arc::new(now));
+    // What each post's signature covered, signed under `key`.
+    let check = |event: &str, key: &str| {
+        let body = axum::body::Bytes::from(event.to_owned());
+        let signed = Signed {
+            method: "POST",
+            target: "/v1/tenants/clinic/reminders",
+            body: &body,
+        };
+        let header = header_value(&[key.as_bytes()], now().timestamp(), &signed);
+        Check {
+            tenant: "clinic".to_owned(),
+            signature: SignatureHeader::parse(&header).unwrap(),
+            method: "POST".to_owned(),
+            target: "/v1/tenants/clinic/reminders".to_owned(),
+            body: body.clone(),
+        }
+    };
 
     // 30 new events; 5 posted twice alike; 4 posted twice for different subscribers; one
     // whose destination the ledger refuses, which fails any batch it is part of.
@@ -68,6 +93,8 @@ async fn posts_committed_together_are_each_answered_with_their_own_outcome(pool:
     }
     let too_long = "1".repeat(2000);
     posts.push(("d".to_owned(), reminder(tenant, "d", "p", &too_long)));
+    // One signed under a secret the tenant no longer has (authenticated from a stale cache).
+    posts.push(("e".to_owned(), reminder(tenant, "e", "p", "+1555")));
 
     // The tenant row held: the first batch's import waits on it, and the posts behind it queue
     // up; the committers take them in batches once it is released.
@@ -80,8 +107,18 @@ async fn posts_committed_together_are_each_answered_with_their_own_outcome(pool:
     let mut tasks = Vec::new();
     for (event, item) in posts {
         let committer = committer.clone();
+        let key = if event == "e" {
+            "nsk_retired".to_owned()
+        } else {
+            secret.expose().to_owned()
+        };
+        let check = check(&event, &key);
         tasks.push(tokio::spawn(async move {
-            (event, committer.import(item).await)
+            let answer = committer
+                .import(item, check)
+                .await
+                .map(|Committed { outcome, .. }| outcome);
+            (event, answer)
         }));
     }
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -156,6 +193,17 @@ async fn posts_committed_together_are_each_answered_with_their_own_outcome(pool:
         matches!(of("d")[..], [Err(CommitError::Ledger(_))]),
         "{:?}",
         of("d")
+    );
+
+    assert!(
+        matches!(
+            of("e")[..],
+            [Err(CommitError::Refused(
+                nudge_intake::signature::Refusal::BadSignature
+            ))]
+        ),
+        "{:?}",
+        of("e")
     );
 
     let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM reminders")
