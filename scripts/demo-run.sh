@@ -100,13 +100,15 @@ accepted_before=$(accepted)
 # the current ledger: a window materialised concurrently with a post misses the reminders
 # still uncommitted, and a reminder imported into a paused tenant for a window that already ran
 # never gets deliveries after the resume.
-# Signed as a clinic's application signs: HMAC-SHA256 of "<unix time>.<body>" under the secret.
+# Signed as a clinic's application signs (scheme v2): HMAC-SHA256 under the secret of
+# "<unix time>\n<METHOD>\n<path>\n<body>", the path exactly as the request sends it.
 post() { # body file
-  local t sig
+  local t sig path=/v1/tenants/$TENANT/reminders
   t=$(date -u +%s)
-  sig=$( { printf '%s.' "$t"; cat "$1"; } | openssl dgst -sha256 -hmac "$secret" -r | cut -d' ' -f1)
-  curl -fsS -X POST "$INTAKE_URL/v1/tenants/$TENANT/reminders" \
-    -H 'content-type: application/json' -H "nudge-signature: t=$t,v1=$sig" \
+  sig=$( { printf '%s\nPOST\n%s\n' "$t" "$path"; cat "$1"; } |
+    openssl dgst -sha256 -hmac "$secret" -r | cut -d' ' -f1)
+  curl -fsS -X POST "$INTAKE_URL$path" \
+    -H 'content-type: application/json' -H "nudge-signature: t=$t,v2=$sig" \
     -H "x-correlation-id: demo-$run_id" --data-binary "@$1"
 }
 batch=$work/demo-batch.json

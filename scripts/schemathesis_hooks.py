@@ -1,9 +1,11 @@
 """Schemathesis hooks for nudge-intake: every request is signed as a client would sign it.
 
 The body is serialised here, once, to the exact bytes that are sent, and `Nudge-Signature` is
-computed over them (HMAC-SHA256 of "<t>.<body>" under the tenant's secret). Requests go to the
-tenant the script created (NUDGE_ST_TENANT) so that they reach the handlers instead of all being
-refused; the secret is NUDGE_ST_SECRET. Read by scripts/schemathesis.sh.
+computed by a `requests` auth callable on the prepared request, so that what it signs is what
+goes on the wire: HMAC-SHA256 of "<t>\\n<METHOD>\\n<path and query>\\n<body>" under the
+tenant's secret (scheme v2). Requests go to the tenant the script created (NUDGE_ST_TENANT) so
+that they reach the handlers instead of all being refused; the secret is NUDGE_ST_SECRET. Read
+by scripts/schemathesis.sh.
 """
 
 import hashlib
@@ -44,13 +46,21 @@ def _body_bytes(case, kwargs):
     return body
 
 
+def sign(request):
+    """A `requests` auth: signs the prepared request's method, target and body (v2)."""
+    body = request.body or b""
+    if isinstance(body, str):
+        body = body.encode()
+    t = str(int(time.time()))
+    message = b"\n".join([t.encode(), request.method.encode(), request.path_url.encode(), body])
+    mac = hmac.new(SECRET, message, hashlib.sha256).hexdigest()
+    request.headers["Nudge-Signature"] = f"t={t},v2={mac}"
+    return request
+
+
 @schemathesis.hook
 def before_call(ctx, case, kwargs):
     if case.path_parameters is not None and "tenant" in case.path_parameters:
         case.path_parameters["tenant"] = TENANT
-    body = _body_bytes(case, kwargs)
-    t = str(int(time.time()))
-    mac = hmac.new(SECRET, t.encode() + b"." + body, hashlib.sha256).hexdigest()
-    if case.headers is None:
-        case.headers = {}
-    case.headers["Nudge-Signature"] = f"t={t},v1={mac}"
+    _body_bytes(case, kwargs)
+    kwargs["auth"] = sign

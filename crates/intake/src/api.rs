@@ -3,32 +3,38 @@
 //!
 //! Every `/v1` request is authenticated first ([`authenticate`]: signature header, timestamp,
 //! then the tenant's secrets), after the content type and body size are checked and before its
-//! body is parsed; a refused request writes nothing. A reminder is answered only after its
+//! body is parsed; a refused request writes nothing. A single reminder's post may take the
+//! secrets from the intake's cache of tenants ([`Secrets::Cached`]) because its committer
+//! verifies it again against the tenant read just before the import; every other request
+//! reads its tenant from the ledger. A reminder is answered only after its
 //! transaction committed (202 new, 200 the same event again, 409 the event id with another
 //! body). No handler logs or answers with a destination, subscriber reference or content.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use axum::Json;
 use axum::body::Bytes;
+use axum::extract::OriginalUri;
 use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, EventId, SubscriberRef};
 use nudge_ledger::input::{self, InputError, ReminderInput, TenantField};
 use nudge_ledger::{
-    DestinationCipher, ImportOutcome, ImportReminder, IntakeTenant, Ledger, Operator,
+    DestinationCipher, ImportOutcome, ImportReminder, IntakeTenant, Ledger, LedgerTime, Operator,
     ReminderStatus,
 };
 use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
+use crate::commit::{Check, CommitError, Committer};
 use crate::error::{ApiError, ErrorBody, InvalidRequest, Problem, Unauthorized};
 use crate::metrics::IntakeMetrics;
-use crate::signature::{HEADER, Refusal, SignatureHeader};
+use crate::signature::{HEADER, Refusal, SignatureHeader, Signed};
 
 /// The correlation id header, read from requests and set on reminder answers.
 pub const CORRELATION_HEADER: &str = "x-correlation-id";
@@ -41,6 +47,10 @@ pub struct AppState {
 
 struct Inner {
     ledger: Ledger,
+    committer: Committer,
+    /// Tenants as last read, by name: a single post whose signature matches here skips the
+    /// read before its body is parsed (its committer reads and verifies again).
+    tenants: Mutex<HashMap<String, IntakeTenant>>,
     cipher: DestinationCipher,
     metrics: Arc<IntakeMetrics>,
     limits: Limits,
@@ -65,7 +75,9 @@ pub struct Limits {
 
 impl AppState {
     /// `cipher` needs the subscriber key. `clock` is the intake's clock (signature freshness
-    /// and the schedule-ahead limit); tests move it.
+    /// and the schedule-ahead limit); tests move it. Starts the committers of single
+    /// reminders ([`Committer`]) on the current tokio runtime; they stop when the last clone
+    /// of this state is dropped.
     pub fn new(
         ledger: Ledger,
         cipher: DestinationCipher,
@@ -73,9 +85,12 @@ impl AppState {
         limits: Limits,
         clock: Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>,
     ) -> Self {
+        let committer = Committer::start(ledger.clone(), cipher.clone(), clock.clone());
         Self {
             inner: Arc::new(Inner {
                 ledger,
+                committer,
+                tenants: Mutex::new(HashMap::new()),
                 cipher,
                 metrics,
                 limits,
@@ -95,7 +110,40 @@ impl AppState {
     fn now(&self) -> DateTime<Utc> {
         (self.inner.clock)()
     }
+
+    fn cached_tenant(&self, name: &str) -> Option<IntakeTenant> {
+        self.inner
+            .tenants
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .cloned()
+    }
+
+    /// Keeps `found` as the tenant named `name` (or forgets the name when it has no tenant
+    /// with a secret). At most [`TENANTS_CACHED`]: past that the cache starts again empty.
+    fn remember_tenant(&self, name: &str, found: Option<&IntakeTenant>) {
+        let mut tenants = self
+            .inner
+            .tenants
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match found {
+            Some(tenant) if !tenant.secrets.is_empty() => {
+                if tenants.len() >= TENANTS_CACHED && !tenants.contains_key(name) {
+                    tenants.clear();
+                }
+                tenants.insert(name.to_owned(), tenant.clone());
+            }
+            _ => {
+                tenants.remove(name);
+            }
+        }
+    }
 }
+
+/// The most tenants the intake keeps between requests.
+const TENANTS_CACHED: usize = 1024;
 
 // ---- shapes -------------------------------------------------------------------------------
 
@@ -310,20 +358,63 @@ fn path<T>(path: Result<Path<T>, PathRejection>) -> Result<T, ApiError> {
         .map_err(|_| ApiError::invalid("path", "a path parameter is not valid UTF-8 text"))
 }
 
-/// The tenant, if the request carries a fresh signature of `body` under one of its secrets.
-/// The same work is done for a tenant that does not exist (a signature is computed under a
-/// placeholder key), and the answer is the same as for a wrong signature.
+/// The request as signed: its method, its target (path and query as sent) and its body.
+#[derive(Debug, Clone, Copy)]
+pub struct SignedRequest<'a> {
+    pub method: &'a Method,
+    pub uri: &'a Uri,
+    pub headers: &'a HeaderMap,
+    pub body: &'a [u8],
+}
+
+impl SignedRequest<'_> {
+    fn signed(&self) -> Signed<'_> {
+        Signed {
+            method: self.method.as_str(),
+            target: self
+                .uri
+                .path_and_query()
+                .map_or_else(|| self.uri.path(), |p| p.as_str()),
+            body: self.body,
+        }
+    }
+}
+
+/// Where [`authenticate`] may take a tenant's secrets from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Secrets {
+    /// Read from the ledger: what every request that acts at once needs (a secret retired a
+    /// moment ago no longer passes; the pause and drain flags are current).
+    Ledger,
+    /// The intake's cache of tenants, read from the ledger again when the signature does not
+    /// match there. Only for a single reminder's post: its committer reads the tenant again and
+    /// verifies the signature once more before anything is written (see `commit`).
+    Cached,
+}
+
+/// An authenticated request: its tenant (as read; see [`Secrets`]) and its signature.
+#[derive(Debug, Clone)]
+pub struct Authenticated {
+    pub tenant: IntakeTenant,
+    pub signature: SignatureHeader,
+}
+
+/// The tenant, if the request carries a fresh signature of its method, target and body under
+/// one of the tenant's secrets. A tenant that does not exist costs the same work as a wrong
+/// signature (a look in the cache and a verification, the same query, as many HMACs under a
+/// placeholder), and its answer is a wrong signature's.
 pub async fn authenticate(
     state: &AppState,
     tenant: &str,
-    headers: &HeaderMap,
-    body: &[u8],
-) -> Result<IntakeTenant, ApiError> {
+    request: SignedRequest<'_>,
+    from: Secrets,
+) -> Result<Authenticated, ApiError> {
     let refuse = |refusal: Refusal| {
         state.metrics().refusal(refusal.internal());
         ApiError::Unauthorized(refusal)
     };
-    let signature = headers
+    let signature = request
+        .headers
         .get(HEADER)
         .and_then(|v| v.to_str().ok())
         .ok_or(Refusal::MissingSignature)
@@ -335,34 +426,53 @@ pub async fn authenticate(
     ) {
         return Err(refuse(Refusal::StaleTimestamp));
     }
-    let found = if tenant.is_empty() || tenant.len() > 200 {
-        None
-    } else {
+    let valid_name = !tenant.is_empty() && tenant.len() <= 200;
+    let signed = request.signed();
+    if from == Secrets::Cached {
+        let cached = if valid_name {
+            state.cached_tenant(tenant)
+        } else {
+            None
+        };
+        // Verified whether or not there is an entry: the same HMACs either way.
+        if verify(&signature, cached.as_ref(), &signed)
+            && let Some(tenant) = cached
+        {
+            return Ok(Authenticated { tenant, signature });
+        }
+    }
+    let found = if valid_name {
         state
             .inner
             .ledger
             .intake_tenant(tenant, &state.inner.cipher)
             .await
             .map_err(ApiError::internal)?
+    } else {
+        None
     };
+    state.remember_tenant(tenant, found.as_ref());
+    let matched = verify(&signature, found.as_ref(), &signed);
     match found {
-        Some(t) if !t.secrets.is_empty() => {
-            if signature.matches(t.secrets.iter().map(|s| s.expose().as_bytes()), body) {
-                Ok(t)
-            } else {
-                Err(refuse(Refusal::BadSignature))
-            }
-        }
-        _ => {
-            // Spend what a real check would, then refuse as a bad signature would be.
-            let _ = signature.matches([PLACEHOLDER_SECRET.as_bytes()], body);
-            Err(refuse(Refusal::UnknownTenant))
-        }
+        Some(tenant) if matched => Ok(Authenticated { tenant, signature }),
+        Some(t) if !t.secrets.is_empty() => Err(refuse(Refusal::BadSignature)),
+        _ => Err(refuse(Refusal::UnknownTenant)),
     }
 }
 
-const PLACEHOLDER_SECRET: &str =
-    "nsk_0000000000000000000000000000000000000000000000000000000000000000";
+/// Whether `signature` matches `signed` under one of the tenant's secrets; the same number of
+/// HMACs whether the tenant has one secret, two or none (see `SignatureHeader::matches`).
+pub fn verify(
+    signature: &SignatureHeader,
+    tenant: Option<&IntakeTenant>,
+    signed: &Signed<'_>,
+) -> bool {
+    let secrets: Vec<&[u8]> = tenant
+        .iter()
+        .flat_map(|t| t.secrets.iter().map(|s| s.expose().as_bytes()))
+        .collect();
+    signature.matches(&secrets, signed) && tenant.is_some()
+}
 
 /// The request's correlation id when it is 1 to 128 printable ASCII characters, else a new one.
 fn correlation_id(headers: &HeaderMap) -> String {
@@ -391,6 +501,13 @@ fn json_problem(e: &serde_json::Error) -> Problem {
         ),
     )
 }
+
+// An unknown key is the client's text, and could be patient data typed as a key: never
+// repeated, here as in the reminder's own fields (`InputError::UnknownField`).
+const UNKNOWN_BATCH_FIELD: &str =
+    "has a field other than `reminders`; its name is not repeated, as it could be patient data";
+const UNKNOWN_CONTACTS_FIELD: &str = "has a field other than `destinations`; its name is not \
+                                      repeated, as it could be patient data";
 
 fn input_problem(prefix: &str, e: &InputError) -> Problem {
     Problem::new(format!("{prefix}{}", e.path()), e.to_string())
@@ -427,22 +544,6 @@ async fn sqlx_ping(ledger: &Ledger) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Prometheus metrics (OpenMetrics text).
-#[utoipa::path(get, path = "/metrics", tag = "operations",
-    responses((status = 200, description = "metrics", body = String,
-               content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8")))]
-pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
-    let text = state.metrics().encode().map_err(ApiError::internal)?;
-    Ok((
-        [(
-            header::CONTENT_TYPE,
-            nudge_telemetry::OPENMETRICS_CONTENT_TYPE,
-        )],
-        text,
-    )
-        .into_response())
-}
-
 /// This API's OpenAPI 3.1 description.
 #[utoipa::path(get, path = "/openapi.json", tag = "operations",
     responses((status = 200, description = "the OpenAPI document", body = Object)))]
@@ -466,7 +567,7 @@ pub async fn openapi() -> Response {
 #[utoipa::path(post, path = "/v1/tenants/{tenant}/reminders", tag = "reminders",
     params(
         ("tenant" = String, Path, description = "the tenant's name"),
-        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v1=<hex HMAC-SHA256 of \"<t>.<body>\">"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex HMAC-SHA256 of \"<t>\\n<METHOD>\\n<path>\\n<body>\">"),
         ("X-Correlation-Id" = Option<String>, Header, description = "1 to 128 printable ASCII characters; generated when absent or invalid"),
     ),
     request_body(content = PostReminders, content_type = "application/json"),
@@ -485,13 +586,21 @@ pub async fn openapi() -> Response {
 pub async fn post_reminders(
     State(state): State<AppState>,
     tenant: Result<Path<String>, PathRejection>,
+    method: Method,
+    OriginalUri(uri): OriginalUri,
     headers: HeaderMap,
     raw: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let tenant_name = path(tenant)?;
     require_json(&headers)?;
     let raw = body(raw)?;
-    let tenant = authenticate(&state, &tenant_name, &headers, &raw).await?;
+    let request = SignedRequest {
+        method: &method,
+        uri: &uri,
+        headers: &headers,
+        body: &raw,
+    };
+    let authenticated = authenticate(&state, &tenant_name, request, Secrets::Cached).await?;
     let correlation = correlation_id(&headers);
     let value: Value = serde_json::from_slice(&raw).map_err(|e| {
         state.metrics().reminder("invalid");
@@ -499,9 +608,29 @@ pub async fn post_reminders(
     })?;
     let batch = matches!(&value, Value::Object(map) if map.contains_key("reminders"));
     let mut response = if batch {
+        // A batch is imported here, at once: its tenant as the ledger has it now.
+        let tenant = authenticate(&state, &tenant_name, request, Secrets::Ledger)
+            .await?
+            .tenant;
         post_batch(&state, &tenant, value, &correlation).await?
     } else {
-        post_one(&state, &tenant, value, &correlation).await?
+        let signed = request.signed();
+        let check = Check {
+            tenant: tenant_name.clone(),
+            signature: authenticated.signature,
+            method: signed.method.to_owned(),
+            target: signed.target.to_owned(),
+            body: raw.clone(),
+        };
+        post_one(
+            &state,
+            &authenticated.tenant,
+            value,
+            &raw,
+            check,
+            &correlation,
+        )
+        .await?
     };
     if let Ok(v) = HeaderValue::from_str(&correlation) {
         response.headers_mut().insert(CORRELATION_HEADER, v);
@@ -509,11 +638,13 @@ pub async fn post_reminders(
     Ok(response)
 }
 
-/// A reminder checked and ready to import, or its problems.
+/// A reminder checked and ready to import, or its problems. `raw` is its text when it is the
+/// whole body: read from it, an unknown field's problem says where the field ends.
 fn prepare(
     state: &AppState,
     tenant: &IntakeTenant,
     value: Value,
+    raw: Option<&[u8]>,
     correlation: &str,
     prefix: &str,
 ) -> Result<ImportReminder, Vec<Problem>> {
@@ -523,8 +654,11 @@ fn prepare(
             "the reminder cannot be read back as JSON",
         )]
     })?;
-    let input = ReminderInput::from_value(value, TenantField::Absent)
-        .map_err(|e| vec![input_problem(prefix, &e)])?;
+    let input = match raw {
+        Some(raw) => ReminderInput::parse(raw, TenantField::Absent),
+        None => ReminderInput::from_value(value, TenantField::Absent),
+    }
+    .map_err(|e| vec![input_problem(prefix, &e)])?;
     let ahead = state.now() + state.inner.limits.max_schedule_ahead;
     if input.scheduled_at > ahead {
         return Err(vec![Problem::new(
@@ -614,27 +748,31 @@ async fn post_one(
     state: &AppState,
     tenant: &IntakeTenant,
     value: Value,
+    raw: &[u8],
+    check: Check,
     correlation: &str,
 ) -> Result<Response, ApiError> {
-    let item = prepare(state, tenant, value, correlation, "").map_err(|problems| {
+    let item = prepare(state, tenant, value, Some(raw), correlation, "").map_err(|problems| {
         state.metrics().reminder("invalid");
         ApiError::Invalid(problems)
     })?;
-    let outcomes = state
-        .inner
-        .ledger
-        .import_reminders(
-            std::slice::from_ref(&item),
-            &state.inner.cipher,
-            state.now(),
-        )
-        .await
-        .map_err(ApiError::internal)?;
-    let outcome = outcomes
-        .first()
-        .copied()
-        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("the import answered nothing")))?;
-    let (status, accepted) = answer(state, tenant, &item, outcome, correlation)?;
+    // Committed together with whatever other single posts are waiting, after the committer
+    // read the tenant and verified the signature again (see `commit`).
+    let committed = match state.inner.committer.import(item.clone(), check).await {
+        Ok(committed) => committed,
+        Err(CommitError::Refused(refusal)) => {
+            state.metrics().refusal(refusal.internal());
+            return Err(ApiError::Unauthorized(refusal));
+        }
+        Err(e) => return Err(ApiError::internal(e)),
+    };
+    let (status, accepted) = answer(
+        state,
+        &committed.tenant,
+        &item,
+        committed.outcome,
+        correlation,
+    )?;
     Ok((status, Json(accepted)).into_response())
 }
 
@@ -647,12 +785,8 @@ async fn post_batch(
     let Value::Object(mut map) = value else {
         return Err(ApiError::invalid("", "expected a JSON object"));
     };
-    if let Some(other) = map.keys().find(|k| *k != "reminders") {
-        let path = format!("/{}", other.replace('~', "~0").replace('/', "~1"));
-        return Err(ApiError::invalid(
-            path,
-            "unknown field: a batch has only `reminders`",
-        ));
+    if map.keys().any(|k| k != "reminders") {
+        return Err(ApiError::invalid("", UNKNOWN_BATCH_FIELD));
     }
     let Some(Value::Array(items)) = map.remove("reminders") else {
         return Err(ApiError::invalid(
@@ -673,6 +807,7 @@ async fn post_batch(
             state,
             tenant,
             item,
+            None,
             correlation,
             &format!("/reminders/{index}"),
         ));
@@ -770,7 +905,7 @@ fn subscriber_ref(text: &str) -> Result<SubscriberRef, ApiError> {
     params(
         ("tenant" = String, Path, description = "the tenant's name"),
         ("event_id" = String, Path, description = "the client's event id", min_length = 1, max_length = 200, pattern = "^[!-~]+$"),
-        ("Nudge-Signature" = String, Header, description = "signature of the empty body"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path and the (empty) body"),
     ),
     responses(
         (status = 200, description = "the reminder", body = ReminderState),
@@ -783,12 +918,26 @@ fn subscriber_ref(text: &str) -> Result<SubscriberRef, ApiError> {
 pub async fn get_reminder(
     State(state): State<AppState>,
     params: Result<Path<(String, String)>, PathRejection>,
+    method: Method,
+    OriginalUri(uri): OriginalUri,
     headers: HeaderMap,
     raw: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (tenant_name, event) = path(params)?;
     let raw = body(raw)?;
-    let tenant = authenticate(&state, &tenant_name, &headers, &raw).await?;
+    let tenant = authenticate(
+        &state,
+        &tenant_name,
+        SignedRequest {
+            method: &method,
+            uri: &uri,
+            headers: &headers,
+            body: &raw,
+        },
+        Secrets::Ledger,
+    )
+    .await?
+    .tenant;
     let event_id = event_id(&event)?;
     let status = state
         .inner
@@ -806,7 +955,7 @@ pub async fn get_reminder(
     params(
         ("tenant" = String, Path, description = "the tenant's name"),
         ("event_id" = String, Path, description = "the client's event id", min_length = 1, max_length = 200, pattern = "^[!-~]+$"),
-        ("Nudge-Signature" = String, Header, description = "signature of the body (usually empty)"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path and the body (usually empty)"),
     ),
     responses(
         (status = 200, description = "cancelled", body = CancelAnswer),
@@ -821,17 +970,31 @@ pub async fn get_reminder(
 pub async fn cancel_reminder(
     State(state): State<AppState>,
     params: Result<Path<(String, String)>, PathRejection>,
+    method: Method,
+    OriginalUri(uri): OriginalUri,
     headers: HeaderMap,
     raw: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (tenant_name, event) = path(params)?;
     let raw = body(raw)?;
-    let tenant = authenticate(&state, &tenant_name, &headers, &raw).await?;
+    let tenant = authenticate(
+        &state,
+        &tenant_name,
+        SignedRequest {
+            method: &method,
+            uri: &uri,
+            headers: &headers,
+            body: &raw,
+        },
+        Secrets::Ledger,
+    )
+    .await?
+    .tenant;
     let event_id = event_id(&event)?;
     let cancellation = state
         .inner
         .ledger
-        .cancel_reminder_by_channel(tenant.id, &event_id, state.now())
+        .cancel_reminder_by_channel(tenant.id, &event_id, LedgerTime::Database)
         .await
         .map_err(ApiError::internal)?
         .ok_or(ApiError::NotFound)?;
@@ -851,7 +1014,7 @@ pub async fn cancel_reminder(
     params(
         ("tenant" = String, Path, description = "the tenant's name"),
         ("subscriber_ref" = String, Path, description = "the client's reference of the subscriber", min_length = 1, max_length = 128, pattern = "^[!-~]+$"),
-        ("Nudge-Signature" = String, Header, description = "signature of the body"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path and the body"),
     ),
     request_body(content = ContactsBody, content_type = "application/json"),
     responses(
@@ -867,25 +1030,35 @@ pub async fn cancel_reminder(
 pub async fn put_contacts(
     State(state): State<AppState>,
     params: Result<Path<(String, String)>, PathRejection>,
+    method: Method,
+    OriginalUri(uri): OriginalUri,
     headers: HeaderMap,
     raw: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (tenant_name, subscriber) = path(params)?;
     require_json(&headers)?;
     let raw = body(raw)?;
-    let tenant = authenticate(&state, &tenant_name, &headers, &raw).await?;
+    let tenant = authenticate(
+        &state,
+        &tenant_name,
+        SignedRequest {
+            method: &method,
+            uri: &uri,
+            headers: &headers,
+            body: &raw,
+        },
+        Secrets::Ledger,
+    )
+    .await?
+    .tenant;
     let subscriber = subscriber_ref(&subscriber)?;
     let value: Value =
         serde_json::from_slice(&raw).map_err(|e| ApiError::Invalid(vec![json_problem(&e)]))?;
     let Value::Object(mut map) = value else {
         return Err(ApiError::invalid("", "expected a JSON object"));
     };
-    if let Some(other) = map.keys().find(|k| *k != "destinations") {
-        let path = format!("/{}", other.replace('~', "~0").replace('/', "~1"));
-        return Err(ApiError::invalid(
-            path,
-            "unknown field: only `destinations`",
-        ));
+    if map.keys().any(|k| k != "destinations") {
+        return Err(ApiError::invalid("", UNKNOWN_CONTACTS_FIELD));
     }
     let destinations = map
         .remove("destinations")
@@ -940,7 +1113,7 @@ pub async fn put_contacts(
     params(
         ("tenant" = String, Path, description = "the tenant's name"),
         ("subscriber_ref" = String, Path, description = "the client's reference of the subscriber", min_length = 1, max_length = 128, pattern = "^[!-~]+$"),
-        ("Nudge-Signature" = String, Header, description = "signature of the empty body"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path and the (empty) body"),
     ),
     responses(
         (status = 200, description = "erased", body = ErasureAnswer),
@@ -952,12 +1125,26 @@ pub async fn put_contacts(
 pub async fn erase_subscriber(
     State(state): State<AppState>,
     params: Result<Path<(String, String)>, PathRejection>,
+    method: Method,
+    OriginalUri(uri): OriginalUri,
     headers: HeaderMap,
     raw: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (tenant_name, subscriber) = path(params)?;
     let raw = body(raw)?;
-    let tenant = authenticate(&state, &tenant_name, &headers, &raw).await?;
+    let tenant = authenticate(
+        &state,
+        &tenant_name,
+        SignedRequest {
+            method: &method,
+            uri: &uri,
+            headers: &headers,
+            body: &raw,
+        },
+        Secrets::Ledger,
+    )
+    .await?
+    .tenant;
     let subscriber = subscriber_ref(&subscriber)?;
     let by = Operator::new(
         &format!("nudge-intake:{tenant_name}"),
@@ -968,7 +1155,13 @@ pub async fn erase_subscriber(
     let erasure = state
         .inner
         .ledger
-        .erase_subscriber(tenant.id, &subscriber, &state.inner.cipher, &by)
+        .erase_subscriber(
+            tenant.id,
+            &subscriber,
+            &state.inner.cipher,
+            &by,
+            LedgerTime::Database,
+        )
         .await
         .map_err(ApiError::internal)?;
     Ok(Json(ErasureAnswer {

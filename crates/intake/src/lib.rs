@@ -8,6 +8,7 @@
 //! a client whether a tenant exists.
 
 pub mod api;
+pub mod commit;
 mod config;
 pub mod error;
 pub mod metrics;
@@ -44,10 +45,13 @@ pub use metrics::IntakeMetrics;
     info(
         title = "nudge intake",
         description = "Hand nudge reminders over HTTP. Every /v1 request carries \
-                       `Nudge-Signature: t=<unix seconds>,v1=<hex>`: HMAC-SHA256 of \
-                       `\"<t>.<raw body>\"` under one of the tenant's signing secrets \
-                       (several v1 entries may be sent while rotating). Answers come after \
-                       commit and never quote a destination, subscriber reference or content.",
+                       `Nudge-Signature: t=<unix seconds>,v2=<hex>`: HMAC-SHA256 of \
+                       `\"<t>\\n<METHOD>\\n<path>\\n<raw body>\"` (the method, the path \
+                       and query as sent, and the body, each after a line break) under one of \
+                       the tenant's signing secrets (several v2 entries may be sent while \
+                       rotating; entries of other schemes, such as the retired v1, are \
+                       ignored). Answers come after commit and never quote a destination, \
+                       subscriber reference or content.",
         license(name = "Apache-2.0", identifier = "Apache-2.0"),
     ),
     paths(
@@ -58,14 +62,13 @@ pub use metrics::IntakeMetrics;
         api::erase_subscriber,
         api::healthz,
         api::readyz,
-        api::metrics,
         api::openapi,
     ),
     modifiers(&SignatureScheme),
     tags(
         (name = "reminders", description = "Post, read and cancel reminders"),
         (name = "subscribers", description = "Destinations and erasure"),
-        (name = "operations", description = "Health, readiness, metrics and this document"),
+        (name = "operations", description = "Health, readiness and this document"),
     )
 )]
 pub struct ApiDoc;
@@ -80,7 +83,7 @@ impl utoipa::Modify for SignatureScheme {
             "signature",
             SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
                 "Nudge-Signature",
-                "t=<unix seconds>,v1=<hex HMAC-SHA256 of \"<t>.<raw body>\">",
+                "t=<unix seconds>,v2=<hex HMAC-SHA256 of \"<t>\\n<METHOD>\\n<path>\\n<raw body>\">",
             ))),
         );
     }
@@ -117,7 +120,6 @@ pub fn router(state: AppState, body_limit: usize, request_timeout: Duration) -> 
         )
         .route("/healthz", get(api::healthz))
         .route("/readyz", get(api::readyz))
-        .route("/metrics", get(api::metrics))
         .route("/openapi.json", get(api::openapi))
         .layer(axum::middleware::from_fn_with_state(
             (state.clone(), request_timeout),

@@ -10,7 +10,7 @@ use axum::body::{Body, to_bytes};
 use axum::http::{Request, StatusCode};
 use chrono::{DateTime, TimeZone, Utc};
 use nudge_domain::Channel;
-use nudge_intake::signature::header_value;
+use nudge_intake::signature::{Signed, header_value};
 use nudge_intake::{AppState, IntakeMetrics, Limits, router};
 use nudge_ledger::{DestinationCipher, Ledger, LedgerTime, Operator, SubscriberKey};
 use serde_json::{Value, json};
@@ -26,6 +26,7 @@ struct Intake {
     ledger: Ledger,
     router: axum::Router,
     secret: String,
+    metrics: Arc<IntakeMetrics>,
 }
 
 fn cipher() -> DestinationCipher {
@@ -44,10 +45,11 @@ async fn intake(pool: PgPool) -> Intake {
         .rotate_signing_secret(tenant.id, &cipher(), &operator())
         .await
         .unwrap();
+    let metrics = Arc::new(IntakeMetrics::new());
     let state = AppState::new(
         ledger.clone(),
         cipher(),
-        Arc::new(IntakeMetrics::new()),
+        metrics.clone(),
         Limits {
             batch_max: 3,
             timestamp_tolerance_s: 300,
@@ -59,7 +61,22 @@ async fn intake(pool: PgPool) -> Intake {
         ledger,
         router: router(state, 64 * 1024, Duration::from_secs(10)),
         secret: secret.expose().to_owned(),
+        metrics,
     }
+}
+
+/// A `Nudge-Signature` value for this request, as a client computes it.
+fn signature(method: &str, target: &str, body: &[u8], t: i64, secrets: &[&str]) -> String {
+    let secrets: Vec<&[u8]> = secrets.iter().map(|s| s.as_bytes()).collect();
+    header_value(
+        &secrets,
+        t,
+        &Signed {
+            method,
+            target,
+            body,
+        },
+    )
 }
 
 fn reminder(event_id: &str) -> Value {
@@ -90,12 +107,12 @@ impl Intake {
         t: i64,
         secrets: &[&str],
     ) -> Request<Body> {
-        let secrets: Vec<&[u8]> = secrets.iter().map(|s| s.as_bytes()).collect();
+        let signature = signature(method, uri, body, t, secrets);
         Request::builder()
             .method(method)
             .uri(uri)
             .header("content-type", "application/json")
-            .header("nudge-signature", header_value(&secrets, t, body))
+            .header("nudge-signature", signature)
             .body(Body::from(body.to_vec()))
             .unwrap()
     }
@@ -384,9 +401,10 @@ async fn bad_input_is_a_400_listing_paths_and_problems_without_values_and_writes
     let mut r = reminder("e");
     r["event_id"] = json!("");
     cases.push((r, "/event_id"));
+    // An unknown field is placed at the reminder, its name never repeated.
     let mut r = reminder("e");
     r["nickname"] = json!("pat");
-    cases.push((r, "/nickname"));
+    cases.push((r, ""));
     let mut r = reminder("e");
     r["subscriber_ref"] = json!(15550100);
     cases.push((r, "/subscriber_ref"));
@@ -724,7 +742,9 @@ async fn the_correlation_id_is_kept_with_the_reminder_and_handed_to_the_relay(po
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
-async fn health_readiness_metrics_and_the_contract_are_served_without_a_signature(pool: PgPool) {
+async fn health_readiness_and_the_contract_are_served_without_a_signature_and_metrics_are_not(
+    pool: PgPool,
+) {
     let intake = intake(pool).await;
     for (uri, needle) in [
         ("/healthz", "ok"),
@@ -738,7 +758,8 @@ async fn health_readiness_metrics_and_the_contract_are_served_without_a_signatur
         assert!(answer.text.contains(needle), "{uri}: {}", answer.text);
     }
     let _ = intake.post(&reminder("m")).await;
-    let metrics = intake
+    // Metrics are for the admin address (telemetry.metrics_addr), not the public listener.
+    let public = intake
         .send(
             Request::builder()
                 .uri("/metrics")
@@ -746,14 +767,13 @@ async fn health_readiness_metrics_and_the_contract_are_served_without_a_signatur
                 .unwrap(),
         )
         .await;
+    assert_eq!(public.status, StatusCode::NOT_FOUND);
+    let metrics = intake.metrics.encode().unwrap();
     assert!(
-        metrics
-            .text
-            .contains("nudge_intake_reminders_total{outcome=\"accepted\"} 1"),
-        "{}",
-        metrics.text
+        metrics.contains("nudge_intake_reminders_total{outcome=\"accepted\"} 1"),
+        "{metrics}"
     );
-    assert_no_phi(&metrics.text);
+    assert_no_phi(&metrics);
 }
 
 #[test]
@@ -770,4 +790,244 @@ fn the_committed_openapi_document_is_the_one_the_code_generates() {
         "docs/openapi.json is not what the code generates: run \
          `NUDGE_WRITE_OPENAPI=1 cargo test -p nudge-intake --test api the_committed_openapi` and commit it"
     );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_signature_replayed_to_another_path_or_method_is_refused_and_writes_nothing(
+    pool: PgPool,
+) {
+    let intake = intake(pool).await;
+    for event in ["appt-a", "appt-b"] {
+        assert_eq!(
+            intake.post(&reminder(event)).await.status,
+            StatusCode::ACCEPTED
+        );
+    }
+    let owed = || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM deliveries WHERE state IN ('scheduled', 'queued', 'retry_wait')",
+        )
+        .fetch_one(intake.ledger.pool())
+        .await
+        .unwrap();
+        n
+    };
+    assert_eq!(owed().await, 4);
+    let t = now().timestamp();
+    let request = |method: &str, uri: &str, body: &[u8], header: &str| {
+        Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("content-type", "application/json")
+            .header("nudge-signature", header)
+            .body(Body::from(body.to_vec()))
+            .unwrap()
+    };
+    // A captured cancellation of appt-a, replayed against appt-b.
+    let cancel_a = signature(
+        "POST",
+        "/v1/tenants/clinic/reminders/appt-a/cancel",
+        b"",
+        t,
+        &[&intake.secret],
+    );
+    let replayed = intake
+        .send(request(
+            "POST",
+            "/v1/tenants/clinic/reminders/appt-b/cancel",
+            b"",
+            &cancel_a,
+        ))
+        .await;
+    assert_eq!(
+        replayed.status,
+        StatusCode::UNAUTHORIZED,
+        "{}",
+        replayed.text
+    );
+    assert_eq!(replayed.body["reason"], "bad_signature");
+    // A captured read of appt-a, sent as its cancellation.
+    let read_a = signature(
+        "GET",
+        "/v1/tenants/clinic/reminders/appt-a",
+        b"",
+        t,
+        &[&intake.secret],
+    );
+    let as_cancel = intake
+        .send(request(
+            "POST",
+            "/v1/tenants/clinic/reminders/appt-a/cancel",
+            b"",
+            &read_a,
+        ))
+        .await;
+    assert_eq!(as_cancel.body["reason"], "bad_signature");
+    // A captured erasure of `patient.42`, against `patient` with the rest moved into the body:
+    // the same bytes with dots between the parts, refused with line breaks between them.
+    let put = intake
+        .call(
+            "PUT",
+            "/v1/tenants/clinic/subscribers/patient/contacts",
+            &json!({"destinations": {"push": "tok-keep"}}),
+        )
+        .await;
+    assert_eq!(put.status, StatusCode::OK, "{}", put.text);
+    let erase_dotted = signature(
+        "DELETE",
+        "/v1/tenants/clinic/subscribers/patient.42",
+        b"",
+        t,
+        &[&intake.secret],
+    );
+    let shifted = intake
+        .send(request(
+            "DELETE",
+            "/v1/tenants/clinic/subscribers/patient",
+            b"42.",
+            &erase_dotted,
+        ))
+        .await;
+    assert_eq!(shifted.body["reason"], "bad_signature", "{}", shifted.text);
+    // The first scheme's signature (`v1`, over "<t>.<body>") is no longer enough.
+    let v1 = {
+        use hmac::Mac;
+        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(intake.secret.as_bytes()).unwrap();
+        mac.update(format!("{t}.").as_bytes());
+        let digest = mac.finalize().into_bytes();
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        format!("t={t},v1={hex}")
+    };
+    let old_scheme = intake
+        .send(request(
+            "POST",
+            "/v1/tenants/clinic/reminders/appt-b/cancel",
+            b"",
+            &v1,
+        ))
+        .await;
+    assert_eq!(old_scheme.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(old_scheme.body["reason"], "missing_signature");
+
+    // Nothing was written: every delivery still owed, no reminder cancelled, the contact kept.
+    assert_eq!(owed().await, 4);
+    let cancelled: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM reminders WHERE cancelled_at IS NOT NULL")
+            .fetch_one(intake.ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!(cancelled, 0);
+    assert_eq!(intake.count("contacts").await, 3, "sms, email and push");
+
+    // The captured request itself, on its own path, still does what it was signed for.
+    let own = intake
+        .send(request(
+            "POST",
+            "/v1/tenants/clinic/reminders/appt-a/cancel",
+            b"",
+            &cancel_a,
+        ))
+        .await;
+    assert_eq!(own.status, StatusCode::OK, "{}", own.text);
+    assert_eq!(owed().await, 2);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_unknown_field_is_answered_by_position_and_its_name_is_never_repeated(pool: PgPool) {
+    let intake = intake(pool).await;
+    // Keys a client might type by mistake: a phone number, an address, a reference.
+    let keys = ["+15550199", "pat.doe@example.org", "patient-77"];
+    for key in keys {
+        // A single reminder: placed at the reminder, with where the field ends.
+        let mut r = reminder("e");
+        r[key] = json!(1);
+        let answer = intake.post(&r).await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{}", answer.text);
+        assert_eq!(answer.body["errors"][0]["path"], "");
+        let problem = answer.body["errors"][0]["problem"].as_str().unwrap();
+        assert!(problem.contains("line 1 column"), "{problem}");
+        assert!(!answer.text.contains(key), "{}", answer.text);
+
+        // A reminder of a batch: placed at that reminder.
+        let answer = intake
+            .post(&json!({"reminders": [reminder("ok"), r]}))
+            .await;
+        assert_eq!(answer.status, StatusCode::OK, "{}", answer.text);
+        assert_eq!(
+            answer.body["results"][1]["errors"][0]["path"],
+            "/reminders/1"
+        );
+        assert!(!answer.text.contains(key), "{}", answer.text);
+
+        // Next to `reminders`, and next to `destinations`.
+        let mut batch = json!({"reminders": [reminder("ok")]});
+        batch[key] = json!(1);
+        let answer = intake.post(&batch).await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST);
+        assert_eq!(answer.body["errors"][0]["path"], "");
+        assert!(!answer.text.contains(key), "{}", answer.text);
+        let answer = intake
+            .call(
+                "PUT",
+                "/v1/tenants/clinic/subscribers/patient-42/contacts",
+                &{
+                    let mut body = json!({"destinations": {"sms": "+15550100"}});
+                    body[key] = json!(1);
+                    body
+                },
+            )
+            .await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST);
+        assert_eq!(answer.body["errors"][0]["path"], "");
+        assert!(!answer.text.contains(key), "{}", answer.text);
+    }
+    assert_eq!(intake.count("reminders").await, 1, "only the batches' `ok`");
+    assert_eq!(
+        intake.count("contacts").await,
+        2,
+        "the batch's sms and email"
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn cancellation_and_erasure_are_stamped_with_the_databases_clock(pool: PgPool) {
+    // The intake's clock in these tests is fixed (`now()`); the database's runs.
+    let intake = intake(pool).await;
+    assert_eq!(
+        intake.post(&reminder("clock")).await.status,
+        StatusCode::ACCEPTED
+    );
+    let before: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+        .fetch_one(intake.ledger.pool())
+        .await
+        .unwrap();
+    let cancelled = intake
+        .call(
+            "POST",
+            "/v1/tenants/clinic/reminders/clock/cancel",
+            &Value::Null,
+        )
+        .await;
+    assert_eq!(cancelled.status, StatusCode::OK, "{}", cancelled.text);
+    let erased = intake
+        .call(
+            "DELETE",
+            "/v1/tenants/clinic/subscribers/patient-42",
+            &Value::Null,
+        )
+        .await;
+    assert_eq!(erased.status, StatusCode::OK, "{}", erased.text);
+    let stamps: Vec<DateTime<Utc>> = sqlx::query_scalar(
+        "SELECT cancelled_at FROM reminders UNION ALL SELECT erased_at FROM reminders
+         UNION ALL SELECT settled_at FROM deliveries
+         UNION ALL SELECT at FROM audit_log WHERE action = 'subscriber_erase'",
+    )
+    .fetch_all(intake.ledger.pool())
+    .await
+    .unwrap();
+    assert_eq!(stamps.len(), 5);
+    for stamp in stamps {
+        assert!(stamp >= before, "{stamp} is not the database's time");
+        assert_ne!(stamp, now());
+    }
 }

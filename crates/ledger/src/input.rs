@@ -29,9 +29,14 @@ pub enum InputError {
     Syntax { column: usize, problem: String },
     #[error("expected a JSON object")]
     NotAnObject,
-    /// A missing, unknown or repeated field, as serde words it.
+    /// A missing or repeated field, as serde words it (it names one of the format's fields).
     #[error("{0}")]
     Fields(String),
+    /// A field that is not one of the format's. Its name is never repeated: it is the
+    /// client's text, and could be patient data typed as a key. `at` is where it ends
+    /// (line, column) when the text was parsed here.
+    #[error("{}", unknown_field(*.at))]
+    UnknownField { at: Option<(usize, usize)> },
     #[error("{field} must be {expected}")]
     WrongType {
         field: String,
@@ -82,9 +87,13 @@ impl InputError {
         let suffix = format!(" at line {} column {}", error.line(), error.column());
         let problem = text.strip_suffix(&suffix).unwrap_or(&text);
         match error.classify() {
+            // serde quotes an unknown key back as written: never pass that on.
+            Category::Data if problem.starts_with("unknown field `") => Self::UnknownField {
+                at: (error.line() > 0).then(|| (error.line(), error.column())),
+            },
             Category::Data => {
-                // A key is quoted back as written: keep a stray control character from
-                // breaking the one-line-per-rejection output.
+                // A missing or repeated field is one of ours; keep a stray control character
+                // from breaking the one-line-per-rejection output all the same.
                 let mut fields = String::with_capacity(problem.len());
                 for c in problem.chars() {
                     if c.is_control() {
@@ -101,6 +110,20 @@ impl InputError {
             },
         }
     }
+}
+
+/// The fields of a reminder, as an unknown field's message lists them.
+const FIELDS: &str = "event_id, subscriber_ref, channels, scheduled_at, expires_at, \
+                      destinations, content (and tenant in a `reminders load` line)";
+
+fn unknown_field(at: Option<(usize, usize)>) -> String {
+    let place = at.map_or_else(String::new, |(line, column)| {
+        format!(" (it ends at line {line} column {column})")
+    });
+    format!(
+        "has a field that is not one of {FIELDS}{place}; its name is not repeated, as it \
+         could be patient data"
+    )
 }
 
 /// One reminder as written: every field is taken as raw JSON so that a value of the wrong type
@@ -316,7 +339,10 @@ impl InputError {
             | Self::EmptyDestination(c)
             | Self::UnlistedDestination(c) => format!("/destinations/{c}"),
             Self::ContentTooLong => "/content".to_owned(),
-            Self::Syntax { .. } | Self::NotAnObject | Self::Refused(_) => String::new(),
+            Self::Syntax { .. }
+            | Self::NotAnObject
+            | Self::Refused(_)
+            | Self::UnknownField { .. } => String::new(),
             Self::Fields(message) => field_of(message)
                 .map(|field| format!("/{}", field.replace('~', "~0").replace('/', "~1")))
                 .unwrap_or_default(),
@@ -340,9 +366,9 @@ impl InputError {
     }
 }
 
-/// The field a serde message about a missing, unknown or repeated field names.
+/// The field a serde message about a missing or repeated field names.
 fn field_of(message: &str) -> Option<&str> {
-    ["unknown field `", "missing field `", "duplicate field `"]
+    ["missing field `", "duplicate field `"]
         .iter()
         .find_map(|prefix| message.strip_prefix(prefix))
         .and_then(|rest| rest.split('`').next())
@@ -449,12 +475,31 @@ mod tests {
     }
 
     #[test]
-    fn unknown_and_missing_fields_are_named() {
-        let unknown = reason(&with("subscriber", serde_json::json!("x")));
+    fn an_unknown_field_is_placed_without_its_name_and_a_missing_one_is_named() {
+        let line = with("patient-42", serde_json::json!("x"));
+        let unknown = reason(&line);
         assert!(
-            unknown.starts_with("unknown field `subscriber`, expected one of"),
+            unknown.starts_with("has a field that is not one of event_id, "),
             "{unknown}"
         );
+        // Where it ends: right after the key, whose quotes close at this column.
+        let key_end = String::from_utf8_lossy(&line)
+            .find("\"patient-42\"")
+            .unwrap()
+            + 12;
+        let err = ReminderInput::parse(&line, TenantField::Required).unwrap_err();
+        assert_eq!(
+            err,
+            InputError::UnknownField {
+                at: Some((1, key_end))
+            }
+        );
+        assert!(
+            err.to_string()
+                .contains(&format!("line 1 column {key_end}")),
+            "{err}"
+        );
+        assert_eq!(err.path(), "");
         assert_eq!(
             reason(&with("expires_at", Value::Null)),
             "missing field `expires_at`"
@@ -548,10 +593,12 @@ mod tests {
     }
 
     #[test]
-    fn a_control_character_in_an_unknown_key_stays_on_one_line() {
-        let r = reason(&with("a\nb", serde_json::json!(1)));
-        assert!(!r.contains('\n'), "{r}");
-        assert!(r.starts_with("unknown field `a\\nb`"), "{r}");
+    fn an_unknown_key_is_never_repeated_whatever_it_holds() {
+        for key in ["a\nb", "+15550100", "pat@example.org", "x`y"] {
+            let r = reason(&with(key, serde_json::json!(1)));
+            assert!(!r.contains('\n'), "{r}");
+            assert!(!r.contains(key), "{r}");
+        }
     }
 }
 
@@ -584,7 +631,7 @@ mod http_form {
                 serde_json::json!({"channels": ["sms", "fax"]}),
                 "/channels/1",
             ),
-            (serde_json::json!({"subscriber": "x"}), "/subscriber"),
+            (serde_json::json!({"subscriber": "x"}), ""),
             (
                 serde_json::json!({"scheduled_at": "tomorrow"}),
                 "/scheduled_at",

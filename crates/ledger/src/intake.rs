@@ -15,6 +15,7 @@ use rand::RngExt;
 use crate::audit::{self, Operator};
 use crate::contacts::{destination_aad, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher};
+use crate::deliveries::LedgerTime;
 use crate::{Ledger, LedgerError};
 
 /// The most signing secrets a tenant has at once (the current one and the one it replaces).
@@ -107,9 +108,13 @@ fn secret_aad(tenant_id: uuid::Uuid, generation: i32) -> Vec<u8> {
     format!("tenant-secret:{tenant_id}:{generation}").into_bytes()
 }
 
+/// What a sealed secret looks like in length (nonce, `nsk_` and 64 hex digits, tag): opened in
+/// place of a secret a tenant does not have.
+const PLACEHOLDER_SEALED: [u8; 24 + 68 + 16] = [0; 24 + 68 + 16];
+
 #[derive(sqlx::FromRow)]
 struct TenantRow {
-    id: uuid::Uuid,
+    id: Option<uuid::Uuid>,
     intake_paused: bool,
     draining: Vec<String>,
     generations: Vec<i32>,
@@ -136,34 +141,47 @@ struct DeliveryRow {
 
 impl Ledger {
     /// The tenant named `name` with its secrets opened, or `None` when there is no such tenant.
+    ///
+    /// The same work either way, so that its time does not say whether the tenant exists (the
+    /// intake answers both alike): the statement always yields one row (the tenant's, or one
+    /// of NULLs) and runs every subquery, and as many secrets are opened as a tenant can have
+    /// ([`MAX_ACTIVE_SECRETS`]), placeholders standing in for the missing ones.
     pub async fn intake_tenant(
         &self,
         name: &str,
         cipher: &DestinationCipher,
     ) -> Result<Option<IntakeTenant>, LedgerError> {
-        let row: Option<TenantRow> = sqlx::query_as(
-            "SELECT t.id, t.intake_paused,
+        let row: TenantRow = sqlx::query_as(
+            "SELECT t.id, COALESCE(t.intake_paused, false) AS intake_paused,
                     ARRAY(SELECT channel FROM channel_controls WHERE draining ORDER BY channel)
                         AS draining,
                     ARRAY(SELECT generation FROM tenant_secrets s WHERE s.tenant_id = t.id
                           ORDER BY generation DESC) AS generations,
                     ARRAY(SELECT secret_ciphertext FROM tenant_secrets s WHERE s.tenant_id = t.id
                           ORDER BY generation DESC) AS ciphertexts
-             FROM tenants t WHERE t.name = $1",
+             FROM (VALUES (1)) AS one (x) LEFT JOIN tenants t ON t.name = $1",
         )
         .bind(name)
-        .fetch_optional(&self.pool)
+        .fetch_one(&self.pool)
         .await?;
-        let Some(row) = row else {
-            return Ok(None);
-        };
+        let id = row.id.unwrap_or_else(uuid::Uuid::nil);
         let mut secrets = Vec::with_capacity(row.ciphertexts.len());
         for (generation, sealed) in row.generations.iter().zip(&row.ciphertexts) {
-            let opened = cipher.open(sealed, &secret_aad(row.id, *generation))?;
+            let opened = cipher.open(sealed, &secret_aad(id, *generation))?;
             let text = String::from_utf8(opened)
                 .map_err(|_| LedgerError::corrupt("tenant_secrets", "secret is not UTF-8"))?;
             secrets.push(SigningSecret(text));
         }
+        let missing = usize::try_from(MAX_ACTIVE_SECRETS)
+            .unwrap_or(0)
+            .saturating_sub(secrets.len());
+        for _ in 0..missing {
+            // Fails to open (it is no ciphertext of ours) after the same authentication work.
+            let _ = std::hint::black_box(cipher.open(&PLACEHOLDER_SEALED, &secret_aad(id, 0)));
+        }
+        let Some(id) = row.id else {
+            return Ok(None);
+        };
         let draining = row
             .draining
             .iter()
@@ -173,7 +191,7 @@ impl Ledger {
             })
             .collect::<Result<_, _>>()?;
         Ok(Some(IntakeTenant {
-            id: TenantId::from_uuid(row.id),
+            id: TenantId::from_uuid(id),
             intake_paused: row.intake_paused,
             draining,
             secrets,
@@ -286,21 +304,23 @@ impl Ledger {
     }
 
     /// Cancels a reminder ([`Ledger::cancel_reminder`]'s rules) and answers per channel, in
-    /// one transaction; `None` when the tenant has no such event.
+    /// one transaction; `None` when the tenant has no such event. `cancelled_at` and the
+    /// deliveries' `settled_at` are the database's time ([`LedgerTime::Database`]), like every
+    /// other settlement.
     pub async fn cancel_reminder_by_channel(
         &self,
         tenant_id: TenantId,
         event_id: &EventId,
-        now: DateTime<Utc>,
+        at: LedgerTime,
     ) -> Result<Option<Cancellation>, LedgerError> {
         let mut tx = self.pool.begin().await?;
         let id: Option<uuid::Uuid> = sqlx::query_scalar(
-            "UPDATE reminders SET cancelled_at = COALESCE(cancelled_at, $3)
+            "UPDATE reminders SET cancelled_at = COALESCE(cancelled_at, $3, now())
              WHERE tenant_id = $1 AND event_id = $2 RETURNING id",
         )
         .bind(tenant_id.as_uuid())
         .bind(event_id.as_str())
-        .bind(now)
+        .bind(at.bind())
         .fetch_optional(&mut *tx)
         .await?;
         let Some(id) = id else {
@@ -308,13 +328,14 @@ impl Ledger {
         };
         let cancelled: Vec<String> = sqlx::query_scalar(
             "UPDATE deliveries
-             SET state = 'cancelled', settled_at = $2, updated_at = $2, next_attempt_at = NULL,
+             SET state = 'cancelled', settled_at = COALESCE($2, now()),
+                 updated_at = COALESCE($2, now()), next_attempt_at = NULL,
                  last_error_reason = 'cancelled_by_client'
              WHERE reminder_id = $1 AND state IN ('scheduled', 'queued', 'retry_wait')
              RETURNING channel",
         )
         .bind(id)
-        .bind(now)
+        .bind(at.bind())
         .fetch_all(&mut *tx)
         .await?;
         let status = status_in(&mut tx, tenant_id, event_id)
@@ -370,17 +391,22 @@ impl Ledger {
     /// being sent finishes), and strips their reminders to the audit fields: the reference is
     /// replaced by a random value unrelated to the subscriber, content and request digest are
     /// dropped, `erased_at` is set. An audit row with the counts (never the reference) is
-    /// written in the same transaction. Needs the subscriber key.
+    /// written in the same transaction. Every time it writes, the audit row's included, is the
+    /// database's ([`LedgerTime::Database`]), read once at its start. Needs the subscriber key.
     pub async fn erase_subscriber(
         &self,
         tenant_id: TenantId,
         subscriber_ref: &SubscriberRef,
         cipher: &DestinationCipher,
         by: &Operator,
+        at: LedgerTime,
     ) -> Result<Erasure, LedgerError> {
         let stored_ref = cipher.stored_ref(tenant_id, subscriber_ref)?;
-        let now = by.at();
         let mut tx = self.pool.begin().await?;
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT COALESCE($1, now())")
+            .bind(at.bind())
+            .fetch_one(&mut *tx)
+            .await?;
         let contacts_deleted = sqlx::query(
             "DELETE FROM contacts WHERE tenant_id = $1
                AND (subscriber_ref = $2 OR (NOT subscriber_ref_keyed AND subscriber_ref = $3))",
@@ -432,19 +458,17 @@ impl Ledger {
             reminders_erased,
             deliveries_cancelled,
         };
-        audit::insert(
-            &mut tx,
-            &by.entry(
-                "subscriber_erase",
-                format!("tenant:{tenant_id}"),
-                serde_json::json!({
-                    "contacts_deleted": contacts_deleted,
-                    "reminders_erased": reminders_erased,
-                    "deliveries_cancelled": deliveries_cancelled,
-                }),
-            ),
-        )
-        .await?;
+        let mut entry = by.entry(
+            "subscriber_erase",
+            format!("tenant:{tenant_id}"),
+            serde_json::json!({
+                "contacts_deleted": contacts_deleted,
+                "reminders_erased": reminders_erased,
+                "deliveries_cancelled": deliveries_cancelled,
+            }),
+        );
+        entry.at = now;
+        audit::insert(&mut tx, &entry).await?;
         tx.commit().await?;
         Ok(erasure)
     }

@@ -88,6 +88,9 @@ use sqlx::{ConnectOptions, PgPool};
 /// The schema, embedded at build time from the workspace's `migrations/`.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
 
+/// How long a pooled connection may sit idle and still be handed out without a ping.
+const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
+
 /// The sender a ledger handle works for unless told otherwise ([`Ledger::for_sender`]).
 pub const DEFAULT_SENDER: &str = "nudge";
 
@@ -122,6 +125,19 @@ impl Ledger {
         let pool = PgPoolOptions::new()
             .max_connections(config.max_connections)
             .acquire_timeout(Duration::from_millis(config.acquire_timeout_ms))
+            // sqlx pings every connection before handing it out: one round trip more per
+            // transaction (two per intake post). A connection back from use within
+            // `PING_AFTER_IDLE` is handed out as it is; one idle longer is pinged first, so
+            // a connection the database dropped while it sat is replaced, not failed on.
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for >= PING_AFTER_IDLE {
+                        sqlx::Connection::ping(conn).await?;
+                    }
+                    Ok(true)
+                })
+            })
             .connect_with(options)
             .await?;
         Ok(Self::from_pool(pool))

@@ -328,16 +328,17 @@ impl Ledger {
 
     /// Marks a reminder cancelled and settles its owed deliveries as `cancelled`. A delivery
     /// already being sent finishes; one already settled keeps its state. Returns the number
-    /// of deliveries cancelled, or None when the event is unknown.
+    /// of deliveries cancelled, or None when the event is unknown. Times are the database's
+    /// ([`LedgerTime::Database`]) unless a test fixes them.
     pub async fn cancel_reminder(
         &self,
         tenant_id: TenantId,
         event_id: &EventId,
-        now: DateTime<Utc>,
+        at: crate::deliveries::LedgerTime,
     ) -> Result<Option<u64>, LedgerError> {
         // One path: the intake's cancellation, which also reports per channel.
         Ok(self
-            .cancel_reminder_by_channel(tenant_id, event_id, now)
+            .cancel_reminder_by_channel(tenant_id, event_id, at)
             .await?
             .map(|c| c.cancelled.len() as u64))
     }

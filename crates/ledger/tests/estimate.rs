@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use nudge_domain::{Channel, DeliveryId, EventId, ReminderId};
-use nudge_ledger::{Backlog, LeaseOutcome, Ledger};
+use nudge_ledger::{Backlog, LeaseOutcome, Ledger, LedgerTime};
 use sqlx::PgPool;
 
 async fn delivery_of(ledger: &Ledger, reminder: ReminderId, channel: Channel) -> DeliveryId {
@@ -207,7 +207,11 @@ async fn arrivals_count_later_deliveries_and_reminders_not_yet_materialised(pool
     pending(&ledger, tenant.id, "p4", &[Channel::Sms], now + secs(500)).await;
     pending(&ledger, tenant.id, "p5", &[Channel::Sms], now + secs(30)).await;
     ledger
-        .cancel_reminder(tenant.id, &EventId::parse("p5").unwrap(), now)
+        .cancel_reminder(
+            tenant.id,
+            &EventId::parse("p5").unwrap(),
+            LedgerTime::Fixed(now),
+        )
         .await
         .unwrap();
     // A materialised reminder counts once, by its delivery.

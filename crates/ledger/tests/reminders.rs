@@ -4,7 +4,7 @@ mod common;
 
 use common::*;
 use nudge_domain::{Channel, DeliveryState, EventId, IdempotencyKey, SubscriberRef, TenantId};
-use nudge_ledger::{Ledger, LedgerError, NewReminder, WindowOutcome};
+use nudge_ledger::{Ledger, LedgerError, LedgerTime, NewReminder, WindowOutcome};
 use sqlx::PgPool;
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -234,7 +234,11 @@ async fn a_window_takes_only_reminders_in_its_half_open_range_and_skips_cancelle
             .unwrap();
     }
     ledger
-        .cancel_reminder(tenant.id, &EventId::parse("cancelled").unwrap(), t0())
+        .cancel_reminder(
+            tenant.id,
+            &EventId::parse("cancelled").unwrap(),
+            LedgerTime::Fixed(t0()),
+        )
         .await
         .unwrap();
 
@@ -288,11 +292,19 @@ async fn cancelling_a_reminder_settles_its_owed_deliveries_as_cancelled(pool: Pg
     .await;
 
     let cancelled = ledger
-        .cancel_reminder(tenant.id, &EventId::parse("evt-1").unwrap(), t0())
+        .cancel_reminder(
+            tenant.id,
+            &EventId::parse("evt-1").unwrap(),
+            LedgerTime::Fixed(t0()),
+        )
         .await
         .unwrap();
     let unknown = ledger
-        .cancel_reminder(tenant.id, &EventId::parse("nope").unwrap(), t0())
+        .cancel_reminder(
+            tenant.id,
+            &EventId::parse("nope").unwrap(),
+            LedgerTime::Fixed(t0()),
+        )
         .await
         .unwrap();
 

@@ -632,7 +632,7 @@ log_filter = "info"
         Ok(out.trim().to_owned())
     }
 
-    /// A signed request to the intake (`Nudge-Signature` over `body` now, under `secret`).
+    /// A signed request to the intake ([`intake_signature`] now, under `secret`).
     pub fn signed(
         &self,
         method: reqwest::Method,
@@ -640,11 +640,7 @@ log_filter = "info"
         secret: &str,
         body: Vec<u8>,
     ) -> reqwest::RequestBuilder {
-        let signature = nudge_intake::signature::header_value(
-            &[secret.as_bytes()],
-            chrono::Utc::now().timestamp(),
-            &body,
-        );
+        let signature = intake_signature(&method, url, secret, &body);
         self.http
             .request(method, url)
             .header("content-type", "application/json")
@@ -870,6 +866,27 @@ pub fn keys_report(value: Value) -> anyhow::Result<KeysReport> {
 /// Parses the stub's `GET /stats` answer.
 pub fn stats(value: Value) -> anyhow::Result<Stats> {
     Ok(serde_json::from_value(value)?)
+}
+
+/// The `Nudge-Signature` a client sends for `method` on `url` with `body`, signed now under
+/// `secret`: the method, the path and query as reqwest sends them, and the body.
+pub fn intake_signature(method: &reqwest::Method, url: &str, secret: &str, body: &[u8]) -> String {
+    let target = reqwest::Url::parse(url).map_or_else(
+        |_| url.to_owned(),
+        |u| match u.query() {
+            Some(query) => format!("{}?{query}", u.path()),
+            None => u.path().to_owned(),
+        },
+    );
+    nudge_intake::signature::header_value(
+        &[secret.as_bytes()],
+        chrono::Utc::now().timestamp(),
+        &nudge_intake::signature::Signed {
+            method: method.as_str(),
+            target: &target,
+            body,
+        },
+    )
 }
 
 /// The `p`-th percentile (nearest rank) of `sorted`, ascending; NaN when it is empty.

@@ -63,11 +63,8 @@ async fn a_signed_post_becomes_a_delivered_reminder_with_its_correlation_id() {
             "the reminder to be delivered",
             Duration::from_secs(60),
             || {
-                let signature = nudge_intake::signature::header_value(
-                    &[secret.as_bytes()],
-                    Utc::now().timestamp(),
-                    b"",
-                );
+                let signature =
+                    nudge_e2e::intake_signature(&reqwest::Method::GET, &status_url, &secret, b"");
                 let request = http.get(&status_url).header("nudge-signature", signature);
                 async move {
                     let answer: serde_json::Value = request.send().await?.json().await?;

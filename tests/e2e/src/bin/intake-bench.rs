@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use nudge_e2e::{TestEnv, percentile};
+use nudge_e2e::{TestEnv, intake_signature, percentile};
 use serde::Serialize;
 
 /// The longest the timed run may take, whatever `--posts` asks.
@@ -85,8 +85,7 @@ async fn main() -> anyhow::Result<()> {
     // Warm the connections and the intake's pool.
     for i in 0..clients {
         let b = body(posts + i);
-        let signature =
-            nudge_intake::signature::header_value(&[secret.as_bytes()], Utc::now().timestamp(), &b);
+        let signature = intake_signature(&reqwest::Method::POST, &endpoint, &secret, &b);
         let answer = http
             .post(&endpoint)
             .header("content-type", "application/json")
@@ -117,11 +116,7 @@ async fn main() -> anyhow::Result<()> {
                     break;
                 }
                 let b = bodies(i);
-                let signature = nudge_intake::signature::header_value(
-                    &[secret.as_bytes()],
-                    Utc::now().timestamp(),
-                    &b,
-                );
+                let signature = intake_signature(&reqwest::Method::POST, &endpoint, &secret, &b);
                 let sent = Instant::now();
                 let answer = http
                     .post(&endpoint)
