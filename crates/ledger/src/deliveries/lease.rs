@@ -289,17 +289,20 @@ struct FenceRow {
 /// PostgreSQL re-check its foreign keys, taking `KEY SHARE` on the tenant, which deadlocks
 /// with a window holding the tenant `FOR UPDATE` while it inserts deliveries.
 ///
-/// Each message's delivery is found by its primary key alone (`found`: nothing but the id to go
-/// on), then locked at that row version if it still qualifies (a concurrent update is
-/// followed and re-checked, as for any `FOR UPDATE`), one at a time in id order; the lateral
-/// subquery with its own `FOR UPDATE` is never flattened. Given the conditions and the id
-/// together, the planner costed a range scan of every due delivery of the channel
-/// (`deliveries_eligible_idx`) the same as the key whenever its statistics missed the
-/// transient `queued` state, which is most of the time, and walked the whole in-flight window
-/// (dead versions included) per message: milliseconds per batch, growing with the backlog.
-/// The id order is the lock order, so two workers never wait on each other in a cycle.
+/// Each message's delivery is found by its primary key and locked if it qualifies, one at a
+/// time in id order (the lateral subquery with its own `FOR UPDATE` is never flattened; the id
+/// order is the lock order, so two workers never wait on each other in a cycle). The state it
+/// must be in comes from the input rows, not a constant: given `state = 'queued'` with the
+/// channel and the due time, the planner may use the partial index of eligible work
+/// (`deliveries_eligible_idx`), and whenever its statistics missed the transient `queued`
+/// state (most of the time) it costed a walk of the channel's whole in-flight window, dead
+/// versions included, the same as the key, and took it: milliseconds per batch, growing with
+/// the backlog. A state that is a column of a materialised input proves no partial index's
+/// predicate, so the key is the only index left. `FOR UPDATE` re-checks every condition on the
+/// newest version of a row updated meanwhile (a republish marker leaves it leasable).
 const CANDIDATES: &str = "WITH input AS MATERIALIZED (
-        SELECT * FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation) ORDER BY id)
+        SELECT i.id, i.generation, 'queued'::text AS state
+        FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation) ORDER BY i.id)
     SELECT d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
            d.idempotency_key, d.scheduled_at, d.expires_at, a.account, a.bucketed,
            r.subscriber_ref, r.content_ciphertext,
@@ -308,13 +311,11 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
               AND c.channel = d.channel) AS destination_ciphertext,
            COALESCE($5, now()) AS db_now
     FROM input i
-    CROSS JOIN LATERAL (SELECT k.ctid AS version FROM deliveries k WHERE k.id = i.id) found
     CROSS JOIN LATERAL (
         SELECT d0.id, d0.reminder_id, d0.tenant_id, d0.channel, d0.generation, d0.lane,
                d0.idempotency_key, d0.scheduled_at, d0.expires_at
         FROM deliveries d0
-        WHERE d0.ctid = found.version AND d0.id = i.id AND d0.generation = i.generation
-          AND d0.state = 'queued'
+        WHERE d0.id = i.id AND d0.generation = i.generation AND d0.state = i.state
           AND d0.channel = $3 AND d0.owner = $7
           AND d0.next_attempt_at <= COALESCE($5, now()) AND d0.expires_at > COALESCE($5, now())
         FOR UPDATE) d
@@ -388,9 +389,9 @@ const EXPLAIN_UNLEASED: &str = "WITH input AS (
     FROM input i LEFT JOIN deliveries d ON d.id = i.id";
 
 /// Stamps the send start of leases whose slot has come (the fence, inside the admission
-/// transaction) and gives back those without a slot in time. The lease owner stands for
-/// `state = 'sending'` (a CHECK holds them together), so each row is found by its key, never
-/// by a scan of the lease index (see `record::APPLY`).
+/// transaction) and gives back those without a slot in time. The lease owner and expiry stand
+/// for `state = 'sending'` (a CHECK holds them together), so each row is found by its key,
+/// never by a scan of the lease index (see `record::APPLY`).
 const STAMP_AND_RELEASE: &str = "WITH started AS (
         UPDATE deliveries d
         SET send_started_at = COALESCE($7, clock_timestamp()),
@@ -398,7 +399,7 @@ const STAMP_AND_RELEASE: &str = "WITH started AS (
             updated_at = COALESCE($7, clock_timestamp())
         FROM unnest($1::uuid[], $2::bigint[]) AS s(id, generation), reminders r
         WHERE d.id = s.id AND d.generation = s.generation AND d.lease_owner = $3
-          AND d.send_started_at IS NULL
+          AND d.lease_expires_at IS NOT NULL AND d.send_started_at IS NULL
           AND d.lease_expires_at > COALESCE($7, clock_timestamp())
           AND d.expires_at > COALESCE($7, clock_timestamp())
           AND r.id = d.reminder_id AND r.cancelled_at IS NULL
@@ -410,7 +411,7 @@ const STAMP_AND_RELEASE: &str = "WITH started AS (
             attempt_count = d.attempt_count - 1, updated_at = COALESCE($7, clock_timestamp())
         FROM unnest($5::uuid[], $6::bigint[], $8::timestamptz[]) AS u(id, generation, until)
         WHERE d.id = u.id AND d.generation = u.generation AND d.lease_owner = $3
-          AND d.send_started_at IS NULL
+          AND d.lease_expires_at IS NOT NULL AND d.send_started_at IS NULL
         RETURNING d.id)
     SELECT id, lease_expires_at FROM started";
 

@@ -131,11 +131,12 @@ const APPLY: &str = "WITH input AS (
                               THEN COALESCE($20, now()) END,
             updated_at = COALESCE($20, now())
         FROM input i
-        -- A lease owner is set exactly while the delivery is `sending` (a CHECK holds them
-        -- together), so the owner is the state test. Spelling out `state = 'sending'` would
-        -- let the planner scan the lease index, dead versions and all, instead of looking
-        -- each outcome's delivery up by its key.
-        WHERE d.id = i.id AND d.lease_owner = i.owner AND d.generation = i.generation
+        -- A lease owner and expiry are set exactly while the delivery is `sending` (a CHECK
+        -- holds them together), so they are the state test. Spelling out `state = 'sending'`
+        -- would let the planner scan the lease index, dead versions and all, instead of
+        -- looking each outcome's delivery up by its key.
+        WHERE d.id = i.id AND d.lease_owner = i.owner AND d.lease_expires_at IS NOT NULL
+          AND d.generation = i.generation
         RETURNING d.id, d.provider_account,
             -- A redriven delivery's attempts carry its redrive's incident; any other attempt
             -- made while its channel drains, the drain's.
