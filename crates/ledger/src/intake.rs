@@ -104,6 +104,19 @@ pub struct Erasure {
     pub deliveries_cancelled: u64,
 }
 
+/// Locks the tenant's row for a change to its secrets (two rotations never race), or says
+/// it does not exist.
+async fn lock_tenant(tx: &mut sqlx::PgConnection, tenant_id: TenantId) -> Result<(), LedgerError> {
+    let exists: Option<uuid::Uuid> =
+        sqlx::query_scalar("SELECT id FROM tenants WHERE id = $1 FOR UPDATE")
+            .bind(tenant_id.as_uuid())
+            .fetch_optional(&mut *tx)
+            .await?;
+    exists
+        .map(|_| ())
+        .ok_or(LedgerError::UnknownTenant(tenant_id.as_uuid()))
+}
+
 fn secret_aad(tenant_id: uuid::Uuid, generation: i32) -> Vec<u8> {
     format!("tenant-secret:{tenant_id}:{generation}").into_bytes()
 }
@@ -208,14 +221,7 @@ impl Ledger {
         by: &Operator,
     ) -> Result<SigningSecret, LedgerError> {
         let mut tx = self.pool.begin().await?;
-        let exists: Option<uuid::Uuid> =
-            sqlx::query_scalar("SELECT id FROM tenants WHERE id = $1 FOR UPDATE")
-                .bind(tenant_id.as_uuid())
-                .fetch_optional(&mut *tx)
-                .await?;
-        if exists.is_none() {
-            return Err(LedgerError::UnknownTenant(tenant_id.as_uuid()));
-        }
+        lock_tenant(&mut tx, tenant_id).await?;
         let (count, newest): (i64, Option<i32>) = sqlx::query_as(
             "SELECT count(*), max(generation) FROM tenant_secrets WHERE tenant_id = $1",
         )
@@ -264,14 +270,7 @@ impl Ledger {
         by: &Operator,
     ) -> Result<u64, LedgerError> {
         let mut tx = self.pool.begin().await?;
-        let exists: Option<uuid::Uuid> =
-            sqlx::query_scalar("SELECT id FROM tenants WHERE id = $1 FOR UPDATE")
-                .bind(tenant_id.as_uuid())
-                .fetch_optional(&mut *tx)
-                .await?;
-        if exists.is_none() {
-            return Err(LedgerError::UnknownTenant(tenant_id.as_uuid()));
-        }
+        lock_tenant(&mut tx, tenant_id).await?;
         let retired = sqlx::query(
             "DELETE FROM tenant_secrets WHERE tenant_id = $1
                AND generation < (SELECT max(generation) FROM tenant_secrets WHERE tenant_id = $1)",
