@@ -339,11 +339,11 @@ impl Inner {
         let count = self.uris.len();
         let mut last_error = None;
         for index in (0..count).map(|i| (first + i) % count) {
+            // Recorded before the attempt: a caller that gives up while a node hangs (its own
+            // timeout, shutdown) leaves the next reconnect to start after that node, not on it.
+            self.current.store(index, Ordering::Relaxed);
             match self.connect_and_declare(index).await {
-                Ok(connection) => {
-                    self.current.store(index, Ordering::Relaxed);
-                    return Ok(connection);
-                }
+                Ok(connection) => return Ok(connection),
                 Err(error) if is_refusal(&error) => return Err(error),
                 Err(error) => {
                     if count > 1 {
@@ -360,18 +360,22 @@ impl Inner {
         Err(last_error.unwrap_or(BrokerError::InvalidUrl))
     }
 
+    /// Connects to node `index` and declares the topology, all within the connect timeout: a
+    /// node that takes the connection and then stalls is given up like one that never answers.
     async fn connect_and_declare(&self, index: usize) -> Result<Connection, BrokerError> {
+        tokio::time::timeout(self.connect_timeout, self.connect_and_declare_once(index))
+            .await
+            .map_err(|_| BrokerError::ConnectTimeout {
+                timeout: self.connect_timeout,
+            })?
+    }
+
+    async fn connect_and_declare_once(&self, index: usize) -> Result<Connection, BrokerError> {
         let properties = ConnectionProperties::default()
             .with_connection_name(self.connection_name.as_str().into());
-        let connection = tokio::time::timeout(
-            self.connect_timeout,
-            Connection::connect_uri(self.uris[index].clone(), properties),
-        )
-        .await
-        .map_err(|_| BrokerError::ConnectTimeout {
-            timeout: self.connect_timeout,
-        })?
-        .map_err(BrokerError::Connect)?;
+        let connection = Connection::connect_uri(self.uris[index].clone(), properties)
+            .await
+            .map_err(BrokerError::Connect)?;
         let channel = connection
             .create_channel()
             .await

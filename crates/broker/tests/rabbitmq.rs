@@ -458,9 +458,9 @@ async fn with_several_addresses_a_dead_first_node_is_skipped_and_a_lost_node_fai
         .unwrap();
     assert_eq!((first.connections(), second.connections()), (0, 1));
 
-    // The second node goes down while the first is back: the next call fails over to the first.
+    // The second node drops the connection and would take it again at once: the next call
+    // reconnects to the node after the one it lost (the first), not to the lost one.
     first.refuse(false);
-    second.refuse(true);
     assert_eq!(second.cut(), 1);
     let publisher = match timeout(DEADLINE, broker.publisher()).await {
         Ok(Ok(publisher)) => publisher,
@@ -471,6 +471,42 @@ async fn with_several_addresses_a_dead_first_node_is_skipped_and_a_lost_node_fai
     assert!(matches!(results.as_slice(), [Ok(())]), "{results:?}");
     assert_eq!((first.connections(), second.connections()), (1, 0));
     assert!(broker.is_connected().await);
+    broker.close().await;
+}
+
+#[tokio::test]
+async fn a_caller_that_gives_up_on_a_hanging_node_leaves_the_next_reconnect_to_the_node_after_it() {
+    let lost = FaultProxy::start(broker_addr()).await.unwrap();
+    let hanging = FaultProxy::start(broker_addr()).await.unwrap();
+    let healthy = FaultProxy::start(broker_addr()).await.unwrap();
+    let simple = uuid::Uuid::new_v4().simple().to_string();
+    let topology = Topology::new(&format!("t-{}.", &simple[..8]), 5).unwrap();
+    let _cleanup = Cleanup {
+        topology: topology.clone(),
+    };
+    let urls = [via(&lost), via(&hanging), via(&healthy)];
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let broker = Broker::connect_named(&urls, CONNECT_TIMEOUT, topology, "hanging-node")
+        .await
+        .unwrap();
+    assert_eq!(lost.connections(), 1);
+
+    // The node after the lost one takes connections but never answers (a machine gone
+    // silent), and the caller's own timeout is shorter than the connect timeout.
+    hanging.pause(true);
+    lost.refuse(true);
+    assert_eq!(lost.cut(), 1);
+    let gave_up = timeout(Duration::from_millis(500), broker.publisher()).await;
+    assert!(gave_up.is_err(), "the hanging node answered");
+
+    // The next call starts after the hanging node: the healthy one answers within the deadline.
+    let publisher = timeout(DEADLINE, broker.publisher())
+        .await
+        .unwrap()
+        .unwrap();
+    let results = publisher.publish_batch(&[message(Channel::Sms, 1)]).await;
+    assert!(matches!(results.as_slice(), [Ok(())]), "{results:?}");
+    assert_eq!(healthy.connections(), 1);
     broker.close().await;
 }
 

@@ -848,8 +848,7 @@ log_filter = "info"
 
 /// `["a", "b"]`: strings as a TOML array.
 fn toml_strings(items: &[String]) -> String {
-    let quoted: Vec<String> = items.iter().map(|i| format!("{i:?}")).collect();
-    format!("[{}]", quoted.join(", "))
+    toml::Value::Array(items.iter().cloned().map(toml::Value::String).collect()).to_string()
 }
 
 fn rand_key() -> [u8; 32] {

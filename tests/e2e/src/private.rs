@@ -91,10 +91,15 @@ impl PrivatePostgres {
                 bail!("could not give {} to the postgres user", dir.display());
             }
         }
-        let data = dir.join("data");
-        let data_arg = data.to_string_lossy().into_owned();
+        let server = Self {
+            dir,
+            bin,
+            port: free_port(),
+        };
+        // From here on a failure drops `server`, which removes the directory.
+        let data_arg = server.data_arg();
         run_as_postgres(
-            &bin.join("initdb"),
+            &server.bin.join("initdb"),
             &[
                 "-D",
                 &data_arg,
@@ -105,11 +110,6 @@ impl PrivatePostgres {
                 "--no-sync",
             ],
         )?;
-        let server = Self {
-            dir,
-            bin,
-            port: free_port(),
-        };
         server.start_server()?;
         Ok(server)
     }

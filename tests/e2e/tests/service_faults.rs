@@ -23,6 +23,13 @@ const SEND_DELAY_MS: u64 = 60;
 /// answers slowly. Measured recoveries are printed; this is only the bound that fails a test.
 const RECOVERY_BOUND: Duration = Duration::from_secs(60);
 
+/// How long PostgreSQL stays down once every process has seen it go.
+const PG_OUTAGE: Duration = Duration::from_secs(3);
+
+/// One fault at a time: a stopped server's port is taken again on its restart, and a free port
+/// picked by another test meanwhile must not be that one; the timings are also cleaner alone.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The processes of one pipeline, by index in the environment.
 struct Pipeline {
     procs: Vec<usize>,
@@ -144,6 +151,33 @@ async fn recovery(env: &mut TestEnv, names: &[String], before: i64, ended: Insta
     .await
 }
 
+/// Waits until no process answers `/readyz` with 200 (each has seen the outage).
+async fn wait_all_unready(env: &mut TestEnv, names: &[String]) {
+    let http = env.http.clone();
+    let ready_urls: Vec<String> = names
+        .iter()
+        .map(|name| format!("{}/readyz", env.admin_url(name).unwrap()))
+        .collect();
+    env.wait_for("every process to see the outage", RECOVERY_BOUND, || {
+        let (http, ready_urls) = (http.clone(), ready_urls.clone());
+        async move {
+            for url in &ready_urls {
+                let ready = http
+                    .get(url)
+                    .timeout(Duration::from_secs(5))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success());
+                if ready {
+                    return Ok(None);
+                }
+            }
+            Ok(Some(()))
+        }
+    })
+    .await;
+}
+
 /// Waits for every delivery to be delivered and checks the counts: each key accepted exactly
 /// once, every process still running (none restarted by hand). Returns the duplicate requests
 /// the provider saw (resends the key made harmless).
@@ -177,6 +211,7 @@ async fn finish(env: &mut TestEnv, pipeline: &Pipeline, fault: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_restarted_mid_run_loses_nothing_and_every_process_reconnects_on_its_own() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let mut node = RabbitNode::start("restart").unwrap();
     let mut env = TestEnv::start_on("broker-restart", with_private_rabbit(&node))
         .await
@@ -201,6 +236,7 @@ async fn rabbitmq_restarted_mid_run_loses_nothing_and_every_process_reconnects_o
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgresql_restarted_mid_run_loses_nothing_and_every_process_reconnects_on_its_own() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let postgres = PrivatePostgres::start().unwrap();
     let mut env = TestEnv::start_on("pg-restart", with_private_postgres(&postgres))
         .await
@@ -212,9 +248,11 @@ async fn postgresql_restarted_mid_run_loses_nothing_and_every_process_reconnects
     let before = delivered(&env).await.unwrap();
     let down = Instant::now();
     postgres.stop().unwrap();
-    // Down long enough for every process to notice: pools fail, in-flight outcomes cannot be
-    // recorded.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Down until every process has noticed (each `/readyz` fails while the ledger is away),
+    // and then for the outage's stated length: a parameter of the fault, not a wait for an
+    // effect, so that sends in flight finish and their outcomes wait for the ledger.
+    wait_all_unready(&mut env, &names).await;
+    tokio::time::sleep(PG_OUTAGE).await;
     postgres.restart().unwrap();
     let outage = down.elapsed();
     let back = recovery(&mut env, &names, before, Instant::now()).await;
@@ -228,6 +266,7 @@ async fn postgresql_restarted_mid_run_loses_nothing_and_every_process_reconnects
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_cut_and_delayed_between_the_processes_and_both_services_lose_nothing() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let services = Services::shared();
     let amqp_upstream = services
         .amqp_url
@@ -284,6 +323,7 @@ async fn connections_cut_and_delayed_between_the_processes_and_both_services_los
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_binary_sigkilled_in_turn_and_restarted_loses_nothing() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let mut env = TestEnv::start("kill-loop").await.unwrap();
     let pipeline = start_pipeline(&mut env, 700, 2).await;
     let (intake, _) = env.start_intake("intake").await.unwrap();

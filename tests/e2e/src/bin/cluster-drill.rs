@@ -47,10 +47,15 @@ struct Report {
     nodes: Vec<String>,
     queue_members_before: usize,
     stopped_node: String,
+    /// Delivered when the stop command returned (the node is down).
     delivered_when_stopped: i64,
-    /// From the stop until deliveries move again.
+    /// How long `rabbitmqctl stop` took (it returns once the node is down).
+    stop_command_ms: u128,
+    /// The processes that lost their connection with the node and failed over to another.
+    failed_over: Vec<String>,
+    /// From the node being down until deliveries move again.
     deliveries_resumed_after_ms: u128,
-    /// From the stop until every process answers `/readyz` again.
+    /// From the node being down until every process answers `/readyz` (broker connected).
     processes_ready_after_ms: u128,
     /// From starting the stopped node until it is a running member of the cluster again.
     node_rejoined_after_ms: u128,
@@ -58,6 +63,7 @@ struct Report {
     queue_members_online_after: usize,
     total_s: f64,
     states: HashMap<String, i64>,
+    /// Deliveries not delivered (any other state); the drill fails unless 0.
     lost: i64,
     provider_requests: u64,
     provider_unique_keys: u64,
@@ -212,9 +218,11 @@ async fn drill(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("the leader {leader} is not one of the drill's nodes"))?;
     let survivor = (leader_index + 1) % nodes.len();
     eprintln!("stopping {leader}, the leader of {queue} ({members_before} members)");
-    let delivered_when_stopped = delivered(&env).await?;
-    let stopped_at = Instant::now();
+    let stop_started = Instant::now();
     nodes[leader_index].stop()?;
+    let stop_command_ms = stop_started.elapsed().as_millis();
+    let stopped_at = Instant::now();
+    let delivered_when_stopped = delivered(&env).await?;
     until(
         "deliveries to move again",
         Duration::from_secs(300),
@@ -235,14 +243,20 @@ async fn drill(args: Args) -> anyhow::Result<()> {
 
     let restarting = Instant::now();
     nodes[leader_index].restart()?;
-    let node_rejoined = until("the node to rejoin", Duration::from_secs(300), || async {
+    until("the node to rejoin", Duration::from_secs(300), || async {
         queue_placement(&nodes[survivor], &queue).is_ok_and(|(_, _, online)| online == 3)
     })
-    .await
-    .unwrap_or_else(|e| {
-        eprintln!("{e}");
-        restarting.elapsed()
-    });
+    .await?;
+    let node_rejoined = restarting.elapsed();
+    // Each process logs one line per reconnect, naming the node it reached.
+    let failed_over: Vec<String> = names
+        .iter()
+        .filter(|name| {
+            std::fs::read_to_string(env.dir.join(format!("{name}.log")))
+                .is_ok_and(|log| log.contains("reconnected to RabbitMQ"))
+        })
+        .cloned()
+        .collect();
 
     let total = i64::try_from(args.deliveries).unwrap_or(i64::MAX);
     until(
@@ -256,29 +270,22 @@ async fn drill(args: Args) -> anyhow::Result<()> {
     let stub = stats(env.stub_stats().await?)?;
     let keys = keys_report(env.stub_keys().await?)?;
     let (leader_after, _, online_after) = queue_placement(&nodes[survivor], &queue)?;
-    let settled: i64 = states
-        .iter()
-        .filter(|(state, _)| {
-            matches!(
-                state.as_str(),
-                "delivered" | "ambiguous" | "dead_lettered" | "expired" | "cancelled"
-            )
-        })
-        .map(|(_, n)| n)
-        .sum();
+    let delivered_total = states.get("delivered").copied().unwrap_or(0);
     let report = Report {
         deliveries: args.deliveries,
         nodes: nodes.iter().map(|n| n.name.clone()).collect(),
         queue_members_before: members_before,
         stopped_node: leader,
         delivered_when_stopped,
+        stop_command_ms,
+        failed_over,
         deliveries_resumed_after_ms: resumed_ms,
         processes_ready_after_ms: ready_ms,
         node_rejoined_after_ms: node_rejoined.as_millis(),
         leader_after,
         queue_members_online_after: online_after,
         total_s,
-        lost: total - settled,
+        lost: total - delivered_total,
         held_ambiguous: states.get("ambiguous").copied().unwrap_or(0),
         states,
         provider_requests: stub.total.requests,
@@ -304,21 +311,29 @@ fn write_report(report: &Report) -> anyhow::Result<()> {
          | deliveries | {} |\n\
          | quorum queue members before the stop | {} |\n\
          | stopped node (leader of work.sms) | {} |\n\
-         | delivered when it stopped | {} |\n\
-         | deliveries moved again after | {} ms |\n\
-         | every process ready again after | {} ms |\n\
+         | `rabbitmqctl stop` took (returns once the node is down) | {} ms |\n\
+         | delivered when the node was down | {} |\n\
+         | processes that failed over to another node | {} |\n\
+         | deliveries moved again, after the node was down | {} ms |\n\
+         | every process ready again, after the node was down | {} ms |\n\
          | the node rejoined after its restart in | {} ms |\n\
          | leader afterwards / members online | {} / {} |\n\
          | whole run | {:.1} s |\n\
          | states | {:?} |\n\
-         | lost | {} |\n\
+         | lost (not delivered) | {} |\n\
          | provider requests / unique keys | {} / {} |\n\
          | keys sent more than once | {} |\n\
          | held ambiguous | {} |\n",
         report.deliveries,
         report.queue_members_before,
         report.stopped_node,
+        report.stop_command_ms,
         report.delivered_when_stopped,
+        if report.failed_over.is_empty() {
+            "none".to_owned()
+        } else {
+            report.failed_over.join(", ")
+        },
         report.deliveries_resumed_after_ms,
         report.processes_ready_after_ms,
         report.node_rejoined_after_ms,
