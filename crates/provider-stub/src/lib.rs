@@ -4,7 +4,10 @@
 //! Owns: the provider API (`POST /accounts/{account}/v1/messages`), per-account scripts (a token
 //! bucket answering 429 with every `Retry-After` form, a per-idempotency-key sequence of
 //! statuses, delays and hangs), dedup by `Idempotency-Key` like a real provider, and the
-//! counters that tests and benchmarks read (`GET /stats`, `GET /stats/keys`).
+//! counters that tests and benchmarks read (`GET /stats`, `GET /stats/keys`). The push
+//! providers' shapes: [`fcm`] (Google's token endpoint and FCM HTTP v1's send, with their error
+//! bodies) and [`apns`] (APNs over TLS and HTTP/2 from [`tls`], which makes the certificate at
+//! start-up), both answering from the same per-account scripts.
 //!
 //! Must never: keep a destination or message content (the request body is checked and
 //! dropped; only counts, statuses, times and keys are kept), log one, or listen beyond loopback
@@ -31,11 +34,15 @@
 //!
 //! 429, 5xx and 4xx answers are not cached. Rules 1 to 3 do not advance a key's sequence.
 
+pub mod apns;
 mod cli;
+pub mod fcm;
+mod push_common;
 mod script;
 mod server;
 mod state;
 mod stats;
+pub mod tls;
 
 pub use cli::{Args, bind, load_scripts, shutdown_signal};
 pub use script::{

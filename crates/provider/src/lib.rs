@@ -5,23 +5,32 @@
 //! the [`HttpProvider`] that POSTs to `{base_url}/v1/messages` with our `Idempotency-Key` on every
 //! request, its [`HttpProviderConfig`], and the mapping of transport failures onto "the request
 //! never left" ([`SendOutcome::FailedBeforeSend`]) versus "it may have been sent"
-//! ([`SendOutcome::UnknownAfterSend`]), with short stable reason codes.
+//! ([`SendOutcome::UnknownAfterSend`]), with short stable reason codes. The push providers'
+//! own protocols: [`fcm`] (FCM HTTP v1 with the OAuth 2 service-account flow) and [`apns`]
+//! (APNs over HTTP/2 with an ES256 provider token), each with a pure mapping of its answers onto
+//! a [`PushVerdict`].
 //!
 //! Must never: decide what an outcome means for a delivery (that is `nudge_domain::classify` and
 //! `decide`), retry or sleep (one call is one attempt; backoff belongs to the ledger), follow a
 //! redirect (it could send twice), or put a destination, message content or auth token into a log
 //! line, an error or a reason.
 
+pub mod apns;
 mod config;
+pub mod fcm;
 mod http;
+mod push;
 
 use std::future::Future;
 use std::pin::Pin;
 
 use nudge_domain::{Channel, IdempotencyKey, IdempotencySupport, ProviderAccount, SendOutcome};
 
+pub use apns::{ApnsConfig, ApnsProvider};
 pub use config::HttpProviderConfig;
+pub use fcm::{FcmConfig, FcmProvider};
 pub use http::{HttpProvider, NON_UTF8_RETRY_AFTER, reason};
+pub use push::{PushMessage, PushVerdict, Timeouts};
 
 /// One message to send, borrowed from the worker for the duration of the attempt.
 ///

@@ -1,0 +1,486 @@
+//! Apple Push Notification service: `POST {base_url}/3/device/{device token}` over HTTP/2 and
+//! TLS, authorised by an ES256 provider token ([`token`]), answers mapped by
+//! [`map::map_response`].
+//!
+//! Headers: `authorization: bearer <token>`, `apns-topic` (the app's bundle id),
+//! `apns-push-type`, `apns-priority`, `apns-expiration` (the reminder's `expires_at`, Unix
+//! seconds: APNs stops trying to deliver after it) and `apns-id` (the reminder's id: the same on
+//! every attempt, echoed by APNs, so an attempt and its answer can be matched in Apple's tools;
+//! APNs does not deduplicate by it). The payload is `{"aps": {"alert": {"title", "body"}}, ...}`
+//! (or `{"aps": {"content-available": 1}, ...}` with no title or body), at most
+//! [`MAX_PAYLOAD_BYTES`], checked before sending.
+//!
+//! # Keys
+//!
+//! Of an account of kind `apns`, beside the keys every account has:
+//!
+//! | key | default | rule |
+//! |-----|---------|------|
+//! | `team_id` | required | the Apple developer team id (the token's `iss`): 1 to 64 ASCII letters or digits |
+//! | `key_id` | required | the signing key's id (the token's `kid`): 1 to 64 ASCII letters or digits |
+//! | `private_key` (secret) | required | the signing key (`.p8`): an EC P-256 private key in PEM (PKCS#8) |
+//! | `topic` | required | the app's bundle id, sent as `apns-topic` |
+//! | `base_url` | `https://api.push.apple.com` | APNs's root (`https://api.sandbox.push.apple.com` for development); `/3/device/{token}` is appended |
+//! | `ca_file` | unset (the system's roots) | a PEM bundle; when set, the only roots trusted for this account |
+//! | `push_type` | `alert` | `apns-push-type`: `alert` or `background` |
+//! | `priority` | `10` | `apns-priority`: `10` (now), `5` (power-considerate) or `1` (background) |
+//! | `token_refresh_s` | `3000` | the provider token's age at which it is replaced, 1200..=3300 (Apple: not more than once per 20 minutes, not less than once per hour) |
+
+pub mod map;
+pub mod token;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use jsonwebtoken::EncodingKey;
+use nudge_config::{ConfigError, Secret};
+use nudge_domain::ProviderAccount;
+use reqwest::header::{self, HeaderName, HeaderValue};
+use serde::{Deserialize, Serialize};
+use url::Url;
+
+use crate::ProviderError;
+use crate::push::{
+    PushContent, PushMessage, PushVerdict, Timeouts, join_path, parse_base_url, read_bounded,
+    verdict_of_transport_error,
+};
+use token::ProviderTokens;
+
+pub use map::map_response;
+
+/// APNs's limit on a notification's payload, in bytes.
+pub const MAX_PAYLOAD_BYTES: usize = 4096;
+/// How much of an answer is read; APNs's are tiny.
+const MAX_BODY_BYTES: usize = 16 * 1024;
+/// Device tokens are hexadecimal; Apple's are 64 characters today and may grow.
+const MAX_DEVICE_TOKEN_LEN: usize = 200;
+
+/// Stable reasons of refusals before sending.
+pub mod reason {
+    /// The payload is over [`super::MAX_PAYLOAD_BYTES`].
+    pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
+    /// The device token is not hexadecimal (it goes into the request's path).
+    pub const INVALID_DEVICE_TOKEN: &str = "invalid_device_token";
+}
+
+const APNS_TOPIC: HeaderName = HeaderName::from_static("apns-topic");
+const APNS_PUSH_TYPE: HeaderName = HeaderName::from_static("apns-push-type");
+const APNS_PRIORITY: HeaderName = HeaderName::from_static("apns-priority");
+const APNS_EXPIRATION: HeaderName = HeaderName::from_static("apns-expiration");
+const APNS_ID: HeaderName = HeaderName::from_static("apns-id");
+const CORRELATION_ID: HeaderName = HeaderName::from_static("x-correlation-id");
+const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+
+/// `apns-push-type` values nudge sends.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PushType {
+    #[default]
+    Alert,
+    Background,
+}
+
+impl PushType {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Alert => "alert",
+            Self::Background => "background",
+        }
+    }
+}
+
+/// The keys of an account of kind `apns` (see the module docs).
+#[derive(Deserialize, Serialize, Clone, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct ApnsConfig {
+    pub team_id: String,
+    pub key_id: String,
+    pub private_key: Secret,
+    pub topic: String,
+    #[serde(default = "default_base_url")]
+    pub base_url: String,
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    #[serde(default)]
+    pub push_type: PushType,
+    #[serde(default = "default_priority")]
+    pub priority: u8,
+    #[serde(default = "default_token_refresh_s")]
+    pub token_refresh_s: u64,
+}
+
+fn default_base_url() -> String {
+    "https://api.push.apple.com".to_owned()
+}
+
+const fn default_priority() -> u8 {
+    10
+}
+
+const fn default_token_refresh_s() -> u64 {
+    3000
+}
+
+fn key(prefix: &str, field: &str) -> String {
+    if prefix.is_empty() {
+        field.to_owned()
+    } else {
+        format!("{prefix}.{field}")
+    }
+}
+
+fn is_id(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| b.is_ascii_alphanumeric())
+}
+
+struct Parsed {
+    signing_key: EncodingKey,
+    base_url: Url,
+    roots: Option<Vec<reqwest::Certificate>>,
+    topic: HeaderValue,
+}
+
+impl ApnsConfig {
+    /// A config with the defaults for every optional key.
+    pub fn new(
+        team_id: impl Into<String>,
+        key_id: impl Into<String>,
+        private_key: Secret,
+        topic: impl Into<String>,
+    ) -> Self {
+        Self {
+            team_id: team_id.into(),
+            key_id: key_id.into(),
+            private_key,
+            topic: topic.into(),
+            base_url: default_base_url(),
+            ca_file: None,
+            push_type: PushType::default(),
+            priority: default_priority(),
+            token_refresh_s: default_token_refresh_s(),
+        }
+    }
+
+    /// Checks every rule (reading `ca_file`), naming the first bad key as `{key_prefix}.{field}`;
+    /// never repeats a secret.
+    pub fn validate(&self, key_prefix: &str) -> Result<(), ConfigError> {
+        self.parsed(key_prefix).map(|_| ())
+    }
+
+    fn parsed(&self, prefix: &str) -> Result<Parsed, ConfigError> {
+        if !is_id(&self.team_id) {
+            return Err(ConfigError::invalid(
+                key(prefix, "team_id"),
+                "must be 1 to 64 ASCII letters or digits",
+            ));
+        }
+        if !is_id(&self.key_id) {
+            return Err(ConfigError::invalid(
+                key(prefix, "key_id"),
+                "must be 1 to 64 ASCII letters or digits",
+            ));
+        }
+        let signing_key =
+            EncodingKey::from_ec_pem(self.private_key.expose().as_bytes()).map_err(|_| {
+                ConfigError::invalid(
+                    key(prefix, "private_key"),
+                    "must be an EC P-256 private key in PEM (PKCS#8, as in the .p8 file)",
+                )
+            })?;
+        let topic = HeaderValue::from_str(&self.topic)
+            .ok()
+            .filter(|_| !self.topic.is_empty() && self.topic.bytes().all(|b| b.is_ascii_graphic()))
+            .ok_or_else(|| {
+                ConfigError::invalid(key(prefix, "topic"), "must be the app's bundle id")
+            })?;
+        let base_url = parse_base_url(&self.base_url)
+            .map_err(|m| ConfigError::invalid(key(prefix, "base_url"), m))?;
+        let roots = match &self.ca_file {
+            None => None,
+            Some(path) => {
+                let pem = std::fs::read(path).map_err(|e| {
+                    ConfigError::invalid(key(prefix, "ca_file"), format!("cannot be read ({e})"))
+                })?;
+                let certs = reqwest::Certificate::from_pem_bundle(&pem)
+                    .ok()
+                    .filter(|c| !c.is_empty())
+                    .ok_or_else(|| {
+                        ConfigError::invalid(
+                            key(prefix, "ca_file"),
+                            "must hold one or more PEM certificates",
+                        )
+                    })?;
+                Some(certs)
+            }
+        };
+        if !matches!(self.priority, 1 | 5 | 10) {
+            return Err(ConfigError::invalid(
+                key(prefix, "priority"),
+                "must be 10, 5 or 1",
+            ));
+        }
+        if !(1200..=3300).contains(&self.token_refresh_s) {
+            return Err(ConfigError::invalid(
+                key(prefix, "token_refresh_s"),
+                "must be between 1200 and 3300 (Apple: at most once per 20 minutes, at least once per hour)",
+            ));
+        }
+        Ok(Parsed {
+            signing_key,
+            base_url,
+            roots,
+            topic,
+        })
+    }
+}
+
+/// An APNs account: one HTTP/2 client (one connection carries every concurrent send) and the
+/// account's provider token.
+pub struct ApnsProvider {
+    account: ProviderAccount,
+    base_url: Url,
+    topic: HeaderValue,
+    push_type: PushType,
+    priority: u8,
+    client: reqwest::Client,
+    tokens: ProviderTokens,
+}
+
+impl std::fmt::Debug for ApnsProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApnsProvider")
+            .field("account", &self.account)
+            .field("base_url", &self.base_url.as_str())
+            .field("tokens", &self.tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ApnsProvider {
+    /// Validates `cfg` (errors name keys relative to the account's section) and builds the
+    /// client.
+    pub fn new(
+        account: ProviderAccount,
+        cfg: &ApnsConfig,
+        timeouts: Timeouts,
+    ) -> Result<Self, ProviderError> {
+        let parsed = cfg.parsed("")?;
+        let mut builder = timeouts.client_builder().http2_prior_knowledge();
+        if let Some(roots) = parsed.roots {
+            builder = builder.tls_certs_only(roots);
+        }
+        let client = builder.build().map_err(|source| ProviderError::Client {
+            account: account.clone(),
+            source,
+        })?;
+        let tokens = ProviderTokens::new(
+            cfg.team_id.clone(),
+            cfg.key_id.clone(),
+            parsed.signing_key,
+            Duration::from_secs(cfg.token_refresh_s),
+        );
+        Ok(Self {
+            account,
+            base_url: parsed.base_url,
+            topic: parsed.topic,
+            push_type: cfg.push_type,
+            priority: cfg.priority,
+            client,
+            tokens,
+        })
+    }
+
+    pub fn account(&self) -> &ProviderAccount {
+        &self.account
+    }
+
+    /// How many provider tokens this account made so far.
+    pub fn provider_tokens_made(&self) -> u64 {
+        self.tokens.made()
+    }
+
+    /// Sends once and says what it means. Never fails: every failure is a verdict.
+    pub async fn push(&self, msg: PushMessage<'_>) -> PushVerdict {
+        let token = msg.destination;
+        if token.is_empty()
+            || token.len() > MAX_DEVICE_TOKEN_LEN
+            || !token.bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            return PushVerdict::RefusedBeforeSend {
+                reason: reason::INVALID_DEVICE_TOKEN,
+            };
+        }
+        let body = match payload(&msg) {
+            Ok(b) => b,
+            Err(refused) => return refused,
+        };
+        let auth = match self.tokens.authorization() {
+            Ok(h) => h,
+            Err(verdict) => return verdict,
+        };
+        let url = join_path(&self.base_url, &format!("/3/device/{token}"));
+        let apns_id = msg
+            .idempotency_key
+            .reminder_id()
+            .as_uuid()
+            .hyphenated()
+            .to_string();
+        let mut request = self
+            .client
+            .post(url)
+            .header(header::AUTHORIZATION, auth.clone())
+            .header(APNS_TOPIC, self.topic.clone())
+            .header(APNS_PUSH_TYPE, self.push_type.as_str())
+            .header(APNS_PRIORITY, self.priority.to_string())
+            .header(APNS_ID, apns_id)
+            .header(header::CONTENT_TYPE, "application/json");
+        if let Some(at) = msg.expires_at {
+            request = request.header(APNS_EXPIRATION, at.timestamp().max(0).to_string());
+        }
+        if let Ok(v) = HeaderValue::from_str(msg.correlation_id) {
+            request = request.header(CORRELATION_ID, v);
+        }
+        if let Some(v) = msg.traceparent.and_then(|t| HeaderValue::from_str(t).ok()) {
+            request = request.header(TRACEPARENT, v);
+        }
+        let response = match request.body(body).send().await {
+            Ok(r) => r,
+            Err(e) => return verdict_of_transport_error(&e),
+        };
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let body = read_bounded(response, MAX_BODY_BYTES)
+            .await
+            .unwrap_or_default();
+        let verdict = map_response(status, &headers, &body);
+        if map::is_provider_token_refusal(&verdict) {
+            self.tokens.refused(&auth);
+        }
+        if let PushVerdict::TokenMisuse { .. } = verdict {
+            tracing::error!(
+                provider_account = %self.account,
+                tokens_made = self.tokens.made(),
+                "APNs says the provider token is updated too often; this is a bug of ours"
+            );
+        }
+        verdict
+    }
+}
+
+/// The notification's JSON, or why it is refused before sending.
+fn payload(msg: &PushMessage<'_>) -> Result<Vec<u8>, PushVerdict> {
+    let content = PushContent::of(msg.content);
+    let aps = if content.title.is_some() || content.body.is_some() {
+        let mut alert = serde_json::Map::new();
+        if let Some(t) = content.title {
+            alert.insert("title".into(), t.into());
+        }
+        if let Some(b) = content.body {
+            alert.insert("body".into(), b.into());
+        }
+        serde_json::json!({ "alert": alert })
+    } else {
+        serde_json::json!({ "content-available": 1 })
+    };
+    let mut root = content.data;
+    root.insert("aps".into(), aps);
+    let body = serde_json::to_vec(&root).map_err(|_| PushVerdict::RefusedBeforeSend {
+        reason: crate::reason::REQUEST_BUILD_ERROR,
+    })?;
+    if body.len() > MAX_PAYLOAD_BYTES {
+        return Err(PushVerdict::RefusedBeforeSend {
+            reason: reason::PAYLOAD_TOO_LARGE,
+        });
+    }
+    Ok(body)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // A failed unwrap is a failed test, with its location.
+mod tests {
+    use super::*;
+    use nudge_domain::{Channel, IdempotencyKey, ReminderId};
+
+    fn msg<'a>(key: &'a IdempotencyKey, content: Option<&'a serde_json::Value>) -> PushMessage<'a> {
+        PushMessage {
+            idempotency_key: key,
+            destination: "00fc13adff785122b4ad28809a3420982341241421348097878e577c991de8f0",
+            content,
+            expires_at: None,
+            correlation_id: "c",
+            traceparent: None,
+        }
+    }
+
+    #[test]
+    fn the_payload_puts_title_and_body_in_aps_alert_and_the_rest_beside_it() {
+        let key = IdempotencyKey::for_delivery(ReminderId::new(), Channel::Push);
+        let content =
+            serde_json::json!({"title": "Appointment", "body": "Tomorrow", "template": "appt"});
+        let body: serde_json::Value =
+            serde_json::from_slice(&payload(&msg(&key, Some(&content))).unwrap()).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"aps": {"alert": {"title": "Appointment", "body": "Tomorrow"}}, "template": "appt"})
+        );
+        let body: serde_json::Value =
+            serde_json::from_slice(&payload(&msg(&key, None)).unwrap()).unwrap();
+        assert_eq!(body, serde_json::json!({"aps": {"content-available": 1}}));
+    }
+
+    #[test]
+    fn a_payload_over_4096_bytes_is_refused_before_sending() {
+        let key = IdempotencyKey::for_delivery(ReminderId::new(), Channel::Push);
+        let big = serde_json::json!({"body": "x".repeat(MAX_PAYLOAD_BYTES)});
+        assert_eq!(
+            payload(&msg(&key, Some(&big))).unwrap_err(),
+            PushVerdict::RefusedBeforeSend {
+                reason: reason::PAYLOAD_TOO_LARGE
+            }
+        );
+    }
+
+    fn config() -> ApnsConfig {
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        ApnsConfig::new(
+            "TEAM123456",
+            "KEY1234567",
+            Secret::new(key.serialize_pem()),
+            "org.example.app",
+        )
+    }
+
+    #[test]
+    fn each_bad_value_is_reported_under_its_own_key_and_never_repeats_the_key() {
+        let invalid = |c: &ApnsConfig| c.validate("providers.1").unwrap_err().key();
+        config().validate("providers.1").unwrap();
+        let mut c = config();
+        c.team_id = "team id".into();
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.team_id"));
+        let mut c = config();
+        c.key_id = String::new();
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.key_id"));
+        let mut c = config();
+        c.private_key =
+            Secret::new("-----BEGIN PRIVATE KEY-----\nhunter2\n-----END PRIVATE KEY-----\n");
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.private_key"));
+        assert!(!c.validate("p").unwrap_err().to_string().contains("hunter2"));
+        let mut c = config();
+        c.topic = String::new();
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.topic"));
+        let mut c = config();
+        c.ca_file = Some("/nonexistent/ca.pem".into());
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.ca_file"));
+        let mut c = config();
+        c.priority = 7;
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.priority"));
+        for bad in [1199, 3301] {
+            let mut c = config();
+            c.token_refresh_s = bad;
+            assert_eq!(invalid(&c).as_deref(), Some("providers.1.token_refresh_s"));
+        }
+        let mut c = config();
+        c.base_url = "http://u:p@h/".into();
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.base_url"));
+    }
+}
