@@ -190,5 +190,5 @@ fn the_example_provider_account_shows_every_key_with_its_default() {
         entry,
         &[],
     );
-    assert_eq!(checked, 10);
+    assert_eq!(checked, 11);
 }
