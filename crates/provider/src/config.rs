@@ -67,29 +67,8 @@ impl std::fmt::Display for ProviderKind {
     }
 }
 
-// ---- FCM and APNs keys: placeholders, to be replaced by the kinds' own modules. ----
-/// The `fcm` table (kind `fcm`). Placeholder: no key is accepted yet.
-#[derive(Deserialize, Serialize, Clone, Debug, Default)]
-#[serde(deny_unknown_fields)]
-pub struct FcmKeys {}
-
-impl FcmKeys {
-    pub fn validate(&self, _key_prefix: &str) -> Result<(), ConfigError> {
-        Ok(())
-    }
-}
-
-/// The `apns` table (kind `apns`). Placeholder: no key is accepted yet.
-#[derive(Deserialize, Serialize, Clone, Debug, Default)]
-#[serde(deny_unknown_fields)]
-pub struct ApnsKeys {}
-
-impl ApnsKeys {
-    pub fn validate(&self, _key_prefix: &str) -> Result<(), ConfigError> {
-        Ok(())
-    }
-}
-// ---- end of the FCM and APNs placeholders ----
+pub use crate::apns::ApnsKeys;
+pub use crate::fcm::FcmKeys;
 
 /// One provider account. See the module docs for the keys and their rules.
 #[derive(Deserialize, Serialize, Clone, Debug)]
@@ -468,8 +447,8 @@ mod tests {
                     "clinic@example.org",
                 ))
             }
-            ProviderKind::Fcm => c.fcm = Some(FcmKeys::default()),
-            ProviderKind::Apns => c.apns = Some(ApnsKeys::default()),
+            ProviderKind::Fcm => c.fcm = Some(FcmKeys::for_tests()),
+            ProviderKind::Apns => c.apns = Some(ApnsKeys::for_tests()),
         }
         c
     }

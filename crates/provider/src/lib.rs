@@ -5,8 +5,9 @@
 //! the account configuration with its `kind` ([`HttpProviderConfig`], [`ProviderKind`]), the one
 //! place a kind becomes an adapter ([`build`]), the adapters: [`HttpProvider`] (kind `generic`:
 //! POSTs to `{base_url}/v1/messages` with our `Idempotency-Key` on every request, reported as a
-//! bare status), [`twilio`] and [`sendgrid`] (their provider's contract, read into a
-//! [`nudge_domain::Verdict`]), and the transport shared by all ([`transport`]: the mapping of
+//! bare status), [`twilio`], [`sendgrid`], [`fcm`] (FCM HTTP v1 with the OAuth 2
+//! service-account flow) and [`apns`] (APNs over HTTP/2 with an ES256 provider token), each
+//! reading its provider's contract into a [`nudge_domain::Verdict`], and the transport shared by all ([`transport`]: the mapping of
 //! transport failures onto "the request never left" ([`SendOutcome::FailedBeforeSend`]) versus
 //! "it may have been sent" ([`SendOutcome::UnknownAfterSend`]), with short stable reason codes).
 //!
@@ -32,12 +33,9 @@ use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, IdempotencyKey, IdempotencySupport, ProviderAccount, SendOutcome};
 use url::Url;
 
-pub use apns::{ApnsConfig, ApnsProvider};
 pub use config::{ApnsKeys, FcmKeys, HttpProviderConfig, ProviderKind};
 pub use dispatch::build;
-pub use fcm::{FcmConfig, FcmProvider};
 pub use http::{HttpProvider, NON_UTF8_RETRY_AFTER, reason};
-pub use push::{PushMessage, PushVerdict, Timeouts};
 
 /// When the message stops being worth sending, and the sender's view of the database's clock
 /// at the send: adapters whose provider can drop a message that waited too long (Twilio's

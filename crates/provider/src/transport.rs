@@ -19,16 +19,22 @@ pub fn client(
     cfg: &HttpProviderConfig,
     account: &ProviderAccount,
 ) -> Result<reqwest::Client, ProviderError> {
-    reqwest::Client::builder()
-        .timeout(Duration::from_millis(cfg.timeout_ms))
-        .connect_timeout(Duration::from_millis(cfg.connect_timeout_ms))
-        .redirect(reqwest::redirect::Policy::none())
-        .no_proxy()
+    client_builder(cfg)
         .build()
         .map_err(|source| ProviderError::Client {
             account: account.clone(),
             source,
         })
+}
+
+/// The settings of [`client`], for an adapter that adds its own (APNs: HTTP/2 only, its trust
+/// anchors).
+pub fn client_builder(cfg: &HttpProviderConfig) -> reqwest::ClientBuilder {
+    reqwest::Client::builder()
+        .timeout(Duration::from_millis(cfg.timeout_ms))
+        .connect_timeout(Duration::from_millis(cfg.connect_timeout_ms))
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy()
 }
 
 /// [`outcome_of_error`], with the detail behind the reason code logged at debug (the caller

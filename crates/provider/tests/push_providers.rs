@@ -8,9 +8,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use nudge_config::Secret;
-use nudge_domain::{Channel, IdempotencyKey, ProviderAccount, ReminderId};
+use nudge_domain::{
+    Channel, IdempotencyKey, ProviderAccount, ProviderAnswer, ReminderId, SendOutcome, Verdict,
+};
+use nudge_provider::apns::ApnsProvider;
+use nudge_provider::fcm::FcmProvider;
 use nudge_provider::{
-    ApnsConfig, ApnsProvider, FcmConfig, FcmProvider, PushMessage, PushVerdict, Timeouts,
+    ApnsKeys, Expiry, FcmKeys, HttpProviderConfig, Provider, ProviderKind, SendRequest,
 };
 use provider_stub::{Script, Step, StubState};
 use serde_json::json;
@@ -22,14 +26,34 @@ fn account(name: &str) -> ProviderAccount {
     ProviderAccount::parse(name).unwrap()
 }
 
-fn message<'a>(key: &'a IdempotencyKey, destination: &'a str) -> PushMessage<'a> {
-    PushMessage {
+fn message<'a>(key: &'a IdempotencyKey, destination: &'a str) -> SendRequest<'a> {
+    let now = chrono::Utc::now();
+    SendRequest {
         idempotency_key: key,
+        channel: Channel::Push,
         destination,
         content: None,
-        expires_at: Some(chrono::Utc::now() + chrono::TimeDelta::hours(1)),
         correlation_id: "corr-1",
         traceparent: None,
+        expiry: Some(Expiry {
+            expires_at: now + chrono::TimeDelta::hours(1),
+            now,
+        }),
+    }
+}
+
+fn answered(verdict: Verdict, status: Option<u16>, code: Option<&str>) -> SendOutcome {
+    SendOutcome::Answered(ProviderAnswer::new(verdict, status).with_code(code))
+}
+
+fn accepted_id(outcome: &SendOutcome) -> Option<&str> {
+    match outcome {
+        SendOutcome::Answered(ProviderAnswer {
+            verdict: Verdict::Accepted,
+            provider_message_id,
+            ..
+        }) => provider_message_id.as_deref(),
+        _ => None,
     }
 }
 
@@ -79,14 +103,14 @@ impl Stub {
 
 // ---------------------------------------------------------------- FCM
 
-struct FcmKeys {
+struct RsaKeys {
     private_pem: String,
     public_pem: String,
 }
 
-fn rsa_keys() -> FcmKeys {
+fn rsa_keys() -> RsaKeys {
     let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_RSA_SHA256).unwrap();
-    FcmKeys {
+    RsaKeys {
         private_pem: key.serialize_pem(),
         public_pem: key.public_key_pem(),
     }
@@ -114,35 +138,36 @@ async fn fcm_stub(public_pem: &str, token_lifetime: Duration) -> Stub {
     }
 }
 
-fn fcm_config(stub: &Stub, name: &str, private_pem: &str) -> FcmConfig {
-    let mut cfg = FcmConfig::new(
+fn fcm_config(stub: &Stub, name: &str, private_pem: &str) -> HttpProviderConfig {
+    let mut keys = FcmKeys::new(
         "nudge-test",
         "nudge@nudge-test.iam.gserviceaccount.com",
         Secret::new(private_pem),
     );
-    cfg.base_url = format!("{}/accounts/{name}", stub.base);
-    cfg.token_uri = format!("{}/accounts/{name}/token", stub.base);
-    cfg.private_key_id = Some("key-1".into());
+    keys.token_uri = format!("{}/accounts/{name}/token", stub.base);
+    keys.private_key_id = Some("key-1".into());
+    let mut cfg = HttpProviderConfig::new(
+        name,
+        Channel::Push,
+        format!("{}/accounts/{name}", stub.base),
+    );
+    cfg.kind = ProviderKind::Fcm;
+    cfg.fcm = Some(keys);
+    cfg.timeout_ms = 1_000;
+    cfg.connect_timeout_ms = 500;
+    cfg.validate("providers.0").unwrap();
     cfg
 }
 
-fn timeouts() -> Timeouts {
-    Timeouts {
-        timeout_ms: 1_000,
-        connect_timeout_ms: 500,
-    }
+fn fcm(cfg: &HttpProviderConfig) -> FcmProvider {
+    FcmProvider::new(cfg).unwrap()
 }
 
 #[tokio::test]
 async fn concurrent_fcm_sends_share_one_access_token_and_are_accepted_with_their_names() {
     let keys = rsa_keys();
     let stub = fcm_stub(&keys.public_pem, Duration::from_secs(3600)).await;
-    let provider = FcmProvider::new(
-        account("fcm-main"),
-        &fcm_config(&stub, "fcm-main", &keys.private_pem),
-        timeouts(),
-    )
-    .unwrap();
+    let provider = fcm(&fcm_config(&stub, "fcm-main", &keys.private_pem));
     let sends = (0..20).map(|_| {
         let provider = &provider;
         async move {
@@ -150,17 +175,13 @@ async fn concurrent_fcm_sends_share_one_access_token_and_are_accepted_with_their
             let content = json!({"title": "Appointment", "body": "Tomorrow 9:00"});
             let mut msg = message(&key, "fcm-registration-token");
             msg.content = Some(&content);
-            provider.push(msg).await
+            provider.send(msg).await
         }
     });
-    let verdicts = futures_util::future::join_all(sends).await;
-    for v in &verdicts {
-        match v {
-            PushVerdict::Accepted {
-                message_id: Some(id),
-            } => assert!(id.starts_with("projects/nudge-test/messages/msg_"), "{id}"),
-            other => panic!("{other:?}"),
-        }
+    let outcomes = futures_util::future::join_all(sends).await;
+    for o in &outcomes {
+        let id = accepted_id(o).unwrap_or_else(|| panic!("{o:?}"));
+        assert!(id.starts_with("projects/nudge-test/messages/msg_"), "{id}");
     }
     assert_eq!(provider.access_tokens_fetched(), 1);
     let stats: provider_stub::fcm::FcmStats =
@@ -174,18 +195,10 @@ async fn an_access_token_is_fetched_again_once_it_is_within_the_margin_of_its_ex
     let keys = rsa_keys();
     // Tokens live 30 s and are replaced 60 s before expiry: each send needs a new one.
     let stub = fcm_stub(&keys.public_pem, Duration::from_secs(30)).await;
-    let provider = FcmProvider::new(
-        account("fcm-main"),
-        &fcm_config(&stub, "fcm-main", &keys.private_pem),
-        timeouts(),
-    )
-    .unwrap();
+    let provider = fcm(&fcm_config(&stub, "fcm-main", &keys.private_pem));
     for _ in 0..3 {
         let key = new_key();
-        assert!(matches!(
-            provider.push(message(&key, "tok")).await,
-            PushVerdict::Accepted { .. }
-        ));
+        assert!(accepted_id(&provider.send(message(&key, "tok")).await).is_some());
     }
     assert_eq!(provider.access_tokens_fetched(), 3);
 }
@@ -195,19 +208,11 @@ async fn an_assertion_signed_with_the_wrong_key_is_an_auth_failure_and_nothing_i
     let keys = rsa_keys();
     let other = rsa_keys();
     let stub = fcm_stub(&keys.public_pem, Duration::from_secs(3600)).await;
-    let provider = FcmProvider::new(
-        account("fcm-main"),
-        &fcm_config(&stub, "fcm-main", &other.private_pem),
-        timeouts(),
-    )
-    .unwrap();
+    let provider = fcm(&fcm_config(&stub, "fcm-main", &other.private_pem));
     let key = new_key();
     assert_eq!(
-        provider.push(message(&key, "tok")).await,
-        PushVerdict::AuthFailed {
-            status: 400,
-            reason: "token_refused"
-        }
+        provider.send(message(&key, "tok")).await,
+        answered(Verdict::AuthFailure, Some(400), Some("token_refused"))
     );
     let stats: provider_stub::fcm::FcmStats =
         stub.stats(&reqwest::Client::new(), "/stats/fcm").await;
@@ -219,60 +224,52 @@ async fn an_assertion_signed_with_the_wrong_key_is_an_auth_failure_and_nothing_i
 async fn each_scripted_fcm_error_gets_its_verdict() {
     let keys = rsa_keys();
     let stub = fcm_stub(&keys.public_pem, Duration::from_secs(3600)).await;
-    let cases: Vec<(&str, Step, PushVerdict)> = vec![
+    let cases: Vec<(&str, Step, SendOutcome)> = vec![
         (
             "fcm-gone",
             Step::status(404).unwrap(),
-            PushVerdict::DestinationInvalid {
-                status: 404,
-                reason: "UNREGISTERED",
-            },
+            answered(Verdict::ContactInvalid, Some(404), Some("UNREGISTERED")),
         ),
         (
             "fcm-quota",
             Step::status(429)
                 .unwrap()
                 .with_retry_after("30".parse().unwrap()),
-            PushVerdict::AccountThrottled {
-                status: 429,
-                reason: "QUOTA_EXCEEDED",
-                retry_after: Some("30".into()),
-            },
+            SendOutcome::Answered(
+                ProviderAnswer::new(Verdict::ThrottledAccount, Some(429))
+                    .with_code(Some("QUOTA_EXCEEDED"))
+                    .with_retry_after(Some("30".into())),
+            ),
         ),
         (
             "fcm-unavailable",
             Step::status(503)
                 .unwrap()
                 .with_retry_after("7".parse().unwrap()),
-            PushVerdict::Unavailable {
-                status: 503,
-                reason: "UNAVAILABLE",
-                retry_after: Some("7".into()),
-            },
+            SendOutcome::Answered(
+                ProviderAnswer::new(Verdict::RetryLater, Some(503))
+                    .with_code(Some("UNAVAILABLE"))
+                    .with_retry_after(Some("7".into())),
+            ),
         ),
         (
             "fcm-invalid",
             Step::status(400).unwrap(),
-            PushVerdict::Rejected {
-                status: 400,
-                reason: "INVALID_ARGUMENT",
-            },
+            answered(Verdict::Rejected, Some(400), Some("INVALID_ARGUMENT")),
         ),
         (
             "fcm-internal",
             Step::status(500).unwrap(),
-            PushVerdict::Ambiguous {
-                status: Some(500),
-                reason: "INTERNAL",
-            },
+            answered(Verdict::MaybeSent, Some(500), Some("INTERNAL")),
         ),
         (
             "fcm-thirdparty",
             Step::status(401).unwrap(),
-            PushVerdict::AuthFailed {
-                status: 401,
-                reason: "THIRD_PARTY_AUTH_ERROR",
-            },
+            answered(
+                Verdict::AuthFailure,
+                Some(401),
+                Some("THIRD_PARTY_AUTH_ERROR"),
+            ),
         ),
         (
             "fcm-hang",
@@ -280,22 +277,16 @@ async fn each_scripted_fcm_error_gets_its_verdict() {
                 hang: true,
                 ..Step::default()
             },
-            PushVerdict::Ambiguous {
-                status: None,
-                reason: "timeout_after_send",
+            SendOutcome::UnknownAfterSend {
+                reason: "timeout_after_send".into(),
             },
         ),
     ];
     for (name, step, want) in cases {
         stub.state.set_script(account(name), every(step));
-        let provider = FcmProvider::new(
-            account(name),
-            &fcm_config(&stub, name, &keys.private_pem),
-            timeouts(),
-        )
-        .unwrap();
+        let provider = fcm(&fcm_config(&stub, name, &keys.private_pem));
         let key = new_key();
-        assert_eq!(provider.push(message(&key, "tok")).await, want, "{name}");
+        assert_eq!(provider.send(message(&key, "tok")).await, want, "{name}");
     }
 }
 
@@ -303,21 +294,14 @@ async fn each_scripted_fcm_error_gets_its_verdict() {
 async fn a_payload_over_the_limit_is_refused_and_never_reaches_fcm() {
     let keys = rsa_keys();
     let stub = fcm_stub(&keys.public_pem, Duration::from_secs(3600)).await;
-    let provider = FcmProvider::new(
-        account("fcm-main"),
-        &fcm_config(&stub, "fcm-main", &keys.private_pem),
-        timeouts(),
-    )
-    .unwrap();
+    let provider = fcm(&fcm_config(&stub, "fcm-main", &keys.private_pem));
     let key = new_key();
     let content = json!({"body": "x".repeat(5000)});
     let mut msg = message(&key, "tok");
     msg.content = Some(&content);
     assert_eq!(
-        provider.push(msg).await,
-        PushVerdict::RefusedBeforeSend {
-            reason: "payload_too_large"
-        }
+        provider.send(msg).await,
+        answered(Verdict::Rejected, None, Some("payload_too_large"))
     );
     assert_eq!(stub.state.stats().total.requests, 0);
     assert_eq!(provider.access_tokens_fetched(), 0);
@@ -330,14 +314,14 @@ async fn a_token_endpoint_that_cannot_be_reached_means_the_push_never_left() {
     let mut cfg = fcm_config(&stub, "fcm-main", &keys.private_pem);
     // A port nothing listens on.
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    cfg.token_uri = format!("http://{}/token", closed.local_addr().unwrap());
+    cfg.fcm.as_mut().unwrap().token_uri = format!("http://{}/token", closed.local_addr().unwrap());
     drop(closed);
-    let provider = FcmProvider::new(account("fcm-main"), &cfg, timeouts()).unwrap();
+    let provider = fcm(&cfg);
     let key = new_key();
     assert_eq!(
-        provider.push(message(&key, "tok")).await,
-        PushVerdict::FailedBeforeSend {
-            reason: "token_unavailable"
+        provider.send(message(&key, "tok")).await,
+        SendOutcome::FailedBeforeSend {
+            reason: "token_unavailable".into()
         }
     );
     assert_eq!(stub.state.stats().total.requests, 0);
@@ -380,16 +364,29 @@ async fn apns_stub(public_pem: &str, min_token_interval: Duration) -> Stub {
     }
 }
 
-fn apns_config(stub: &Stub, name: &str, private_pem: &str) -> ApnsConfig {
-    let mut cfg = ApnsConfig::new(
+fn apns_config(stub: &Stub, name: &str, private_pem: &str) -> HttpProviderConfig {
+    let mut keys = ApnsKeys::new(
         "TEAM123456",
         "KEY1234567",
         Secret::new(private_pem),
         "org.example.reminders",
     );
-    cfg.base_url = format!("{}/accounts/{name}", stub.base);
-    cfg.ca_file = stub.ca_file.clone();
+    keys.ca_file = stub.ca_file.clone();
+    let mut cfg = HttpProviderConfig::new(
+        name,
+        Channel::Push,
+        format!("{}/accounts/{name}", stub.base),
+    );
+    cfg.kind = ProviderKind::Apns;
+    cfg.apns = Some(keys);
+    cfg.timeout_ms = 1_000;
+    cfg.connect_timeout_ms = 500;
+    cfg.validate("providers.0").unwrap();
     cfg
+}
+
+fn apns(cfg: &HttpProviderConfig) -> ApnsProvider {
+    ApnsProvider::new(cfg).unwrap()
 }
 
 fn apns_client(stub: &Stub) -> reqwest::Client {
@@ -405,12 +402,7 @@ fn apns_client(stub: &Stub) -> reqwest::Client {
 async fn apns_sends_go_over_tls_and_http2_share_one_provider_token_and_echo_the_apns_id() {
     let keys = ec_keys();
     let stub = apns_stub(&keys.public_pem, Duration::from_secs(20 * 60)).await;
-    let provider = ApnsProvider::new(
-        account("apns-main"),
-        &apns_config(&stub, "apns-main", &keys.private_pem),
-        timeouts(),
-    )
-    .unwrap();
+    let provider = apns(&apns_config(&stub, "apns-main", &keys.private_pem));
     let sends = (0..20).map(|_| {
         let provider = &provider;
         async move {
@@ -418,15 +410,14 @@ async fn apns_sends_go_over_tls_and_http2_share_one_provider_token_and_echo_the_
             let content = json!({"title": "Appointment", "body": "Tomorrow 9:00"});
             let mut msg = message(&key, APNS_DEVICE);
             msg.content = Some(&content);
-            (key.reminder_id(), provider.push(msg).await)
+            (key.reminder_id(), provider.send(msg).await)
         }
     });
-    for (reminder, verdict) in futures_util::future::join_all(sends).await {
+    for (reminder, outcome) in futures_util::future::join_all(sends).await {
         assert_eq!(
-            verdict,
-            PushVerdict::Accepted {
-                message_id: Some(reminder.as_uuid().hyphenated().to_string())
-            }
+            accepted_id(&outcome),
+            Some(reminder.as_uuid().hyphenated().to_string().as_str()),
+            "{outcome:?}"
         );
     }
     assert_eq!(provider.provider_tokens_made(), 1);
@@ -440,47 +431,39 @@ async fn apns_sends_go_over_tls_and_http2_share_one_provider_token_and_echo_the_
 async fn each_scripted_apns_error_gets_its_verdict() {
     let keys = ec_keys();
     let stub = apns_stub(&keys.public_pem, Duration::ZERO).await;
-    let cases: Vec<(&str, Step, PushVerdict)> = vec![
+    let cases: Vec<(&str, Step, SendOutcome)> = vec![
         (
             "apns-gone",
             Step::status(410).unwrap(),
-            PushVerdict::DestinationInvalid {
-                status: 410,
-                reason: "Unregistered",
-            },
+            answered(Verdict::ContactInvalid, Some(410), Some("Unregistered")),
         ),
         (
             "apns-bad-token",
             Step::status(400).unwrap(),
-            PushVerdict::DestinationInvalid {
-                status: 400,
-                reason: "BadDeviceToken",
-            },
+            answered(Verdict::ContactInvalid, Some(400), Some("BadDeviceToken")),
         ),
         (
             "apns-device-busy",
             Step::status(429).unwrap(),
-            PushVerdict::DestinationThrottled {
-                status: 429,
-                reason: "TooManyRequests",
-                retry_after: None,
-            },
+            answered(
+                Verdict::ThrottledRecipient,
+                Some(429),
+                Some("TooManyRequests"),
+            ),
         ),
         (
             "apns-auth",
             Step::status(403).unwrap(),
-            PushVerdict::AuthFailed {
-                status: 403,
-                reason: "InvalidProviderToken",
-            },
+            answered(
+                Verdict::AuthFailure,
+                Some(403),
+                Some("InvalidProviderToken"),
+            ),
         ),
         (
             "apns-internal",
             Step::status(500).unwrap(),
-            PushVerdict::Ambiguous {
-                status: Some(500),
-                reason: "InternalServerError",
-            },
+            answered(Verdict::MaybeSent, Some(500), Some("InternalServerError")),
         ),
         (
             "apns-hang",
@@ -488,23 +471,17 @@ async fn each_scripted_apns_error_gets_its_verdict() {
                 hang: true,
                 ..Step::default()
             },
-            PushVerdict::Ambiguous {
-                status: None,
-                reason: "timeout_after_send",
+            SendOutcome::UnknownAfterSend {
+                reason: "timeout_after_send".into(),
             },
         ),
     ];
     for (name, step, want) in cases {
         stub.state.set_script(account(name), every(step));
-        let provider = ApnsProvider::new(
-            account(name),
-            &apns_config(&stub, name, &keys.private_pem),
-            timeouts(),
-        )
-        .unwrap();
+        let provider = apns(&apns_config(&stub, name, &keys.private_pem));
         let key = new_key();
         assert_eq!(
-            provider.push(message(&key, APNS_DEVICE)).await,
+            provider.send(message(&key, APNS_DEVICE)).await,
             want,
             "{name}"
         );
@@ -516,19 +493,15 @@ async fn a_token_signed_with_another_key_is_refused_as_an_auth_failure() {
     let keys = ec_keys();
     let stub = apns_stub(&keys.public_pem, Duration::ZERO).await;
     let other = ec_keys();
-    let provider = ApnsProvider::new(
-        account("apns-main"),
-        &apns_config(&stub, "apns-main", &other.private_pem),
-        timeouts(),
-    )
-    .unwrap();
+    let provider = apns(&apns_config(&stub, "apns-main", &other.private_pem));
     let key = new_key();
     assert_eq!(
-        provider.push(message(&key, APNS_DEVICE)).await,
-        PushVerdict::AuthFailed {
-            status: 403,
-            reason: "InvalidProviderToken"
-        }
+        provider.send(message(&key, APNS_DEVICE)).await,
+        answered(
+            Verdict::AuthFailure,
+            Some(403),
+            Some("InvalidProviderToken")
+        )
     );
     assert_eq!(stub.state.stats().total.requests, 0);
 }
@@ -539,27 +512,20 @@ async fn a_second_token_within_20_minutes_is_refused_as_too_many_token_updates()
     let stub = apns_stub(&keys.public_pem, Duration::from_secs(20 * 60)).await;
     // Two providers for one account make two tokens, as two replicas would (another key id,
     // so the tokens differ even when made within the same second).
-    let first = ApnsProvider::new(
-        account("apns-main"),
-        &apns_config(&stub, "apns-main", &keys.private_pem),
-        timeouts(),
-    )
-    .unwrap();
+    let first = apns(&apns_config(&stub, "apns-main", &keys.private_pem));
     let mut cfg = apns_config(&stub, "apns-main", &keys.private_pem);
-    cfg.key_id = "KEY7654321".into();
-    let second = ApnsProvider::new(account("apns-main"), &cfg, timeouts()).unwrap();
+    cfg.apns.as_mut().unwrap().key_id = "KEY7654321".into();
+    let second = apns(&cfg);
     let key = new_key();
-    assert!(matches!(
-        first.push(message(&key, APNS_DEVICE)).await,
-        PushVerdict::Accepted { .. }
-    ));
+    assert!(accepted_id(&first.send(message(&key, APNS_DEVICE)).await).is_some());
     let key = new_key();
     assert_eq!(
-        second.push(message(&key, APNS_DEVICE)).await,
-        PushVerdict::TokenMisuse {
-            status: 429,
-            reason: "TooManyProviderTokenUpdates"
-        }
+        second.send(message(&key, APNS_DEVICE)).await,
+        answered(
+            Verdict::OwnFault,
+            Some(429),
+            Some("TooManyProviderTokenUpdates")
+        )
     );
 }
 
@@ -567,18 +533,11 @@ async fn a_second_token_within_20_minutes_is_refused_as_too_many_token_updates()
 async fn a_device_token_that_is_not_hex_is_refused_before_sending() {
     let keys = ec_keys();
     let stub = apns_stub(&keys.public_pem, Duration::ZERO).await;
-    let provider = ApnsProvider::new(
-        account("apns-main"),
-        &apns_config(&stub, "apns-main", &keys.private_pem),
-        timeouts(),
-    )
-    .unwrap();
+    let provider = apns(&apns_config(&stub, "apns-main", &keys.private_pem));
     let key = new_key();
     assert_eq!(
-        provider.push(message(&key, "../../admin/reset")).await,
-        PushVerdict::RefusedBeforeSend {
-            reason: "invalid_device_token"
-        }
+        provider.send(message(&key, "../../admin/reset")).await,
+        answered(Verdict::Rejected, None, Some("invalid_device_token"))
     );
     assert_eq!(stub.state.stats().total.requests, 0);
 }
@@ -591,14 +550,14 @@ async fn without_the_stub_authority_trusted_the_tls_handshake_fails_before_sendi
     let unrelated =
         std::env::temp_dir().join(format!("nudge-apns-other-{}.pem", uuid::Uuid::new_v4()));
     provider_stub::tls::generate(&unrelated).unwrap();
-    cfg.ca_file = Some(unrelated.clone());
-    let provider = ApnsProvider::new(account("apns-main"), &cfg, timeouts()).unwrap();
+    cfg.apns.as_mut().unwrap().ca_file = Some(unrelated.clone());
+    let provider = apns(&cfg);
     std::fs::remove_file(&unrelated).unwrap();
     let key = new_key();
     assert_eq!(
-        provider.push(message(&key, APNS_DEVICE)).await,
-        PushVerdict::FailedBeforeSend {
-            reason: "connect_error"
+        provider.send(message(&key, APNS_DEVICE)).await,
+        SendOutcome::FailedBeforeSend {
+            reason: "connect_error".into()
         }
     );
     assert_eq!(stub.state.stats().total.requests, 0);

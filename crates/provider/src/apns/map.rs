@@ -1,23 +1,28 @@
-//! APNs's answers mapped onto [`PushVerdict`]s: a pure function of the status, the headers and the
+//! APNs's answers mapped onto [`ProviderAnswer`]s: a pure function of the status, the headers and the
 //! body (`{"reason": "..."}`, with `timestamp` on a 410), so every documented reason is tested
 //! without a server.
 //!
 //! | answer | verdict |
 //! |---|---|
 //! | 200 | accepted; the `apns-id` header is the message id |
-//! | 410 `Unregistered` (or `ExpiredToken`) | destination invalid: the device token is no longer active |
-//! | 400 `BadDeviceToken` | destination invalid |
+//! | 410 `Unregistered` (or `ExpiredToken`) | contact invalid: the device token is no longer active |
+//! | 400 `BadDeviceToken` | contact invalid |
 //! | 400 other (`DeviceTokenNotForTopic`, `BadTopic`, `BadExpirationDate`, ...), 404, 405, 413 | rejected (terminal; a wrong topic is ours, not the contact's) |
 //! | 403 `InvalidProviderToken`, `ExpiredProviderToken`, `MissingProviderToken`, `BadCertificate`, `Forbidden`, ... | auth failure of the account |
-//! | 429 `TooManyProviderTokenUpdates` | our token bug: alert, retry the delivery, never slow the bucket |
-//! | 429 `TooManyRequests` (or any other 429) | this one device is throttled: retry that delivery only |
-//! | 500, 503 and any other 5xx | ambiguous (APNs honours no idempotency key), unless a 503 carries a valid `Retry-After` |
+//! | 429 `TooManyProviderTokenUpdates` | own fault (our token churn): alert, retry the delivery, never slow the bucket |
+//! | 429 `TooManyRequests` (or any other 429) | throttled recipient: retry that delivery only |
+//! | 500, 503 and any other 5xx | maybe sent (ambiguous: APNs honours no idempotency key), unless a 503 carries a valid `Retry-After` (retry later) |
 //! | any other status | rejected (terminal) |
+//!
+//! The code recorded is APNs's reason, `other` for one Apple does not document, none when the
+//! body named none.
 
 use reqwest::header::HeaderMap;
 use serde::Deserialize;
 
-use crate::push::{PushVerdict, has_valid_retry_after, retry_after};
+use nudge_domain::{ProviderAnswer, Verdict};
+
+use crate::push::{answer, has_valid_retry_after, retry_after};
 
 /// `apns-id` is a UUID; anything much longer is not one.
 const MAX_APNS_ID_LEN: usize = 64;
@@ -74,65 +79,40 @@ fn reason_of(body: &[u8]) -> Option<&'static str> {
     parsed.reason.as_deref().map(known_reason)
 }
 
-/// Whether a 403 `reason` says the provider token itself is bad (so a new one may help).
-pub(crate) fn is_provider_token_refusal(verdict: &PushVerdict) -> bool {
-    matches!(
-        verdict,
-        PushVerdict::AuthFailed {
-            reason: "InvalidProviderToken" | "ExpiredProviderToken",
-            ..
-        }
-    )
+/// Whether an answer says the provider token itself is bad (so a new one may help).
+pub(crate) fn is_provider_token_refusal(answer: &ProviderAnswer) -> bool {
+    answer.verdict == Verdict::AuthFailure
+        && answer
+            .code
+            .as_ref()
+            .is_some_and(|c| matches!(c.as_str(), "InvalidProviderToken" | "ExpiredProviderToken"))
 }
 
 /// What an APNs answer means. `body` is the (bounded) response body.
-pub fn map_response(status: u16, headers: &HeaderMap, body: &[u8]) -> PushVerdict {
+pub fn map_response(status: u16, headers: &HeaderMap, body: &[u8]) -> ProviderAnswer {
     if status == 200 {
         let message_id = headers
             .get("apns-id")
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty() && v.len() <= MAX_APNS_ID_LEN)
             .map(str::to_owned);
-        return PushVerdict::Accepted { message_id };
+        return ProviderAnswer::new(Verdict::Accepted, Some(status)).with_message_id(message_id);
     }
     let reason = reason_of(body);
     let retry_after = retry_after(headers);
-    let code = reason.unwrap_or("no_apns_reason");
-    match (status, reason) {
-        (410, _) | (400, Some("BadDeviceToken")) => PushVerdict::DestinationInvalid {
-            status,
-            reason: if status == 410 && reason.is_none() {
-                "Unregistered"
-            } else {
-                code
-            },
-        },
-        (429, Some("TooManyProviderTokenUpdates")) => PushVerdict::TokenMisuse {
-            status,
-            reason: "TooManyProviderTokenUpdates",
-        },
-        (429, _) => PushVerdict::DestinationThrottled {
-            status,
-            reason: reason.unwrap_or("TooManyRequests"),
-            retry_after,
-        },
-        (403, _) => PushVerdict::AuthFailed {
-            status,
-            reason: code,
-        },
-        (503, _) if has_valid_retry_after(retry_after.as_deref()) => PushVerdict::Unavailable {
-            status,
-            reason: code,
-            retry_after,
-        },
-        (500..=599, _) => PushVerdict::Ambiguous {
-            status: Some(status),
-            reason: code,
-        },
-        _ => PushVerdict::Rejected {
-            status,
-            reason: code,
-        },
+    let verdict = match (status, reason) {
+        (410, _) | (400, Some("BadDeviceToken")) => Verdict::ContactInvalid,
+        (429, Some("TooManyProviderTokenUpdates")) => Verdict::OwnFault,
+        (429, _) => Verdict::ThrottledRecipient,
+        (403, _) => Verdict::AuthFailure,
+        (503, _) if has_valid_retry_after(retry_after.as_deref()) => Verdict::RetryLater,
+        (500..=599, _) => Verdict::MaybeSent,
+        _ => Verdict::Rejected,
+    };
+    let answer = answer(verdict, status, reason);
+    match verdict {
+        Verdict::ThrottledRecipient | Verdict::RetryLater => answer.with_retry_after(retry_after),
+        _ => answer,
     }
 }
 
@@ -141,6 +121,10 @@ pub fn map_response(status: u16, headers: &HeaderMap, body: &[u8]) -> PushVerdic
 mod tests {
     use super::*;
     use reqwest::header::HeaderValue;
+
+    fn verdict(v: Verdict, status: u16, code: Option<&str>) -> ProviderAnswer {
+        answer(v, status, code)
+    }
 
     fn body(reason: &str) -> Vec<u8> {
         serde_json::to_vec(&serde_json::json!({ "reason": reason })).unwrap()
@@ -159,9 +143,8 @@ mod tests {
         );
         assert_eq!(
             map_response(200, &h, b""),
-            PushVerdict::Accepted {
-                message_id: Some("eabeae54-14a8-11e5-b60b-1697f925ec7b".to_owned())
-            }
+            ProviderAnswer::new(Verdict::Accepted, Some(200))
+                .with_message_id(Some("eabeae54-14a8-11e5-b60b-1697f925ec7b".to_owned()))
         );
     }
 
@@ -170,24 +153,15 @@ mod tests {
         let gone = br#"{"reason": "Unregistered", "timestamp": 1454402113000}"#;
         assert_eq!(
             map_response(410, &none(), gone),
-            PushVerdict::DestinationInvalid {
-                status: 410,
-                reason: "Unregistered"
-            }
+            verdict(Verdict::ContactInvalid, 410, Some("Unregistered"))
         );
         assert_eq!(
             map_response(410, &none(), &body("ExpiredToken")),
-            PushVerdict::DestinationInvalid {
-                status: 410,
-                reason: "ExpiredToken"
-            }
+            verdict(Verdict::ContactInvalid, 410, Some("ExpiredToken"))
         );
         assert_eq!(
             map_response(400, &none(), &body("BadDeviceToken")),
-            PushVerdict::DestinationInvalid {
-                status: 400,
-                reason: "BadDeviceToken"
-            }
+            verdict(Verdict::ContactInvalid, 400, Some("BadDeviceToken"))
         );
     }
 
@@ -204,7 +178,7 @@ mod tests {
         ] {
             assert_eq!(
                 map_response(status, &none(), &body(reason)),
-                PushVerdict::Rejected { status, reason },
+                verdict(Verdict::Rejected, status, Some(reason)),
                 "{reason}"
             );
         }
@@ -222,10 +196,7 @@ mod tests {
             let v = map_response(403, &none(), &body(reason));
             assert_eq!(
                 v,
-                PushVerdict::AuthFailed {
-                    status: 403,
-                    reason
-                },
+                verdict(Verdict::AuthFailure, 403, Some(reason)),
                 "{reason}"
             );
         }
@@ -245,18 +216,11 @@ mod tests {
     fn too_many_token_updates_is_our_bug_and_too_many_requests_throttles_one_device() {
         assert_eq!(
             map_response(429, &none(), &body("TooManyProviderTokenUpdates")),
-            PushVerdict::TokenMisuse {
-                status: 429,
-                reason: "TooManyProviderTokenUpdates"
-            }
+            verdict(Verdict::OwnFault, 429, Some("TooManyProviderTokenUpdates"))
         );
         assert_eq!(
             map_response(429, &none(), &body("TooManyRequests")),
-            PushVerdict::DestinationThrottled {
-                status: 429,
-                reason: "TooManyRequests",
-                retry_after: None
-            }
+            verdict(Verdict::ThrottledRecipient, 429, Some("TooManyRequests"))
         );
     }
 
@@ -264,41 +228,29 @@ mod tests {
     fn server_errors_are_ambiguous_unless_a_503_says_when_to_come_back() {
         assert_eq!(
             map_response(500, &none(), &body("InternalServerError")),
-            PushVerdict::Ambiguous {
-                status: Some(500),
-                reason: "InternalServerError"
-            }
+            verdict(Verdict::MaybeSent, 500, Some("InternalServerError"))
         );
         assert_eq!(
             map_response(503, &none(), &body("ServiceUnavailable")),
-            PushVerdict::Ambiguous {
-                status: Some(503),
-                reason: "ServiceUnavailable"
-            }
+            verdict(Verdict::MaybeSent, 503, Some("ServiceUnavailable"))
         );
         let mut h = HeaderMap::new();
         h.insert("retry-after", HeaderValue::from_static("10"));
-        assert!(matches!(
+        assert_eq!(
             map_response(503, &h, &body("Shutdown")),
-            PushVerdict::Unavailable { .. }
-        ));
+            verdict(Verdict::RetryLater, 503, Some("Shutdown")).with_retry_after(Some("10".into()))
+        );
     }
 
     #[test]
     fn an_unknown_reason_is_reported_as_other() {
         assert_eq!(
             map_response(400, &none(), &body("SomethingNew")),
-            PushVerdict::Rejected {
-                status: 400,
-                reason: "other"
-            }
+            verdict(Verdict::Rejected, 400, Some("other"))
         );
         assert_eq!(
             map_response(400, &none(), b"<html>"),
-            PushVerdict::Rejected {
-                status: 400,
-                reason: "no_apns_reason"
-            }
+            verdict(Verdict::Rejected, 400, None)
         );
     }
 }

@@ -1,6 +1,7 @@
-//! Apple Push Notification service: `POST {base_url}/3/device/{device token}` over HTTP/2 and
-//! TLS, authorised by an ES256 provider token ([`token`]), answers mapped by
-//! [`map::map_response`].
+//! Apple Push Notification service (kind `apns`): `POST {base_url}/3/device/{device token}` over
+//! HTTP/2 and TLS, authorised by an ES256 provider token ([`token`]), answers mapped by
+//! [`map::map_response`]. `base_url` is APNs's root: `https://api.push.apple.com`, or
+//! `https://api.sandbox.push.apple.com` for development builds of the app.
 //!
 //! Headers: `authorization: bearer <token>`, `apns-topic` (the app's bundle id),
 //! `apns-push-type`, `apns-priority`, `apns-expiration` (the reminder's `expires_at`, Unix
@@ -8,11 +9,12 @@
 //! every attempt, echoed by APNs, so an attempt and its answer can be matched in Apple's tools;
 //! APNs does not deduplicate by it). The payload is `{"aps": {"alert": {"title", "body"}}, ...}`
 //! (or `{"aps": {"content-available": 1}, ...}` with no title or body), at most
-//! [`MAX_PAYLOAD_BYTES`], checked before sending.
+//! [`MAX_PAYLOAD_BYTES`], checked before sending; so is the device token, which goes into the
+//! path and must be hexadecimal.
 //!
 //! # Keys
 //!
-//! Of an account of kind `apns`, beside the keys every account has:
+//! The `apns` table of an account of kind `apns` (`[providers.apns]`):
 //!
 //! | key | default | rule |
 //! |-----|---------|------|
@@ -20,7 +22,6 @@
 //! | `key_id` | required | the signing key's id (the token's `kid`): 1 to 64 ASCII letters or digits |
 //! | `private_key` (secret) | required | the signing key (`.p8`): an EC P-256 private key in PEM (PKCS#8) |
 //! | `topic` | required | the app's bundle id, sent as `apns-topic` |
-//! | `base_url` | `https://api.push.apple.com` | APNs's root (`https://api.sandbox.push.apple.com` for development); `/3/device/{token}` is appended |
 //! | `ca_file` | unset (the system's roots) | a PEM bundle; when set, the only roots trusted for this account |
 //! | `push_type` | `alert` | `apns-push-type`: `alert` or `background` |
 //! | `priority` | `10` | `apns-priority`: `10` (now), `5` (power-considerate) or `1` (background) |
@@ -34,16 +35,14 @@ use std::time::Duration;
 
 use jsonwebtoken::EncodingKey;
 use nudge_config::{ConfigError, Secret};
-use nudge_domain::ProviderAccount;
+use nudge_domain::{IdempotencySupport, ProviderAccount, ProviderAnswer, SendOutcome, Verdict};
 use reqwest::header::{self, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 use url::Url;
 
-use crate::ProviderError;
-use crate::push::{
-    PushContent, PushMessage, PushVerdict, Timeouts, join_path, parse_base_url, read_bounded,
-    verdict_of_transport_error,
-};
+use crate::push::{PushContent, refused_before_send};
+use crate::transport::{client_builder, logged_outcome_of_error, read_body};
+use crate::{HttpProviderConfig, Provider, ProviderError, SendRequest};
 use token::ProviderTokens;
 
 pub use map::map_response;
@@ -55,7 +54,7 @@ const MAX_BODY_BYTES: usize = 16 * 1024;
 /// Device tokens are hexadecimal; Apple's are 64 characters today and may grow.
 const MAX_DEVICE_TOKEN_LEN: usize = 200;
 
-/// Stable reasons of refusals before sending.
+/// Codes of the refusals before sending.
 pub mod reason {
     /// The payload is over [`super::MAX_PAYLOAD_BYTES`].
     pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
@@ -89,17 +88,15 @@ impl PushType {
     }
 }
 
-/// The keys of an account of kind `apns` (see the module docs).
+/// The `apns` table of an account (see the module docs).
 #[derive(Deserialize, Serialize, Clone, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct ApnsConfig {
+pub struct ApnsKeys {
     pub team_id: String,
     pub key_id: String,
     pub private_key: Secret,
     pub topic: String,
-    #[serde(default = "default_base_url")]
-    pub base_url: String,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
     #[serde(default)]
     pub push_type: PushType,
@@ -107,10 +104,6 @@ pub struct ApnsConfig {
     pub priority: u8,
     #[serde(default = "default_token_refresh_s")]
     pub token_refresh_s: u64,
-}
-
-fn default_base_url() -> String {
-    "https://api.push.apple.com".to_owned()
 }
 
 const fn default_priority() -> u8 {
@@ -135,13 +128,12 @@ fn is_id(s: &str) -> bool {
 
 struct Parsed {
     signing_key: EncodingKey,
-    base_url: Url,
     roots: Option<Vec<reqwest::Certificate>>,
     topic: HeaderValue,
 }
 
-impl ApnsConfig {
-    /// A config with the defaults for every optional key.
+impl ApnsKeys {
+    /// The keys with the defaults for every optional one.
     pub fn new(
         team_id: impl Into<String>,
         key_id: impl Into<String>,
@@ -153,7 +145,6 @@ impl ApnsConfig {
             key_id: key_id.into(),
             private_key,
             topic: topic.into(),
-            base_url: default_base_url(),
             ca_file: None,
             push_type: PushType::default(),
             priority: default_priority(),
@@ -161,8 +152,21 @@ impl ApnsConfig {
         }
     }
 
-    /// Checks every rule (reading `ca_file`), naming the first bad key as `{key_prefix}.{field}`;
-    /// never repeats a secret.
+    /// Valid keys with a fresh P-256 key, for tests.
+    #[cfg(test)]
+    #[allow(clippy::unwrap_used)]
+    pub(crate) fn for_tests() -> Self {
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        Self::new(
+            "TEAM123456",
+            "KEY1234567",
+            Secret::new(key.serialize_pem()),
+            "org.example.app",
+        )
+    }
+
+    /// Checks every rule (parsing the private key and reading `ca_file`), naming the first bad
+    /// key as `{key_prefix}.{field}`; never repeats a secret.
     pub fn validate(&self, key_prefix: &str) -> Result<(), ConfigError> {
         self.parsed(key_prefix).map(|_| ())
     }
@@ -187,14 +191,12 @@ impl ApnsConfig {
                     "must be an EC P-256 private key in PEM (PKCS#8, as in the .p8 file)",
                 )
             })?;
-        let topic = HeaderValue::from_str(&self.topic)
-            .ok()
-            .filter(|_| !self.topic.is_empty() && self.topic.bytes().all(|b| b.is_ascii_graphic()))
+        let topic = (!self.topic.is_empty() && self.topic.bytes().all(|b| b.is_ascii_graphic()))
+            .then(|| HeaderValue::from_str(&self.topic).ok())
+            .flatten()
             .ok_or_else(|| {
                 ConfigError::invalid(key(prefix, "topic"), "must be the app's bundle id")
             })?;
-        let base_url = parse_base_url(&self.base_url)
-            .map_err(|m| ConfigError::invalid(key(prefix, "base_url"), m))?;
         let roots = match &self.ca_file {
             None => None,
             Some(path) => {
@@ -227,7 +229,6 @@ impl ApnsConfig {
         }
         Ok(Parsed {
             signing_key,
-            base_url,
             roots,
             topic,
         })
@@ -238,7 +239,8 @@ impl ApnsConfig {
 /// account's provider token.
 pub struct ApnsProvider {
     account: ProviderAccount,
-    base_url: Url,
+    /// `{base_url}/3/device`; the device token is appended per send.
+    endpoint: Url,
     topic: HeaderValue,
     push_type: PushType,
     priority: u8,
@@ -250,22 +252,33 @@ impl std::fmt::Debug for ApnsProvider {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ApnsProvider")
             .field("account", &self.account)
-            .field("base_url", &self.base_url.as_str())
+            .field("endpoint", &self.endpoint.as_str())
             .field("tokens", &self.tokens)
             .finish_non_exhaustive()
     }
 }
 
+fn invalid(key: &str, message: impl Into<String>) -> ProviderError {
+    ProviderError::Config(ConfigError::invalid(key, message))
+}
+
 impl ApnsProvider {
-    /// Validates `cfg` (errors name keys relative to the account's section) and builds the
-    /// client.
-    pub fn new(
-        account: ProviderAccount,
-        cfg: &ApnsConfig,
-        timeouts: Timeouts,
-    ) -> Result<Self, ProviderError> {
-        let parsed = cfg.parsed("")?;
-        let mut builder = timeouts.client_builder().http2_prior_knowledge();
+    /// Builds the account from its validated configuration (errors name keys relative to the
+    /// provider section).
+    pub fn new(cfg: &HttpProviderConfig) -> Result<Self, ProviderError> {
+        let account = cfg
+            .parsed_account()
+            .map_err(|e| invalid("account", e.to_string()))?;
+        let keys = cfg
+            .apns
+            .as_ref()
+            .ok_or_else(|| invalid("apns", "required for kind `apns`"))?;
+        let parsed = keys.parsed("apns")?;
+        let endpoint = cfg
+            .endpoint_at("3/device")
+            .map_err(|m| invalid("base_url", m))?;
+        // APNs speaks only HTTP/2.
+        let mut builder = client_builder(cfg).http2_prior_knowledge();
         if let Some(roots) = parsed.roots {
             builder = builder.tls_certs_only(roots);
         }
@@ -274,24 +287,20 @@ impl ApnsProvider {
             source,
         })?;
         let tokens = ProviderTokens::new(
-            cfg.team_id.clone(),
-            cfg.key_id.clone(),
+            keys.team_id.clone(),
+            keys.key_id.clone(),
             parsed.signing_key,
-            Duration::from_secs(cfg.token_refresh_s),
+            Duration::from_secs(keys.token_refresh_s),
         );
         Ok(Self {
             account,
-            base_url: parsed.base_url,
+            endpoint,
             topic: parsed.topic,
-            push_type: cfg.push_type,
-            priority: cfg.priority,
+            push_type: keys.push_type,
+            priority: keys.priority,
             client,
             tokens,
         })
-    }
-
-    pub fn account(&self) -> &ProviderAccount {
-        &self.account
     }
 
     /// How many provider tokens this account made so far.
@@ -299,27 +308,25 @@ impl ApnsProvider {
         self.tokens.made()
     }
 
-    /// Sends once and says what it means. Never fails: every failure is a verdict.
-    pub async fn push(&self, msg: PushMessage<'_>) -> PushVerdict {
-        let token = msg.destination;
-        if token.is_empty()
-            || token.len() > MAX_DEVICE_TOKEN_LEN
-            || !token.bytes().all(|b| b.is_ascii_hexdigit())
+    async fn send_once(&self, req: SendRequest<'_>) -> SendOutcome {
+        let device = req.destination;
+        if device.is_empty()
+            || device.len() > MAX_DEVICE_TOKEN_LEN
+            || !device.bytes().all(|b| b.is_ascii_hexdigit())
         {
-            return PushVerdict::RefusedBeforeSend {
-                reason: reason::INVALID_DEVICE_TOKEN,
-            };
+            return SendOutcome::Answered(refused_before_send(reason::INVALID_DEVICE_TOKEN));
         }
-        let body = match payload(&msg) {
+        let body = match payload(&req) {
             Ok(b) => b,
-            Err(refused) => return refused,
+            Err(code) => return SendOutcome::Answered(refused_before_send(code)),
         };
         let auth = match self.tokens.authorization() {
             Ok(h) => h,
-            Err(verdict) => return verdict,
+            Err(outcome) => return outcome,
         };
-        let url = join_path(&self.base_url, &format!("/3/device/{token}"));
-        let apns_id = msg
+        let mut url = self.endpoint.clone();
+        url.set_path(&format!("{}/{device}", self.endpoint.path()));
+        let apns_id = req
             .idempotency_key
             .reminder_id()
             .as_uuid()
@@ -334,42 +341,71 @@ impl ApnsProvider {
             .header(APNS_PRIORITY, self.priority.to_string())
             .header(APNS_ID, apns_id)
             .header(header::CONTENT_TYPE, "application/json");
-        if let Some(at) = msg.expires_at {
-            request = request.header(APNS_EXPIRATION, at.timestamp().max(0).to_string());
+        if let Some(expiry) = req.expiry {
+            request = request.header(
+                APNS_EXPIRATION,
+                expiry.expires_at.timestamp().max(0).to_string(),
+            );
         }
-        if let Ok(v) = HeaderValue::from_str(msg.correlation_id) {
+        if let Ok(v) = HeaderValue::from_str(req.correlation_id) {
             request = request.header(CORRELATION_ID, v);
         }
-        if let Some(v) = msg.traceparent.and_then(|t| HeaderValue::from_str(t).ok()) {
+        if let Some(v) = req.traceparent.and_then(|t| HeaderValue::from_str(t).ok()) {
             request = request.header(TRACEPARENT, v);
         }
         let response = match request.body(body).send().await {
             Ok(r) => r,
-            Err(e) => return verdict_of_transport_error(&e),
+            Err(e) => return logged_outcome_of_error(&self.account, e),
         };
         let status = response.status().as_u16();
         let headers = response.headers().clone();
-        let body = read_bounded(response, MAX_BODY_BYTES)
+        let body = read_body(response, MAX_BODY_BYTES)
             .await
             .unwrap_or_default();
-        let verdict = map_response(status, &headers, &body);
-        if map::is_provider_token_refusal(&verdict) {
-            self.tokens.refused(&auth);
+        let answer = map_response(status, &headers, &body);
+        self.after(&answer, &auth);
+        SendOutcome::Answered(answer)
+    }
+
+    /// What an answer says about the provider token.
+    fn after(&self, answer: &ProviderAnswer, used: &HeaderValue) {
+        if map::is_provider_token_refusal(answer) {
+            self.tokens.refused(used);
         }
-        if let PushVerdict::TokenMisuse { .. } = verdict {
+        if answer.verdict == Verdict::OwnFault {
             tracing::error!(
                 provider_account = %self.account,
-                tokens_made = self.tokens.made(),
-                "APNs says the provider token is updated too often; this is a bug of ours"
+                provider_tokens_made = self.tokens.made(),
+                "APNs says the provider token is renewed too often"
             );
         }
-        verdict
     }
 }
 
-/// The notification's JSON, or why it is refused before sending.
-fn payload(msg: &PushMessage<'_>) -> Result<Vec<u8>, PushVerdict> {
-    let content = PushContent::of(msg.content);
+impl Provider for ApnsProvider {
+    fn account(&self) -> &ProviderAccount {
+        &self.account
+    }
+
+    fn idempotency(&self) -> IdempotencySupport {
+        IdempotencySupport::NotHonoured
+    }
+
+    fn endpoint(&self) -> &Url {
+        &self.endpoint
+    }
+
+    fn send<'a>(
+        &'a self,
+        req: SendRequest<'a>,
+    ) -> impl std::future::Future<Output = SendOutcome> + Send + 'a {
+        self.send_once(req)
+    }
+}
+
+/// The notification's JSON, or the code of its refusal before sending.
+fn payload(req: &SendRequest<'_>) -> Result<Vec<u8>, &'static str> {
+    let content = PushContent::of(req.content);
     let aps = if content.title.is_some() || content.body.is_some() {
         let mut alert = serde_json::Map::new();
         if let Some(t) = content.title {
@@ -384,13 +420,9 @@ fn payload(msg: &PushMessage<'_>) -> Result<Vec<u8>, PushVerdict> {
     };
     let mut root = content.data;
     root.insert("aps".into(), aps);
-    let body = serde_json::to_vec(&root).map_err(|_| PushVerdict::RefusedBeforeSend {
-        reason: crate::reason::REQUEST_BUILD_ERROR,
-    })?;
+    let body = serde_json::to_vec(&root).map_err(|_| crate::reason::REQUEST_BUILD_ERROR)?;
     if body.len() > MAX_PAYLOAD_BYTES {
-        return Err(PushVerdict::RefusedBeforeSend {
-            reason: reason::PAYLOAD_TOO_LARGE,
-        });
+        return Err(reason::PAYLOAD_TOO_LARGE);
     }
     Ok(body)
 }
@@ -401,14 +433,15 @@ mod tests {
     use super::*;
     use nudge_domain::{Channel, IdempotencyKey, ReminderId};
 
-    fn msg<'a>(key: &'a IdempotencyKey, content: Option<&'a serde_json::Value>) -> PushMessage<'a> {
-        PushMessage {
+    fn msg<'a>(key: &'a IdempotencyKey, content: Option<&'a serde_json::Value>) -> SendRequest<'a> {
+        SendRequest {
             idempotency_key: key,
+            channel: Channel::Push,
             destination: "00fc13adff785122b4ad28809a3420982341241421348097878e577c991de8f0",
             content,
-            expires_at: None,
             correlation_id: "c",
             traceparent: None,
+            expiry: None,
         }
     }
 
@@ -434,53 +467,45 @@ mod tests {
         let big = serde_json::json!({"body": "x".repeat(MAX_PAYLOAD_BYTES)});
         assert_eq!(
             payload(&msg(&key, Some(&big))).unwrap_err(),
-            PushVerdict::RefusedBeforeSend {
-                reason: reason::PAYLOAD_TOO_LARGE
-            }
+            reason::PAYLOAD_TOO_LARGE
         );
     }
 
-    fn config() -> ApnsConfig {
-        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
-        ApnsConfig::new(
-            "TEAM123456",
-            "KEY1234567",
-            Secret::new(key.serialize_pem()),
-            "org.example.app",
-        )
+    fn keys() -> ApnsKeys {
+        ApnsKeys::for_tests()
     }
 
     #[test]
     fn each_bad_value_is_reported_under_its_own_key_and_never_repeats_the_key() {
-        let invalid = |c: &ApnsConfig| c.validate("providers.1").unwrap_err().key();
-        config().validate("providers.1").unwrap();
-        let mut c = config();
+        let invalid = |c: &ApnsKeys| c.validate("providers.1.apns").unwrap_err().key();
+        keys().validate("providers.1.apns").unwrap();
+        let mut c = keys();
         c.team_id = "team id".into();
-        assert_eq!(invalid(&c).as_deref(), Some("providers.1.team_id"));
-        let mut c = config();
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.apns.team_id"));
+        let mut c = keys();
         c.key_id = String::new();
-        assert_eq!(invalid(&c).as_deref(), Some("providers.1.key_id"));
-        let mut c = config();
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.apns.key_id"));
+        let mut c = keys();
         c.private_key =
             Secret::new("-----BEGIN PRIVATE KEY-----\nhunter2\n-----END PRIVATE KEY-----\n");
-        assert_eq!(invalid(&c).as_deref(), Some("providers.1.private_key"));
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.apns.private_key"));
         assert!(!c.validate("p").unwrap_err().to_string().contains("hunter2"));
-        let mut c = config();
+        let mut c = keys();
         c.topic = String::new();
-        assert_eq!(invalid(&c).as_deref(), Some("providers.1.topic"));
-        let mut c = config();
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.apns.topic"));
+        let mut c = keys();
         c.ca_file = Some("/nonexistent/ca.pem".into());
-        assert_eq!(invalid(&c).as_deref(), Some("providers.1.ca_file"));
-        let mut c = config();
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.apns.ca_file"));
+        let mut c = keys();
         c.priority = 7;
-        assert_eq!(invalid(&c).as_deref(), Some("providers.1.priority"));
+        assert_eq!(invalid(&c).as_deref(), Some("providers.1.apns.priority"));
         for bad in [1199, 3301] {
-            let mut c = config();
+            let mut c = keys();
             c.token_refresh_s = bad;
-            assert_eq!(invalid(&c).as_deref(), Some("providers.1.token_refresh_s"));
+            assert_eq!(
+                invalid(&c).as_deref(),
+                Some("providers.1.apns.token_refresh_s")
+            );
         }
-        let mut c = config();
-        c.base_url = "http://u:p@h/".into();
-        assert_eq!(invalid(&c).as_deref(), Some("providers.1.base_url"));
     }
 }

@@ -17,7 +17,9 @@ use reqwest::header::HeaderValue;
 use serde::Serialize;
 use tokio::time::Instant;
 
-use crate::push::PushVerdict;
+use nudge_domain::SendOutcome;
+
+use crate::transport::failed_before_send;
 
 /// The shortest time between two provider tokens.
 pub const MIN_REFRESH: Duration = Duration::from_secs(20 * 60);
@@ -80,7 +82,7 @@ impl ProviderTokens {
     }
 
     /// The `authorization` value to send with: the current token, or a new one when it is due.
-    pub(crate) fn authorization(&self) -> Result<HeaderValue, PushVerdict> {
+    pub(crate) fn authorization(&self) -> Result<HeaderValue, SendOutcome> {
         let mut current = self
             .current
             .lock()
@@ -116,19 +118,17 @@ impl ProviderTokens {
         }
     }
 
-    fn sign(&self) -> Result<HeaderValue, PushVerdict> {
+    fn sign(&self) -> Result<HeaderValue, SendOutcome> {
         let mut header = Header::new(Algorithm::ES256);
         header.kid = Some(self.key_id.clone());
         let claims = Claims {
             iss: &self.team_id,
             iat: chrono::Utc::now().timestamp(),
         };
-        let unsigned = PushVerdict::FailedBeforeSend {
-            reason: "provider_token_unsigned",
-        };
-        let token =
-            jsonwebtoken::encode(&header, &claims, &self.key).map_err(|_| unsigned.clone())?;
-        let mut value = HeaderValue::from_str(&format!("bearer {token}")).map_err(|_| unsigned)?;
+        let unsigned = || failed_before_send("provider_token_unsigned");
+        let token = jsonwebtoken::encode(&header, &claims, &self.key).map_err(|_| unsigned())?;
+        let mut value =
+            HeaderValue::from_str(&format!("bearer {token}")).map_err(|_| unsigned())?;
         value.set_sensitive(true);
         Ok(value)
     }

@@ -1,4 +1,4 @@
-//! FCM HTTP v1's answers mapped onto [`PushVerdict`]s: a pure function of the status, the
+//! FCM HTTP v1's answers mapped onto [`ProviderAnswer`]s: a pure function of the status, the
 //! headers and the body, so every documented error body is tested without a server.
 //!
 //! An error body is Google's `{"error": {"code", "message", "status", "details": [...]}}`; the FCM
@@ -9,16 +9,19 @@
 //! | answer | verdict |
 //! |---|---|
 //! | 200 | accepted; `name` (`projects/{p}/messages/{id}`) is the message id |
-//! | `UNREGISTERED` (404) | destination invalid: the app instance is gone |
-//! | `SENDER_ID_MISMATCH` (403) | destination invalid: the token belongs to another sender |
-//! | `INVALID_ARGUMENT` (400) with a field violation on `message.token` | destination invalid |
+//! | `UNREGISTERED` (404) | contact invalid: the app instance is gone |
+//! | `SENDER_ID_MISMATCH` (403) | contact invalid: the token belongs to another sender |
+//! | `INVALID_ARGUMENT` (400) with a field violation on `message.token` | contact invalid |
 //! | `INVALID_ARGUMENT` (400), other | rejected (terminal) |
-//! | `QUOTA_EXCEEDED` (429), or a 429 without a code | account throttled (feeds the bucket) |
-//! | `UNAVAILABLE` (503) | unavailable: retry, honouring `Retry-After` |
+//! | `QUOTA_EXCEEDED` (429), or a 429 without a code | throttled account (feeds the bucket) |
+//! | `UNAVAILABLE` (503) | retry later, honouring `Retry-After` |
 //! | `THIRD_PARTY_AUTH_ERROR` (401), `UNAUTHENTICATED` (401), `PERMISSION_DENIED` (403) | auth failure of the account |
-//! | `INTERNAL` (500), any other 5xx | ambiguous (FCM honours no idempotency key) |
-//! | a 503 that is not FCM's (no FCM body) | ambiguous, unless it carries a valid `Retry-After` |
+//! | `INTERNAL` (500), any other 5xx | maybe sent (ambiguous: FCM honours no idempotency key) |
+//! | a 503 that is not FCM's (no FCM body) | maybe sent, unless it carries a valid `Retry-After` (retry later) |
 //! | any other status | rejected (terminal) |
+//!
+//! The code recorded is FCM's (`UNREGISTERED`, ...), `other` for a code FCM does not document,
+//! none when the body named none.
 //!
 //! Only FCM's own codes flag a contact: a bare 404 (a wrong project or base URL) is rejected,
 //! never taken as a dead device, so a misconfiguration cannot mark every contact invalid.
@@ -26,7 +29,9 @@
 use reqwest::header::HeaderMap;
 use serde::Deserialize;
 
-use crate::push::{PushVerdict, has_valid_retry_after, retry_after};
+use nudge_domain::{ProviderAnswer, Verdict};
+
+use crate::push::{answer, has_valid_retry_after, retry_after};
 
 /// The longest message id kept; FCM's names are far shorter.
 const MAX_MESSAGE_ID_LEN: usize = 256;
@@ -111,67 +116,43 @@ fn known_code(raw: &str) -> &'static str {
 
 /// What an FCM answer means. `body` is the (bounded) response body; an unreadable or foreign
 /// body is mapped by the status alone.
-pub fn map_response(status: u16, headers: &HeaderMap, body: &[u8]) -> PushVerdict {
+pub fn map_response(status: u16, headers: &HeaderMap, body: &[u8]) -> ProviderAnswer {
     let retry_after = retry_after(headers);
     if (200..=299).contains(&status) {
         let message_id = serde_json::from_slice::<SendResponse>(body)
             .ok()
             .and_then(|r| r.name)
             .filter(|n| !n.is_empty() && n.len() <= MAX_MESSAGE_ID_LEN);
-        return PushVerdict::Accepted { message_id };
+        return ProviderAnswer::new(Verdict::Accepted, Some(status)).with_message_id(message_id);
     }
-    let code = error_code(body);
-    match code {
-        Some(("UNREGISTERED", _)) => PushVerdict::DestinationInvalid {
-            status,
-            reason: "UNREGISTERED",
+    let (code, token_violation) = match error_code(body) {
+        Some((c, v)) => (Some(c), v),
+        None => (None, false),
+    };
+    let verdict = match code {
+        Some("UNREGISTERED" | "SENDER_ID_MISMATCH") => Verdict::ContactInvalid,
+        Some("INVALID_ARGUMENT") if token_violation => Verdict::ContactInvalid,
+        Some("QUOTA_EXCEEDED" | "RESOURCE_EXHAUSTED") => Verdict::ThrottledAccount,
+        Some("UNAVAILABLE") => Verdict::RetryLater,
+        Some("THIRD_PARTY_AUTH_ERROR" | "UNAUTHENTICATED" | "PERMISSION_DENIED") => {
+            Verdict::AuthFailure
+        }
+        _ => match status {
+            429 => Verdict::ThrottledAccount,
+            401 => Verdict::AuthFailure,
+            503 if has_valid_retry_after(retry_after.as_deref()) => Verdict::RetryLater,
+            500..=599 => Verdict::MaybeSent,
+            _ => Verdict::Rejected,
         },
-        Some(("SENDER_ID_MISMATCH", _)) => PushVerdict::DestinationInvalid {
-            status,
-            reason: "SENDER_ID_MISMATCH",
-        },
-        Some(("INVALID_ARGUMENT", true)) => PushVerdict::DestinationInvalid {
-            status,
-            reason: "INVALID_ARGUMENT",
-        },
-        Some(("QUOTA_EXCEEDED" | "RESOURCE_EXHAUSTED", _)) => PushVerdict::AccountThrottled {
-            status,
-            reason: "QUOTA_EXCEEDED",
-            retry_after,
-        },
-        Some(("UNAVAILABLE", _)) => PushVerdict::Unavailable {
-            status,
-            reason: "UNAVAILABLE",
-            retry_after,
-        },
-        Some((
-            reason @ ("THIRD_PARTY_AUTH_ERROR" | "UNAUTHENTICATED" | "PERMISSION_DENIED"),
-            _,
-        )) => PushVerdict::AuthFailed { status, reason },
-        _ => by_status(status, code.map(|(c, _)| c), retry_after),
-    }
-}
-
-/// A status whose body named no code that decides it.
-fn by_status(status: u16, code: Option<&'static str>, retry_after: Option<String>) -> PushVerdict {
-    let reason = code.unwrap_or("no_fcm_error");
-    match status {
-        429 => PushVerdict::AccountThrottled {
-            status,
-            reason,
-            retry_after,
-        },
-        401 => PushVerdict::AuthFailed { status, reason },
-        503 if has_valid_retry_after(retry_after.as_deref()) => PushVerdict::Unavailable {
-            status,
-            reason,
-            retry_after,
-        },
-        500..=599 => PushVerdict::Ambiguous {
-            status: Some(status),
-            reason,
-        },
-        _ => PushVerdict::Rejected { status, reason },
+    };
+    let code = match code {
+        Some("RESOURCE_EXHAUSTED") => Some("QUOTA_EXCEEDED"),
+        c => c,
+    };
+    let answer = answer(verdict, status, code);
+    match verdict {
+        Verdict::ThrottledAccount | Verdict::RetryLater => answer.with_retry_after(retry_after),
+        _ => answer,
     }
 }
 
@@ -180,6 +161,10 @@ fn by_status(status: u16, code: Option<&'static str>, retry_after: Option<String
 mod tests {
     use super::*;
     use reqwest::header::{HeaderValue, RETRY_AFTER};
+
+    fn verdict(v: Verdict, status: u16, code: Option<&str>) -> ProviderAnswer {
+        answer(v, status, code)
+    }
 
     fn fcm_error(code: u16, status: &str, error_code: &str) -> Vec<u8> {
         serde_json::to_vec(&serde_json::json!({
@@ -212,16 +197,13 @@ mod tests {
             br#"{"name": "projects/myproject-b5ae1/messages/0:1500415314455276%31bd1c9631bd1c96"}"#;
         assert_eq!(
             map_response(200, &none(), body),
-            PushVerdict::Accepted {
-                message_id: Some(
-                    "projects/myproject-b5ae1/messages/0:1500415314455276%31bd1c9631bd1c96"
-                        .to_owned()
-                )
-            }
+            ProviderAnswer::new(Verdict::Accepted, Some(200)).with_message_id(Some(
+                "projects/myproject-b5ae1/messages/0:1500415314455276%31bd1c9631bd1c96".to_owned()
+            ))
         );
         assert_eq!(
             map_response(200, &none(), b"not json"),
-            PushVerdict::Accepted { message_id: None }
+            ProviderAnswer::new(Verdict::Accepted, Some(200))
         );
     }
 
@@ -230,10 +212,7 @@ mod tests {
         let body = fcm_error(404, "NOT_FOUND", "UNREGISTERED");
         assert_eq!(
             map_response(404, &none(), &body),
-            PushVerdict::DestinationInvalid {
-                status: 404,
-                reason: "UNREGISTERED"
-            }
+            verdict(Verdict::ContactInvalid, 404, Some("UNREGISTERED"))
         );
     }
 
@@ -242,10 +221,7 @@ mod tests {
         let body = fcm_error(403, "PERMISSION_DENIED", "SENDER_ID_MISMATCH");
         assert_eq!(
             map_response(403, &none(), &body),
-            PushVerdict::DestinationInvalid {
-                status: 403,
-                reason: "SENDER_ID_MISMATCH"
-            }
+            verdict(Verdict::ContactInvalid, 403, Some("SENDER_ID_MISMATCH"))
         );
     }
 
@@ -269,10 +245,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             map_response(400, &none(), &data_violation),
-            PushVerdict::Rejected {
-                status: 400,
-                reason: "INVALID_ARGUMENT"
-            }
+            verdict(Verdict::Rejected, 400, Some("INVALID_ARGUMENT"))
         );
         // The documented example of an invalid registration token.
         assert_eq!(
@@ -281,10 +254,7 @@ mod tests {
                 &none(),
                 &fcm_error(400, "INVALID_ARGUMENT", "INVALID_ARGUMENT")
             ),
-            PushVerdict::Rejected {
-                status: 400,
-                reason: "INVALID_ARGUMENT"
-            }
+            verdict(Verdict::Rejected, 400, Some("INVALID_ARGUMENT"))
         );
         let token_violation = serde_json::to_vec(&serde_json::json!({
             "error": {"code": 400, "status": "INVALID_ARGUMENT", "details": [{
@@ -295,10 +265,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             map_response(400, &none(), &token_violation),
-            PushVerdict::DestinationInvalid {
-                status: 400,
-                reason: "INVALID_ARGUMENT"
-            }
+            verdict(Verdict::ContactInvalid, 400, Some("INVALID_ARGUMENT"))
         );
     }
 
@@ -307,20 +274,14 @@ mod tests {
         let body = fcm_error(429, "RESOURCE_EXHAUSTED", "QUOTA_EXCEEDED");
         assert_eq!(
             map_response(429, &with_retry_after("30"), &body),
-            PushVerdict::AccountThrottled {
-                status: 429,
-                reason: "QUOTA_EXCEEDED",
-                retry_after: Some("30".to_owned())
-            }
+            verdict(Verdict::ThrottledAccount, 429, Some("QUOTA_EXCEEDED"))
+                .with_retry_after(Some("30".to_owned()))
         );
         // A bare 429 (a front end's, no FCM body) throttles the account too.
-        assert!(matches!(
+        assert_eq!(
             map_response(429, &none(), b""),
-            PushVerdict::AccountThrottled {
-                retry_after: None,
-                ..
-            }
-        ));
+            verdict(Verdict::ThrottledAccount, 429, None)
+        );
     }
 
     #[test]
@@ -332,19 +293,13 @@ mod tests {
                 &with_retry_after("Sun, 06 Nov 1994 08:49:37 GMT"),
                 &body
             ),
-            PushVerdict::Unavailable {
-                status: 503,
-                reason: "UNAVAILABLE",
-                retry_after: Some("Sun, 06 Nov 1994 08:49:37 GMT".to_owned())
-            }
+            verdict(Verdict::RetryLater, 503, Some("UNAVAILABLE"))
+                .with_retry_after(Some("Sun, 06 Nov 1994 08:49:37 GMT".to_owned()))
         );
-        assert!(matches!(
+        assert_eq!(
             map_response(503, &none(), &body),
-            PushVerdict::Unavailable {
-                retry_after: None,
-                ..
-            }
-        ));
+            verdict(Verdict::RetryLater, 503, Some("UNAVAILABLE"))
+        );
     }
 
     #[test]
@@ -365,7 +320,7 @@ mod tests {
         ] {
             assert_eq!(
                 map_response(status, &none(), &fcm_error(status, canonical, code)),
-                PushVerdict::AuthFailed { status, reason },
+                verdict(Verdict::AuthFailure, status, Some(reason)),
                 "{code}"
             );
         }
@@ -373,45 +328,36 @@ mod tests {
         let body = br#"{"error": {"code": 401, "message": "Request had invalid authentication credentials.", "status": "UNAUTHENTICATED"}}"#;
         assert_eq!(
             map_response(401, &none(), body),
-            PushVerdict::AuthFailed {
-                status: 401,
-                reason: "UNAUTHENTICATED"
-            }
+            verdict(Verdict::AuthFailure, 401, Some("UNAUTHENTICATED"))
         );
-        assert!(matches!(
+        assert_eq!(
             map_response(401, &none(), b"<html>"),
-            PushVerdict::AuthFailed { .. }
-        ));
+            verdict(Verdict::AuthFailure, 401, None)
+        );
     }
 
     #[test]
     fn internal_errors_and_foreign_5xx_are_ambiguous() {
         assert_eq!(
             map_response(500, &none(), &fcm_error(500, "INTERNAL", "INTERNAL")),
-            PushVerdict::Ambiguous {
-                status: Some(500),
-                reason: "INTERNAL"
-            }
+            verdict(Verdict::MaybeSent, 500, Some("INTERNAL"))
         );
         for status in [502, 503, 504] {
             assert_eq!(
                 map_response(status, &none(), b"<html>bad gateway</html>"),
-                PushVerdict::Ambiguous {
-                    status: Some(status),
-                    reason: "no_fcm_error"
-                },
+                verdict(Verdict::MaybeSent, status, None),
                 "{status}"
             );
         }
         // A gateway's 503 that says when to come back did not take the request.
-        assert!(matches!(
+        assert_eq!(
             map_response(503, &with_retry_after("5"), b""),
-            PushVerdict::Unavailable { .. }
-        ));
-        assert!(matches!(
+            verdict(Verdict::RetryLater, 503, None).with_retry_after(Some("5".to_owned()))
+        );
+        assert_eq!(
             map_response(503, &with_retry_after("soon"), b""),
-            PushVerdict::Ambiguous { .. }
-        ));
+            verdict(Verdict::MaybeSent, 503, None)
+        );
     }
 
     #[test]
@@ -422,10 +368,7 @@ mod tests {
                 &none(),
                 &fcm_error(400, "FAILED_PRECONDITION", "SOMETHING_NEW")
             ),
-            PushVerdict::Rejected {
-                status: 400,
-                reason: "other"
-            }
+            verdict(Verdict::Rejected, 400, Some("other"))
         );
     }
 }

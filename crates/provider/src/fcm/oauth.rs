@@ -22,7 +22,10 @@ use tokio::sync::{Mutex, RwLock};
 use tokio::time::Instant;
 use url::Url;
 
-use crate::push::{PushVerdict, read_bounded};
+use nudge_domain::{SendOutcome, Verdict};
+
+use crate::push::answer;
+use crate::transport::{error_chain, failed_before_send, read_body};
 
 /// The scope FCM HTTP v1 needs.
 pub const FCM_SCOPE: &str = "https://www.googleapis.com/auth/firebase.messaging";
@@ -119,8 +122,8 @@ impl ServiceAccountTokens {
     }
 
     /// The `Authorization` value to send with, refreshing the token first if it is due. An `Err`
-    /// is the verdict of the whole attempt: the push was not sent.
-    pub(crate) async fn authorization(&self) -> Result<HeaderValue, PushVerdict> {
+    /// is the outcome of the whole attempt: the push was not sent.
+    pub(crate) async fn authorization(&self) -> Result<HeaderValue, SendOutcome> {
         if let Some(h) = self.fresh().await {
             return Ok(h);
         }
@@ -170,15 +173,11 @@ impl ServiceAccountTokens {
         jsonwebtoken::encode(&header, &claims, &self.key)
     }
 
-    async fn fetch(&self) -> Result<(HeaderValue, Duration), PushVerdict> {
-        let unavailable = PushVerdict::FailedBeforeSend {
-            reason: reason::TOKEN_UNAVAILABLE,
-        };
+    async fn fetch(&self) -> Result<(HeaderValue, Duration), SendOutcome> {
+        let unavailable = || failed_before_send(reason::TOKEN_UNAVAILABLE);
         let assertion = self
             .assertion()
-            .map_err(|_| PushVerdict::FailedBeforeSend {
-                reason: reason::ASSERTION_UNSIGNED,
-            })?;
+            .map_err(|_| failed_before_send(reason::ASSERTION_UNSIGNED))?;
         let form = url::form_urlencoded::Serializer::new(String::new())
             .append_pair("grant_type", JWT_BEARER_GRANT)
             .append_pair("assertion", &assertion)
@@ -195,11 +194,10 @@ impl ServiceAccountTokens {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(
-                    token_uri_host = self.token_uri.host_str().unwrap_or(""),
-                    error.cause_chain = %crate::push::error_chain(&e.without_url()),
+                    error.cause_chain = %error_chain(&e.without_url()),
                     "the OAuth token endpoint could not be reached"
                 );
-                return Err(unavailable);
+                return Err(unavailable());
             }
         };
         let status = response.status().as_u16();
@@ -208,39 +206,33 @@ impl ServiceAccountTokens {
                 status,
                 "the OAuth token endpoint refused the service account's assertion"
             );
-            return Err(PushVerdict::AuthFailed {
+            return Err(SendOutcome::Answered(answer(
+                Verdict::AuthFailure,
                 status,
-                reason: reason::TOKEN_REFUSED,
-            });
+                Some(reason::TOKEN_REFUSED),
+            )));
         }
         if !(200..=299).contains(&status) {
             tracing::warn!(status, "the OAuth token endpoint did not issue a token");
-            return Err(unavailable);
+            return Err(unavailable());
         }
-        let body = read_bounded(response, MAX_TOKEN_BODY_BYTES).await.ok_or(
-            PushVerdict::FailedBeforeSend {
-                reason: reason::TOKEN_UNAVAILABLE,
-            },
-        )?;
-        let answer: TokenAnswer = serde_json::from_slice(&body).map_err(|_| {
+        let body = read_body(response, MAX_TOKEN_BODY_BYTES)
+            .await
+            .ok_or_else(unavailable)?;
+        let issued: TokenAnswer = serde_json::from_slice(&body).map_err(|_| {
             tracing::warn!("the OAuth token endpoint answered 2xx without a token");
-            PushVerdict::FailedBeforeSend {
-                reason: reason::TOKEN_UNAVAILABLE,
-            }
+            unavailable()
         })?;
-        let token = &answer.access_token;
+        let token = &issued.access_token;
         if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
             tracing::warn!("the OAuth token endpoint issued a token that cannot be a header");
-            return Err(unavailable);
+            return Err(unavailable());
         }
-        let mut value = HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| {
-            PushVerdict::FailedBeforeSend {
-                reason: reason::TOKEN_UNAVAILABLE,
-            }
-        })?;
+        let mut value =
+            HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| unavailable())?;
         value.set_sensitive(true);
         self.fetched.fetch_add(1, Ordering::Relaxed);
-        let lifetime = Duration::from_secs(answer.expires_in.unwrap_or(0));
+        let lifetime = Duration::from_secs(issued.expires_in.unwrap_or(0));
         tracing::debug!(
             expires_in_s = lifetime.as_secs(),
             "fetched an FCM access token"
