@@ -300,9 +300,32 @@ impl TestEnv {
     }
 
     fn start_stub(&mut self) -> anyhow::Result<()> {
+        self.start_stub_with(&[])
+    }
+
+    /// Stops the stub and starts another with `args` (a `--shape` and its options) instead.
+    /// `trust`, when set, is a PEM authority the new stub wrote at start-up (the APNs shape's
+    /// TLS): this test's HTTP client then trusts only it, for `https://` URLs.
+    pub fn replace_stub(&mut self, args: &[String], trust: Option<&Path>) -> anyhow::Result<()> {
+        if let Some(mut stub) = self.stub.take() {
+            stub.kill();
+        }
+        self.start_stub_with(args)?;
+        if let Some(pem) = trust {
+            let roots = reqwest::Certificate::from_pem_bundle(&std::fs::read(pem)?)?;
+            self.http = reqwest::Client::builder()
+                .tls_certs_only(roots)
+                .no_proxy()
+                .build()?;
+        }
+        Ok(())
+    }
+
+    fn start_stub_with(&mut self, args: &[String]) -> anyhow::Result<()> {
         let log = self.dir.join("provider-stub.log");
         let mut child = clean_command(bin("provider-stub"))
             .args(["--listen", "127.0.0.1:0"])
+            .args(args)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log)?)
@@ -547,6 +570,17 @@ log_filter = "info"
         name: &str,
         options: &WorkerOptions,
     ) -> anyhow::Result<usize> {
+        self.start_worker_config(channel, name, options, |_| Ok(()))
+    }
+
+    /// The worker's configuration from `options`, then whatever `extend` appends to it.
+    fn start_worker_config(
+        &mut self,
+        channel: Channel,
+        name: &str,
+        options: &WorkerOptions,
+        extend: impl FnOnce(&mut String) -> anyhow::Result<()>,
+    ) -> anyhow::Result<usize> {
         let mut body = self.common_config(name);
         body = body.replace(
             "delivery_limit = 3",
@@ -580,9 +614,61 @@ log_filter = "info"
                 body.push_str(&format!("rate_per_second = {rate:?}\nburst = {burst}\n"));
             }
         }
+        extend(&mut body)?;
         let config = self.write_config(name, &body)?;
         let binary = format!("nudge-{channel}");
         self.spawn(&binary, name, &config)
+    }
+
+    /// Starts the worker binary of `channel` with `providers` as its accounts (serialised from
+    /// the config struct, so every kind's own table is written as the worker reads it) and the
+    /// policy of `options` (its `accounts` are not used); returns its index.
+    pub fn start_worker_with_providers(
+        &mut self,
+        channel: Channel,
+        name: &str,
+        options: &WorkerOptions,
+        providers: &[nudge_provider::HttpProviderConfig],
+    ) -> anyhow::Result<usize> {
+        #[derive(serde::Serialize)]
+        struct Providers<'a> {
+            providers: &'a [nudge_provider::HttpProviderConfig],
+        }
+        let mut without_accounts = options.clone();
+        without_accounts.accounts.clear();
+        let index = self.start_worker_config(channel, name, &without_accounts, |body| {
+            body.push('\n');
+            body.push_str(&toml::to_string(&Providers { providers })?);
+            Ok(())
+        })?;
+        Ok(index)
+    }
+
+    /// Imports one reminder for `channel` to `destination` with `content`.
+    pub async fn reminder_to(
+        &self,
+        tenant: nudge_domain::TenantId,
+        event: &str,
+        channel: Channel,
+        destination: &str,
+        content: &Value,
+        scheduled_at: chrono::DateTime<chrono::Utc>,
+        expires_at: chrono::DateTime<chrono::Utc>,
+    ) -> anyhow::Result<nudge_ledger::CreatedReminder> {
+        let reminder = nudge_ledger::NewReminder::new(
+            tenant,
+            nudge_domain::EventId::parse(event)?,
+            nudge_domain::SubscriberRef::parse(&format!("sub-{event}"))?,
+            &[channel],
+            scheduled_at,
+            expires_at,
+        )?
+        .with_content(serde_json::to_vec(content)?)?;
+        let contacts = [(channel, nudge_ledger::Destination::new(destination))];
+        Ok(self
+            .ledger
+            .import_reminder(&reminder, &contacts, &self.cipher, chrono::Utc::now())
+            .await?)
     }
 
     /// Starts `nudge-intake` on a free loopback port, with its configuration serialised from
