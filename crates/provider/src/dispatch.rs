@@ -10,14 +10,14 @@ pub fn build(cfg: &HttpProviderConfig) -> Result<Arc<dyn DynProvider>, ProviderE
     cfg.validate("")?;
     match cfg.kind {
         ProviderKind::Generic => Ok(Arc::new(HttpProvider::new(cfg)?)),
-        // The other kinds' adapters plug in here.
-        ProviderKind::Twilio | ProviderKind::Sendgrid | ProviderKind::Fcm | ProviderKind::Apns => {
-            Err(ProviderError::Unsupported {
-                account: cfg
-                    .parsed_account()
-                    .map_err(|e| nudge_config::ConfigError::invalid("account", e.to_string()))?,
-                kind: cfg.kind,
-            })
-        }
+        ProviderKind::Twilio => Ok(Arc::new(crate::twilio::TwilioProvider::new(cfg)?)),
+        ProviderKind::Sendgrid => Ok(Arc::new(crate::sendgrid::SendgridProvider::new(cfg)?)),
+        // The push kinds' adapters plug in here.
+        ProviderKind::Fcm | ProviderKind::Apns => Err(ProviderError::Unsupported {
+            account: cfg
+                .parsed_account()
+                .map_err(|e| nudge_config::ConfigError::invalid("account", e.to_string()))?,
+            kind: cfg.kind,
+        }),
     }
 }
