@@ -290,6 +290,8 @@ async fn send(
             key,
             invalid: None,
             traceparent: headers.get("traceparent").and_then(|v| v.to_str().ok()),
+            // Neither FCM nor APNs deduplicates: a second send is a second notification.
+            dedupe: false,
         },
     );
     if let Some(early) = hold(&reply, &app.shutdown).await {

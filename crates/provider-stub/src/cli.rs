@@ -29,6 +29,52 @@ pub struct Args {
     /// Allow listening on an address other than loopback (the stub has no authentication).
     #[arg(long)]
     pub allow_non_loopback: bool,
+
+    /// The provider protocol to speak.
+    #[arg(long, value_enum, default_value_t = crate::Shape::Generic)]
+    pub shape: crate::Shape,
+
+    /// Twilio shape: the auth token status callbacks are signed with.
+    #[arg(long, env = "PROVIDER_STUB_TWILIO_AUTH_TOKEN", hide_env_values = true)]
+    pub twilio_auth_token: Option<String>,
+
+    /// SendGrid shape: where event webhook batches are posted.
+    #[arg(long)]
+    pub sendgrid_event_url: Option<url::Url>,
+
+    /// SendGrid shape: the P-256 private key event batches are signed with, base64 PKCS#8 DER.
+    #[arg(
+        long,
+        env = "PROVIDER_STUB_SENDGRID_SIGNING_KEY",
+        hide_env_values = true
+    )]
+    pub sendgrid_signing_key: Option<String>,
+}
+
+impl Args {
+    /// The shape and what its receipts need.
+    pub fn shape_config(&self) -> anyhow::Result<crate::ShapeConfig> {
+        let sendgrid_signing_key = self
+            .sendgrid_signing_key
+            .as_deref()
+            .map(|b64| {
+                use base64::Engine as _;
+                use p256::pkcs8::DecodePrivateKey as _;
+                let der = base64::engine::general_purpose::STANDARD
+                    .decode(b64.trim())
+                    .context("--sendgrid-signing-key is not base64")?;
+                p256::ecdsa::SigningKey::from_pkcs8_der(&der).map_err(|_| {
+                    anyhow::anyhow!("--sendgrid-signing-key is not a P-256 PKCS#8 key")
+                })
+            })
+            .transpose()?;
+        Ok(crate::ShapeConfig {
+            shape: self.shape,
+            twilio_auth_token: self.twilio_auth_token.clone(),
+            sendgrid_event_url: self.sendgrid_event_url.clone(),
+            sendgrid_signing_key,
+        })
+    }
 }
 
 /// Reads a script file: a JSON object from account name to [`Script`].

@@ -29,7 +29,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: provider_stub::Args) -> anyhow::Result<()> {
-    let state = provider_stub::StubState::new();
+    let state = provider_stub::StubState::with_shape(args.shape_config()?);
     if let Some(path) = &args.script_file {
         for (account, script) in provider_stub::load_scripts(path)? {
             state.set_script(account, script);

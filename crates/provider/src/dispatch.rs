@@ -8,16 +8,11 @@ use crate::{DynProvider, HttpProvider, HttpProviderConfig, ProviderError, Provid
 /// its `kind` names, behind [`DynProvider`] so a worker holds accounts of several kinds.
 pub fn build(cfg: &HttpProviderConfig) -> Result<Arc<dyn DynProvider>, ProviderError> {
     cfg.validate("")?;
-    match cfg.kind {
-        ProviderKind::Generic => Ok(Arc::new(HttpProvider::new(cfg)?)),
-        ProviderKind::Fcm => Ok(Arc::new(crate::fcm::FcmProvider::new(cfg)?)),
-        ProviderKind::Apns => Ok(Arc::new(crate::apns::ApnsProvider::new(cfg)?)),
-        // The other kinds' adapters plug in here.
-        ProviderKind::Twilio | ProviderKind::Sendgrid => Err(ProviderError::Unsupported {
-            account: cfg
-                .parsed_account()
-                .map_err(|e| nudge_config::ConfigError::invalid("account", e.to_string()))?,
-            kind: cfg.kind,
-        }),
-    }
+    Ok(match cfg.kind {
+        ProviderKind::Generic => Arc::new(HttpProvider::new(cfg)?),
+        ProviderKind::Twilio => Arc::new(crate::twilio::TwilioProvider::new(cfg)?),
+        ProviderKind::Sendgrid => Arc::new(crate::sendgrid::SendgridProvider::new(cfg)?),
+        ProviderKind::Fcm => Arc::new(crate::fcm::FcmProvider::new(cfg)?),
+        ProviderKind::Apns => Arc::new(crate::apns::ApnsProvider::new(cfg)?),
+    })
 }

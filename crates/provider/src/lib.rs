@@ -143,10 +143,4 @@ pub enum ProviderError {
         #[source]
         source: reqwest::Error,
     },
-    /// The kind is known to configuration but has no adapter in this build.
-    #[error("provider account {account}: kind `{kind}` has no adapter in this build")]
-    Unsupported {
-        account: ProviderAccount,
-        kind: ProviderKind,
-    },
 }
