@@ -10,13 +10,15 @@
 //! 400 `BadDeviceToken`), `apns-push-type`, `apns-priority`, `apns-expiration` (400
 //! `InvalidPushType`, `BadPriority`, `BadExpirationDate`), the payload (400 `PayloadEmpty`
 //! without `aps`, 413 `PayloadTooLarge` over 4096 bytes). Then the account's script, like the
-//! generic API, keyed by `apns-id`: a 2xx answers 200 with `apns-id` and no body, anything else
-//! the status with APNs's reason for it ([`reason_for`]; 410 also carries `timestamp`).
+//! generic API, keyed by `apns-id` and never deduplicated: a 2xx answers 200 with `apns-id` and
+//! no body, anything else the status with the step's `code` as the reason, or APNs's reason for
+//! the status ([`reason_for`]); a 410 also carries `timestamp`.
 //!
 //! `GET /stats/apns` ([`ApnsStats`]) counts, per account, the distinct provider tokens seen (the
 //! refreshes a test checks against Apple's 20-minute rule) and the refusals.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -30,16 +32,16 @@ use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use nudge_domain::ProviderAccount;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
-use crate::push_common::{hold, key_of};
-use crate::state::{Incoming, StubState};
+use crate::push_common::key_of;
+use crate::server::{App, carry_out};
+use crate::state::{Incoming, Reply};
 
 const MAX_PAYLOAD_BYTES: usize = 4096;
 /// Apple refuses a provider token older than this.
 const MAX_TOKEN_AGE_S: i64 = 3600;
 
-/// How the APNs shape checks provider tokens.
+/// How the APNs shape checks provider tokens, and the tokens it saw.
 #[derive(Clone)]
 pub struct ApnsShape {
     /// The signing key's public half (PEM): provider tokens must verify with it.
@@ -47,6 +49,8 @@ pub struct ApnsShape {
     /// A new provider token sooner than this after the account's previous one is refused with
     /// 429 `TooManyProviderTokenUpdates` (Apple's rule is 20 minutes); zero allows any.
     pub min_token_interval: Duration,
+    tokens: Arc<Mutex<TokenLog>>,
+    made_up_ids: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for ApnsShape {
@@ -63,6 +67,8 @@ impl ApnsShape {
         Ok(Self {
             public_key: Arc::new(DecodingKey::from_ec_pem(pem)?),
             min_token_interval,
+            tokens: Arc::default(),
+            made_up_ids: Arc::default(),
         })
     }
 }
@@ -91,27 +97,34 @@ struct TokenLog {
     stats: ApnsStats,
 }
 
-#[derive(Clone)]
-struct App {
-    stub: StubState,
-    shape: ApnsShape,
-    tokens: Arc<Mutex<TokenLog>>,
-    made_up_ids: Arc<std::sync::atomic::AtomicU64>,
-    shutdown: CancellationToken,
+impl ApnsShape {
+    fn log(&self) -> std::sync::MutexGuard<'_, TokenLog> {
+        self.tokens
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// An `apns-id` for a request that sent none, as APNs makes one up.
+    fn made_up_id(&self) -> String {
+        let n = self.made_up_ids.fetch_add(1, Ordering::Relaxed) + 1;
+        format!("00000000-0000-4000-8000-{n:012x}")
+    }
 }
 
-/// The APNs routes over `state`'s accounts and scripts. `shutdown` releases held requests.
-pub fn router(state: StubState, shape: ApnsShape, shutdown: CancellationToken) -> Router {
+/// The APNs shape's routes.
+pub(crate) fn routes() -> Router<App> {
     Router::new()
         .route("/accounts/{account}/3/device/{device}", post(send))
         .route("/stats/apns", get(stats))
-        .with_state(App {
-            stub: state,
-            shape,
-            tokens: Arc::default(),
-            made_up_ids: Arc::default(),
-            shutdown,
-        })
+}
+
+/// The answer when the stub runs this shape without its settings (cannot happen from the CLI,
+/// which requires them).
+fn unconfigured() -> Response {
+    crate::server::error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the apns shape needs a public key",
+    )
 }
 
 /// APNs's reason for a scripted status.
@@ -149,7 +162,7 @@ struct ProviderClaims {
 
 /// Checks the provider token; the refusal to answer when it fails.
 fn check_token(
-    app: &App,
+    apns: &ApnsShape,
     account: &str,
     headers: &HeaderMap,
 ) -> Result<(), (StatusCode, &'static str)> {
@@ -166,7 +179,7 @@ fn check_token(
     let mut validation = Validation::new(Algorithm::ES256);
     validation.required_spec_claims.clear();
     validation.validate_exp = false;
-    let decoded = jsonwebtoken::decode::<ProviderClaims>(jwt, &app.shape.public_key, &validation)
+    let decoded = jsonwebtoken::decode::<ProviderClaims>(jwt, &apns.public_key, &validation)
         .map_err(|_| (StatusCode::FORBIDDEN, "InvalidProviderToken"))?;
     if decoded.header.kid.as_deref().is_none_or(str::is_empty) || decoded.claims.iss.is_empty() {
         return Err((StatusCode::FORBIDDEN, "InvalidProviderToken"));
@@ -175,14 +188,11 @@ fn check_token(
     if age > MAX_TOKEN_AGE_S {
         return Err((StatusCode::FORBIDDEN, "ExpiredProviderToken"));
     }
-    let mut log = app
-        .tokens
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut log = apns.log();
     let now = Instant::now();
     let changed = match log.current.get(account) {
         Some((current, _)) if current == jwt => false,
-        Some((_, since)) if now.duration_since(*since) < app.shape.min_token_interval => {
+        Some((_, since)) if now.duration_since(*since) < apns.min_token_interval => {
             log.stats
                 .accounts
                 .entry(account.to_owned())
@@ -258,18 +268,18 @@ async fn send(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let Some(apns) = app.stub.shape().apns.as_ref() else {
+        return unconfigured();
+    };
     let (key, key_invalid) = key_of(&headers, "apns-id");
-    let apns_id = key.map_or_else(|| uuid_like(&app), str::to_owned);
+    let apns_id = key.map_or_else(|| apns.made_up_id(), str::to_owned);
     let Ok(parsed) = ProviderAccount::parse(&account) else {
         return refuse(StatusCode::NOT_FOUND, "BadPath", &apns_id);
     };
-    if let Err((status, reason)) = check_token(&app, &account, &headers) {
+    if let Err((status, reason)) = check_token(apns, &account, &headers) {
         if status == StatusCode::FORBIDDEN {
-            let mut log = app
-                .tokens
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            log.stats
+            apns.log()
+                .stats
                 .accounts
                 .entry(account.clone())
                 .or_default()
@@ -290,22 +300,28 @@ async fn send(
             key,
             invalid: None,
             traceparent: headers.get("traceparent").and_then(|v| v.to_str().ok()),
-            // Neither FCM nor APNs deduplicates: a second send is a second notification.
+            // APNs does not deduplicate: a second send is a second notification.
             dedupe: false,
         },
     );
-    if let Some(early) = hold(&reply, &app.shutdown).await {
-        return early;
-    }
+    carry_out(&app, reply, |reply| render(reply, &apns_id)).await
+}
+
+/// A decided reply in APNs's form.
+fn render(reply: Reply, apns_id: &str) -> Response {
     let status = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut response = if status.is_success() {
         let mut r = StatusCode::OK.into_response();
-        if let Ok(v) = HeaderValue::from_str(&apns_id) {
+        if let Ok(v) = HeaderValue::from_str(apns_id) {
             r.headers_mut().insert("apns-id", v);
         }
         r
     } else {
-        refuse(status, reason_for(reply.status), &apns_id)
+        let reason = reply
+            .code
+            .as_deref()
+            .unwrap_or_else(|| reason_for(reply.status));
+        refuse(status, reason, apns_id)
     };
     if let Some(ra) = reply.retry_after
         && let Ok(value) = HeaderValue::from_str(&ra)
@@ -315,21 +331,9 @@ async fn send(
     response
 }
 
-/// An `apns-id` for a request that sent none, as APNs makes one up.
-fn uuid_like(app: &App) -> String {
-    let n = app
-        .made_up_ids
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        + 1;
-    format!("00000000-0000-4000-8000-{n:012x}")
-}
-
-async fn stats(State(app): State<App>) -> Json<ApnsStats> {
-    Json(
-        app.tokens
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .stats
-            .clone(),
-    )
+async fn stats(State(app): State<App>) -> Response {
+    match app.stub.shape().apns.as_ref() {
+        Some(apns) => Json(apns.log().stats.clone()).into_response(),
+        None => unconfigured(),
+    }
 }

@@ -4,7 +4,7 @@
 //! | route | what |
 //! |---|---|
 //! | `POST /accounts/{account}/token` | the token URI: a form with `grant_type=urn:ietf:params:oauth:grant-type:jwt-bearer` and an RS256 `assertion`, checked against the configured public key (`iss` set, `scope` FCM's, `aud` this URL, at most an hour long, not expired); answers `{"access_token", "expires_in", "token_type": "Bearer"}`, or 400 `{"error": "invalid_grant"}` |
-//! | `POST /accounts/{account}/v1/projects/{project}/messages:send` | FCM's send: a live access token of the account (else 401 `UNAUTHENTICATED`), a body `{"message": {"token", ...}}` (else 400 `INVALID_ARGUMENT`), then the account's script like the generic API (keyed by the `Idempotency-Key` header the adapter sends); a 2xx answers 200 `{"name": "projects/{project}/messages/{id}"}`, anything else FCM's error body for the status ([`error_body`]) |
+//! | `POST /accounts/{account}/v1/projects/{project}/messages:send` | FCM's send: a live access token of the account (else 401 `UNAUTHENTICATED`), a body `{"message": {"token", ...}}` (else 400 `INVALID_ARGUMENT`), then the account's script like the generic API (keyed by the `Idempotency-Key` header the adapter sends, never deduplicated); a 2xx answers 200 `{"name": "projects/{project}/messages/{id}"}`, anything else FCM's error body for the status, with the step's `code` as FCM's `errorCode` when set ([`error_body`]) |
 //! | `GET /stats/fcm` | [`FcmStats`]: tokens issued and refused, sends refused as unauthenticated |
 //!
 //! Like the generic API, bodies are checked and dropped: no device token or content is kept.
@@ -23,22 +23,23 @@ use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use nudge_domain::ProviderAccount;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
-use crate::push_common::{hold, key_header};
-use crate::state::{Incoming, StubState};
+use crate::push_common::key_of;
+use crate::server::{App, carry_out};
+use crate::state::{Incoming, Reply};
 
 /// The grant type of a service-account assertion.
 pub const JWT_BEARER_GRANT: &str = "urn:ietf:params:oauth:grant-type:jwt-bearer";
 const FCM_SCOPE: &str = "https://www.googleapis.com/auth/firebase.messaging";
 
-/// How the FCM shape checks and issues tokens.
+/// How the FCM shape checks and issues tokens, and the tokens it issued.
 #[derive(Clone)]
 pub struct FcmShape {
     /// The service account's public key (PEM): assertions must verify with it.
     pub public_key: Arc<DecodingKey>,
     /// The `expires_in` of issued access tokens; they stop working after it.
     pub token_lifetime: Duration,
+    tokens: Arc<Mutex<Tokens>>,
 }
 
 impl std::fmt::Debug for FcmShape {
@@ -55,6 +56,7 @@ impl FcmShape {
         Ok(Self {
             public_key: Arc::new(DecodingKey::from_rsa_pem(pem)?),
             token_lifetime,
+            tokens: Arc::default(),
         })
     }
 }
@@ -84,15 +86,7 @@ struct Tokens {
     issued: u64,
 }
 
-#[derive(Clone)]
-struct App {
-    stub: StubState,
-    shape: FcmShape,
-    tokens: Arc<Mutex<Tokens>>,
-    shutdown: CancellationToken,
-}
-
-impl App {
+impl FcmShape {
     fn tokens(&self) -> std::sync::MutexGuard<'_, Tokens> {
         self.tokens
             .lock()
@@ -100,8 +94,8 @@ impl App {
     }
 }
 
-/// The FCM routes over `state`'s accounts and scripts. `shutdown` releases held requests.
-pub fn router(state: StubState, shape: FcmShape, shutdown: CancellationToken) -> Router {
+/// The FCM shape's routes.
+pub(crate) fn routes() -> Router<App> {
     Router::new()
         .route("/accounts/{account}/token", post(token))
         .route(
@@ -109,12 +103,15 @@ pub fn router(state: StubState, shape: FcmShape, shutdown: CancellationToken) ->
             post(send),
         )
         .route("/stats/fcm", get(stats))
-        .with_state(App {
-            stub: state,
-            shape,
-            tokens: Arc::default(),
-            shutdown,
-        })
+}
+
+/// The answer when the stub runs this shape without its settings (cannot happen from the CLI,
+/// which requires them).
+fn unconfigured() -> Response {
+    crate::server::error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the fcm shape needs a public key",
+    )
 }
 
 #[derive(Deserialize)]
@@ -151,27 +148,27 @@ async fn token(
     if form.grant_type != JWT_BEARER_GRANT {
         return oauth_error("unsupported_grant_type", "Invalid grant_type");
     }
+    let Some(fcm) = app.stub.shape().fcm.as_ref() else {
+        return unconfigured();
+    };
     let mut validation = Validation::new(Algorithm::RS256);
     validation.set_required_spec_claims(&["exp", "iss", "aud"]);
     validation.validate_aud = false;
     validation.leeway = 0;
-    let claims = jsonwebtoken::decode::<AssertionClaims>(
-        &form.assertion,
-        &app.shape.public_key,
-        &validation,
-    )
-    .ok()
-    .map(|t| t.claims)
-    .filter(|c| {
-        !c.iss.is_empty()
-            && c.scope.split(' ').any(|s| s == FCM_SCOPE)
-            && c.aud
-                .trim_end_matches('/')
-                .ends_with(&format!("/accounts/{account}/token"))
-            && c.exp > c.iat
-            && c.exp - c.iat <= 3600
-    });
-    let mut tokens = app.tokens();
+    let claims =
+        jsonwebtoken::decode::<AssertionClaims>(&form.assertion, &fcm.public_key, &validation)
+            .ok()
+            .map(|t| t.claims)
+            .filter(|c| {
+                !c.iss.is_empty()
+                    && c.scope.split(' ').any(|s| s == FCM_SCOPE)
+                    && c.aud
+                        .trim_end_matches('/')
+                        .ends_with(&format!("/accounts/{account}/token"))
+                    && c.exp > c.iat
+                    && c.exp - c.iat <= 3600
+            });
+    let mut tokens = fcm.tokens();
     let stats = tokens.stats.accounts.entry(account.clone()).or_default();
     if claims.is_none() {
         stats.assertions_refused += 1;
@@ -182,14 +179,14 @@ async fn token(
     stats.tokens_issued += 1;
     tokens.issued += 1;
     let access_token = format!("ya29.stub-{}-{}", tokens.issued, account);
-    let until = Instant::now() + app.shape.token_lifetime;
+    let until = Instant::now() + fcm.token_lifetime;
     tokens
         .live
         .insert(access_token.clone(), (account.clone(), until));
     drop(tokens);
     Json(serde_json::json!({
         "access_token": access_token,
-        "expires_in": app.shape.token_lifetime.as_secs(),
+        "expires_in": fcm.token_lifetime.as_secs(),
         "token_type": "Bearer",
     }))
     .into_response()
@@ -274,6 +271,9 @@ async fn send(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let Some(fcm) = app.stub.shape().fcm.as_ref() else {
+        return unconfigured();
+    };
     let Ok(parsed) = ProviderAccount::parse(&account) else {
         return (
             StatusCode::NOT_FOUND,
@@ -286,7 +286,7 @@ async fn send(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
     {
-        let mut tokens = app.tokens();
+        let mut tokens = fcm.tokens();
         let live = bearer
             .and_then(|b| tokens.live.get(b))
             .is_some_and(|(acct, until)| acct == &account && Instant::now() < *until);
@@ -305,30 +305,36 @@ async fn send(
         _ => Some("body must be {\"message\": {\"token\": string, ...}}"),
     };
     drop(body);
-    let (key, key_invalid) = key_header(&headers);
+    let (key, key_invalid) = key_of(&headers, "idempotency-key");
     let reply = app.stub.handle(
         &parsed,
         Incoming {
             key,
             invalid: key_invalid.or(invalid),
             traceparent: headers.get("traceparent").and_then(|v| v.to_str().ok()),
-            // Neither FCM nor APNs deduplicates: a second send is a second notification.
+            // FCM does not deduplicate: a second send is a second notification.
             dedupe: false,
         },
     );
-    if let Some(early) = hold(&reply, &app.shutdown).await {
-        return early;
-    }
+    carry_out(&app, reply, |reply| render(reply, &project)).await
+}
+
+/// A decided reply in FCM's form.
+fn render(reply: Reply, project: &str) -> Response {
     let status = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut response = if status.is_success() {
-        let id = reply.body.get("id").and_then(|v| v.as_str()).unwrap_or("0");
+        let id = reply.message_id.as_deref().unwrap_or("0");
         (
             StatusCode::OK,
             Json(serde_json::json!({"name": format!("projects/{project}/messages/{id}")})),
         )
             .into_response()
     } else {
-        (status, Json(error_body(reply.status, None))).into_response()
+        (
+            status,
+            Json(error_body(reply.status, reply.code.as_deref())),
+        )
+            .into_response()
     };
     if let Some(ra) = reply.retry_after
         && let Ok(value) = HeaderValue::from_str(&ra)
@@ -338,6 +344,9 @@ async fn send(
     response
 }
 
-async fn stats(State(app): State<App>) -> Json<FcmStats> {
-    Json(app.tokens().stats.clone())
+async fn stats(State(app): State<App>) -> Response {
+    match app.stub.shape().fcm.as_ref() {
+        Some(fcm) => Json(fcm.tokens().stats.clone()).into_response(),
+        None => unconfigured(),
+    }
 }

@@ -4,10 +4,7 @@
 //! Owns: the provider API (`POST /accounts/{account}/v1/messages`), per-account scripts (a token
 //! bucket answering 429 with every `Retry-After` form, a per-idempotency-key sequence of
 //! statuses, delays and hangs), dedup by `Idempotency-Key` like a real provider, and the
-//! counters that tests and benchmarks read (`GET /stats`, `GET /stats/keys`). The push
-//! providers' shapes: [`fcm`] (Google's token endpoint and FCM HTTP v1's send, with their error
-//! bodies) and [`apns`] (APNs over TLS and HTTP/2 from [`tls`], which makes the certificate at
-//! start-up), both answering from the same per-account scripts.
+//! counters that tests and benchmarks read (`GET /stats`, `GET /stats/keys`).
 //!
 //! Must never: keep a destination or message content (the request body is checked and
 //! dropped; only counts, statuses, times and keys are kept), log one, or listen beyond loopback
@@ -20,6 +17,8 @@
 //! | `POST /accounts/{account}/v1/messages` | the provider API (shape `generic`, the default); body `{"channel", "to", "content"}` |
 //! | `POST /accounts/{account}/2010-04-01/Accounts/{sid}/Messages.json` | shape `twilio`: Twilio's form, answers and error codes; status callbacks signed with `X-Twilio-Signature` |
 //! | `POST /accounts/{account}/v3/mail/send` | shape `sendgrid`: SendGrid's JSON, `X-Message-Id`, `X-RateLimit-*`; event webhook batches signed with ECDSA P-256 |
+//! | `POST /accounts/{account}/token`, `POST /accounts/{account}/v1/projects/{project}/messages:send`, `GET /stats/fcm` | shape `fcm`: Google's OAuth 2 token endpoint (RS256 assertions checked with `--fcm-public-key`), FCM HTTP v1's send and error bodies ([`fcm`]) |
+//! | `POST /accounts/{account}/3/device/{token}`, `GET /stats/apns` | shape `apns`, over TLS and HTTP/2 with an authority written to `--tls-ca-out`: ES256 provider tokens checked with `--apns-public-key`, APNs's headers and reasons ([`apns`]) |
 //! | `PUT /admin/accounts/{account}` | set the account's [`Script`] (JSON); `GET` reads it back |
 //! | `POST /admin/reset` | forget every script, key and counter |
 //! | `GET /stats` | [`Stats`] |
@@ -57,7 +56,7 @@ pub use script::{
     RateLimit, RetryAfterForm, RetryAfterSpec, Script, ScriptError, Step, StepStatus,
 };
 pub use sendgrid::{SIGNATURE_HEADER, TIMESTAMP_HEADER, sendgrid_signature};
-pub use server::{MAX_HANG, serve};
+pub use server::{MAX_HANG, serve, serve_tls};
 pub use shape::{Shape, ShapeConfig};
 pub use state::StubState;
 pub use stats::{

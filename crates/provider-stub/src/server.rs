@@ -43,22 +43,42 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
     let token = CancellationToken::new();
-    let receipts = reqwest::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .no_proxy()
-        .build()
-        .map_err(io::Error::other)?;
-    let app = router(App {
-        stub: state,
-        shutdown: token.clone(),
-        receipts,
-    });
+    let app = router(app(state, &token)?);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown.await;
             token.cancel();
         })
         .await
+}
+
+/// [`serve`] over TLS with HTTP/2 only (the APNs shape), with `tls` from [`crate::tls::generate`].
+pub async fn serve_tls(
+    listener: TcpListener,
+    state: StubState,
+    tls: std::sync::Arc<tokio_rustls::rustls::ServerConfig>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let token = CancellationToken::new();
+    let app = router(app(state, &token)?);
+    crate::tls::serve(listener, app, tls, async move {
+        shutdown.await;
+        token.cancel();
+    })
+    .await
+}
+
+fn app(state: StubState, shutdown: &CancellationToken) -> io::Result<App> {
+    let receipts = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .no_proxy()
+        .build()
+        .map_err(io::Error::other)?;
+    Ok(App {
+        stub: state,
+        shutdown: shutdown.clone(),
+        receipts,
+    })
 }
 
 fn router(app: App) -> Router {

@@ -6,7 +6,10 @@
 //! The real providers' shapes never deduplicate by key (they do not) and send delivery receipts
 //! for what they took: Twilio's status callbacks to each message's `StatusCallback`, signed with
 //! `X-Twilio-Signature`; SendGrid's event webhook batches to `--sendgrid-event-url`, signed with
-//! ECDSA P-256. A shape is added with a variant here, its module, and its routes below.
+//! ECDSA P-256. The push shapes check their credentials as the providers do: `fcm` runs Google's
+//! token endpoint and accepts only the access tokens it issued; `apns` is served over TLS and
+//! HTTP/2 ([`crate::tls`]) and verifies each ES256 provider token. A shape is added with a variant
+//! here, its module, and its routes below.
 
 use axum::Router;
 use axum::routing::post;
@@ -23,6 +26,11 @@ pub enum Shape {
     Twilio,
     /// SendGrid v3 Mail Send: `POST /accounts/{account}/v3/mail/send`.
     Sendgrid,
+    /// FCM HTTP v1: `POST /accounts/{account}/token` (OAuth 2) and
+    /// `POST /accounts/{account}/v1/projects/{project}/messages:send`.
+    Fcm,
+    /// APNs, over TLS and HTTP/2: `POST /accounts/{account}/3/device/{device token}`.
+    Apns,
 }
 
 /// A shape and what its receipts need.
@@ -35,6 +43,10 @@ pub struct ShapeConfig {
     pub sendgrid_event_url: Option<url::Url>,
     /// SendGrid: the key event batches are signed with (unsigned without one).
     pub sendgrid_signing_key: Option<p256::ecdsa::SigningKey>,
+    /// FCM: the service account's public key and the tokens issued (required for `fcm`).
+    pub fcm: Option<crate::fcm::FcmShape>,
+    /// APNs: the signing key's public half and the tokens seen (required for `apns`).
+    pub apns: Option<crate::apns::ApnsShape>,
 }
 
 impl std::fmt::Debug for ShapeConfig {
@@ -53,6 +65,8 @@ impl std::fmt::Debug for ShapeConfig {
                 "sendgrid_signing_key",
                 &self.sendgrid_signing_key.as_ref().map(|_| "[redacted]"),
             )
+            .field("fcm", &self.fcm)
+            .field("apns", &self.apns)
             .finish()
     }
 }
@@ -81,6 +95,8 @@ pub(crate) fn provider_routes(shape: Shape) -> Router<App> {
             "/accounts/{account}/v3/mail/send",
             post(crate::sendgrid::send_message),
         ),
+        Shape::Fcm => crate::fcm::routes(),
+        Shape::Apns => crate::apns::routes(),
     }
 }
 

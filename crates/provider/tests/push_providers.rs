@@ -16,7 +16,7 @@ use nudge_provider::fcm::FcmProvider;
 use nudge_provider::{
     ApnsKeys, Expiry, FcmKeys, HttpProviderConfig, Provider, ProviderKind, SendRequest,
 };
-use provider_stub::{Script, Step, StubState};
+use provider_stub::{Script, Shape, ShapeConfig, Step, StubState};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -119,17 +119,16 @@ fn rsa_keys() -> RsaKeys {
 async fn fcm_stub(public_pem: &str, token_lifetime: Duration) -> Stub {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    let state = StubState::new();
+    let mut shape = ShapeConfig::new(Shape::Fcm);
+    shape.fcm = Some(
+        provider_stub::fcm::FcmShape::from_pem(public_pem.as_bytes(), token_lifetime).unwrap(),
+    );
+    let state = StubState::with_shape(shape);
     let stop = CancellationToken::new();
-    let shape =
-        provider_stub::fcm::FcmShape::from_pem(public_pem.as_bytes(), token_lifetime).unwrap();
-    let app = provider_stub::fcm::router(state.clone(), shape, stop.clone());
     let until = stop.clone();
-    tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { until.cancelled().await })
-            .await
-    });
+    tokio::spawn(provider_stub::serve(listener, state.clone(), async move {
+        until.cancelled().await;
+    }));
     Stub {
         base,
         state,
@@ -347,15 +346,22 @@ async fn apns_stub(public_pem: &str, min_token_interval: Duration) -> Stub {
     let base = format!("https://{}", listener.local_addr().unwrap());
     let ca_file = std::env::temp_dir().join(format!("nudge-apns-ca-{}.pem", uuid::Uuid::new_v4()));
     let tls = provider_stub::tls::generate(&ca_file).unwrap();
-    let state = StubState::new();
+    let mut shape = ShapeConfig::new(Shape::Apns);
+    shape.apns = Some(
+        provider_stub::apns::ApnsShape::from_pem(public_pem.as_bytes(), min_token_interval)
+            .unwrap(),
+    );
+    let state = StubState::with_shape(shape);
     let stop = CancellationToken::new();
-    let shape = provider_stub::apns::ApnsShape::from_pem(public_pem.as_bytes(), min_token_interval)
-        .unwrap();
-    let app = provider_stub::apns::router(state.clone(), shape, stop.clone());
     let until = stop.clone();
-    tokio::spawn(provider_stub::tls::serve(listener, app, tls, async move {
-        until.cancelled().await;
-    }));
+    tokio::spawn(provider_stub::serve_tls(
+        listener,
+        state.clone(),
+        tls,
+        async move {
+            until.cancelled().await;
+        },
+    ));
     Stub {
         base,
         state,

@@ -207,6 +207,14 @@ impl std::fmt::Debug for TestEnv {
     }
 }
 
+/// Where and what one reminder sends ([`TestEnv::reminder_to`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Addressed<'a> {
+    pub channel: Channel,
+    pub destination: &'a str,
+    pub content: &'a Value,
+}
+
 /// Extra configuration for a worker process: provider accounts and policy overrides.
 #[derive(Debug, Clone)]
 pub struct WorkerOptions {
@@ -644,14 +652,12 @@ log_filter = "info"
         Ok(index)
     }
 
-    /// Imports one reminder for `channel` to `destination` with `content`.
+    /// Imports one reminder with one channel, to a given destination and with given content.
     pub async fn reminder_to(
         &self,
         tenant: nudge_domain::TenantId,
         event: &str,
-        channel: Channel,
-        destination: &str,
-        content: &Value,
+        to: Addressed<'_>,
         scheduled_at: chrono::DateTime<chrono::Utc>,
         expires_at: chrono::DateTime<chrono::Utc>,
     ) -> anyhow::Result<nudge_ledger::CreatedReminder> {
@@ -659,12 +665,12 @@ log_filter = "info"
             tenant,
             nudge_domain::EventId::parse(event)?,
             nudge_domain::SubscriberRef::parse(&format!("sub-{event}"))?,
-            &[channel],
+            &[to.channel],
             scheduled_at,
             expires_at,
         )?
-        .with_content(serde_json::to_vec(content)?)?;
-        let contacts = [(channel, nudge_ledger::Destination::new(destination))];
+        .with_content(serde_json::to_vec(to.content)?)?;
+        let contacts = [(to.channel, nudge_ledger::Destination::new(to.destination))];
         Ok(self
             .ledger
             .import_reminder(&reminder, &contacts, &self.cipher, chrono::Utc::now())
