@@ -9,11 +9,10 @@ use std::path::{Path, PathBuf};
 use figment::Figment;
 use figment::providers::{Format, Toml};
 use nudge_config::{Validate, load};
-use nudge_domain::Channel;
 use nudge_intake::IntakeConfig;
 use nudge_janitor::JanitorConfig;
 use nudge_producer::ProducerConfig;
-use nudge_provider::HttpProviderConfig;
+use nudge_provider::{ApnsKeys, FcmKeys, HttpProviderConfig, ProviderKind};
 use nudge_worker::WorkerConfig;
 use nudgectl::CtlConfig;
 use serde::Serialize;
@@ -167,28 +166,71 @@ fn the_example_has_every_key_of_nudgectl_with_its_default() {
 }
 
 #[test]
-fn the_example_provider_account_shows_every_key_with_its_default() {
+fn the_example_provider_accounts_show_every_key_with_its_default() {
     let example = example();
     let entries = example.values["providers"].as_array().unwrap();
-    assert_eq!(entries.len(), 1, "one example account");
-    let entry = &entries[0];
-    let parsed: HttpProviderConfig = serde_json::from_value(entry.clone()).unwrap();
-    parsed.validate("providers.0").unwrap();
-    assert_eq!(parsed.channel, Channel::Sms);
-
-    // The required keys as the example has them, every other key at its default.
-    let defaults = serde_json::to_value(HttpProviderConfig::new(
-        parsed.account.clone(),
-        parsed.channel,
-        parsed.base_url.clone(),
-    ))
-    .unwrap();
-    let checked = example.check_section(
-        "nudge-worker",
-        "providers",
-        defaults.as_object().unwrap(),
-        entry,
-        &[],
+    let kinds: Vec<&str> = entries
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["generic", "fcm", "apns"],
+        "one example account per kind"
     );
-    assert_eq!(checked, 11);
+    let mut checked = 0;
+    for (i, entry) in entries.iter().enumerate() {
+        let parsed: HttpProviderConfig = serde_json::from_value(entry.clone()).unwrap();
+        parsed.validate(&format!("providers.{i}")).unwrap();
+
+        // The required keys as the example has them, every other key at its default.
+        let mut defaults = HttpProviderConfig::new(
+            parsed.account.clone(),
+            parsed.channel,
+            parsed.base_url.clone(),
+        );
+        defaults.kind = parsed.kind;
+        let mut defaults = serde_json::to_value(defaults).unwrap();
+        let defaults = defaults.as_object_mut().unwrap();
+        let kind = parsed.kind.as_str();
+        let table = match parsed.kind {
+            ProviderKind::Generic => None,
+            ProviderKind::Fcm => {
+                let keys = parsed.fcm.as_ref().unwrap();
+                Some(serde_json::to_value(FcmKeys::new(
+                    keys.project_id.clone(),
+                    keys.client_email.clone(),
+                    keys.private_key.clone(),
+                )))
+            }
+            ProviderKind::Apns => {
+                let keys = parsed.apns.as_ref().unwrap();
+                Some(serde_json::to_value(ApnsKeys::new(
+                    keys.team_id.clone(),
+                    keys.key_id.clone(),
+                    keys.private_key.clone(),
+                    keys.topic.clone(),
+                )))
+            }
+            other => panic!("no example check for kind {other}"),
+        };
+        let mut without_table = entry.clone();
+        without_table.as_object_mut().unwrap().remove(kind);
+        checked +=
+            example.check_section("nudge-worker", "providers", defaults, &without_table, &[]);
+        if let Some(table) = table {
+            checked += example.check_section(
+                "nudge-worker",
+                &format!("providers.{kind}"),
+                table.unwrap().as_object().unwrap(),
+                &entry[kind],
+                &[],
+            );
+        }
+    }
+    assert_eq!(
+        checked,
+        3 * 11 + 6 + 8,
+        "every key of each account and of its kind's table"
+    );
 }

@@ -96,7 +96,7 @@ pub struct ApnsKeys {
     pub key_id: String,
     pub private_key: Secret,
     pub topic: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub ca_file: Option<PathBuf>,
     #[serde(default)]
     pub push_type: PushType,
