@@ -147,8 +147,8 @@ fn the_example_has_every_key_of_the_intake_with_its_default() {
     let checked = check_binary::<IntakeConfig>("nudge-intake", IntakeConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 4 + 2 + 9,
-        "database, telemetry, crypto, intake"
+        6 + 4 + 2 + 9 + 3,
+        "database, telemetry, crypto, intake, receipts"
     );
 }
 
