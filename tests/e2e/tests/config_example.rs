@@ -170,7 +170,11 @@ fn the_example_has_every_key_of_nudgectl_with_its_default() {
 fn the_example_provider_account_shows_every_key_with_its_default() {
     let example = example();
     let entries = example.values["providers"].as_array().unwrap();
-    assert_eq!(entries.len(), 1, "one example account");
+    assert_eq!(
+        entries.len(),
+        3,
+        "a generic account, then one of each real kind"
+    );
     let entry = &entries[0];
     let parsed: HttpProviderConfig = serde_json::from_value(entry.clone()).unwrap();
     parsed.validate("providers.0").unwrap();
@@ -191,4 +195,40 @@ fn the_example_provider_account_shows_every_key_with_its_default() {
         &[],
     );
     assert_eq!(checked, 11);
+}
+
+#[test]
+fn the_example_shows_one_account_of_each_real_kind_with_every_key_at_its_default() {
+    use nudge_provider::ProviderKind;
+    let example = example();
+    let entries = example.values["providers"].as_array().unwrap();
+    let mut kinds = Vec::new();
+    for (i, entry) in entries.iter().enumerate().skip(1) {
+        let parsed: HttpProviderConfig = serde_json::from_value(entry.clone()).unwrap();
+        parsed.validate(&format!("providers.{i}")).unwrap();
+        assert!(!parsed.honours_idempotency);
+        kinds.push(parsed.kind);
+        // The required keys, the kind and its table as the example has them; every other key
+        // at its default.
+        let defaults = serde_json::to_value(HttpProviderConfig {
+            kind: parsed.kind,
+            twilio: parsed.twilio.clone(),
+            sendgrid: parsed.sendgrid.clone(),
+            ..HttpProviderConfig::new(
+                parsed.account.clone(),
+                parsed.channel,
+                parsed.base_url.clone(),
+            )
+        })
+        .unwrap();
+        let checked = example.check_section(
+            "nudge-worker",
+            "providers",
+            defaults.as_object().unwrap(),
+            entry,
+            &[],
+        );
+        assert_eq!(checked, 12, "{}", parsed.kind);
+    }
+    assert_eq!(kinds, [ProviderKind::Twilio, ProviderKind::Sendgrid]);
 }
