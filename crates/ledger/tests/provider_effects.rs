@@ -201,3 +201,149 @@ async fn refused_credentials_suspend_only_that_account_s_bucket_and_keep_its_rat
         }
     }
 }
+
+fn receipt(
+    key: &nudge_domain::IdempotencyKey,
+    event: &str,
+    outcome: nudge_ledger::ReceiptOutcome,
+    flag: Option<ContactFlag>,
+) -> nudge_ledger::Receipt {
+    nudge_ledger::Receipt {
+        account: account("main"),
+        event_key: event.into(),
+        delivery_key: Some(key.clone()),
+        status: "undelivered".into(),
+        outcome,
+        contact_flag: flag,
+        code: Some("30005".into()),
+        provider_message_id: Some("SM1".into()),
+    }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_failure_receipt_settles_an_ambiguous_delivery_once_and_flags_the_contact(pool: PgPool) {
+    use nudge_ledger::{ReceiptOutcome, ReceiptRecorded};
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    contact(&ledger, tenant.id, "+15550100").await;
+    owed(&ledger, tenant.id, "first", &[Channel::Sms], t0()).await;
+    let (first, _) = leased_now(&ledger, t0()).await;
+    answer(&ledger, &first, Verdict::MaybeSent, 502).await;
+    assert_eq!(
+        ledger.delivery(first.id).await.unwrap().unwrap().state,
+        DeliveryState::Ambiguous
+    );
+
+    let r = receipt(
+        &first.idempotency_key,
+        "SM1:undelivered",
+        ReceiptOutcome::Failed,
+        Some(ContactFlag::Invalid),
+    );
+    let got = ledger
+        .record_receipts(std::slice::from_ref(&r), at(t0() + secs(5)))
+        .await
+        .unwrap();
+    assert_eq!(
+        got,
+        [ReceiptRecorded::New {
+            matched: true,
+            settled: true
+        }]
+    );
+    let record = ledger.delivery(first.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::DeadLettered);
+    assert_eq!(
+        record.last_error_reason.as_deref(),
+        Some("receipt: undelivered: 30005")
+    );
+    assert_eq!(flags(&ledger).await.0, Some(t0() + secs(5)));
+
+    // The same event again changes nothing.
+    let got = ledger
+        .record_receipts(&[r], at(t0() + secs(9)))
+        .await
+        .unwrap();
+    assert_eq!(got, [ReceiptRecorded::Replay]);
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM provider_events")
+        .fetch_one(ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_delivered_receipt_settles_an_ambiguous_delivery_and_leaves_others_alone(pool: PgPool) {
+    use nudge_ledger::{ReceiptOutcome, ReceiptRecorded};
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    contact(&ledger, tenant.id, "+15550100").await;
+    owed(&ledger, tenant.id, "first", &[Channel::Sms], t0()).await;
+    let (first, _) = leased_now(&ledger, t0()).await;
+    answer(&ledger, &first, Verdict::MaybeSent, 502).await;
+    owed(
+        &ledger,
+        tenant.id,
+        "second",
+        &[Channel::Sms],
+        t0() + secs(10),
+    )
+    .await;
+    let (second, _) = leased_now(&ledger, t0() + secs(10)).await;
+    answer(&ledger, &second, Verdict::ThrottledAccount, 429).await;
+
+    let mut other_account = receipt(
+        &first.idempotency_key,
+        "SM1:delivered",
+        ReceiptOutcome::Delivered,
+        None,
+    );
+    other_account.account = account("other");
+    let got = ledger
+        .record_receipts(
+            &[
+                receipt(
+                    &first.idempotency_key,
+                    "SM1:delivered",
+                    ReceiptOutcome::Delivered,
+                    None,
+                ),
+                receipt(
+                    &second.idempotency_key,
+                    "SM2:delivered",
+                    ReceiptOutcome::Delivered,
+                    None,
+                ),
+                other_account,
+            ],
+            at(t0() + secs(20)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        got,
+        [
+            ReceiptRecorded::New {
+                matched: true,
+                settled: true
+            },
+            ReceiptRecorded::New {
+                matched: true,
+                settled: false
+            },
+            ReceiptRecorded::New {
+                matched: false,
+                settled: false
+            },
+        ]
+    );
+    assert_eq!(
+        ledger.delivery(first.id).await.unwrap().unwrap().state,
+        DeliveryState::Delivered
+    );
+    assert_eq!(
+        ledger.delivery(second.id).await.unwrap().unwrap().state,
+        DeliveryState::RetryWait
+    );
+    assert_eq!(flags(&ledger).await, (None, None));
+}

@@ -429,9 +429,7 @@ mod tests {
             auth_token: Secret::new("twilio-secret"),
             from: Some("+15550100".into()),
             messaging_service_sid: None,
-            status_callback_url: Some(
-                "https://intake.example/v1/receipts/twilio/sms-twilio".into(),
-            ),
+            status_callback_url: Some("https://intake.example/receipts/twilio/sms-twilio".into()),
         }
     }
 

@@ -8,7 +8,7 @@
 //! | `auth_token` (secret) | required | the Basic auth password (and what signs status callbacks); visible ASCII |
 //! | `from` | unset | the sender: an E.164 number, a short code or an alphanumeric sender id; exactly one of `from` and `messaging_service_sid` |
 //! | `messaging_service_sid` | unset | `MG` and 32 hex digits: send through a Messaging Service instead of one number |
-//! | `status_callback_url` | unset (no receipts) | `http(s)://` URL of the intake's Twilio receipts endpoint (`.../v1/receipts/twilio/{account}`); each message's `StatusCallback` is this URL with `?key=<delivery key>` added |
+//! | `status_callback_url` | unset (no receipts) | `http(s)://` URL of the intake's Twilio receipts endpoint (`{receipts.public_base_url}/receipts/twilio/{account}`); each message's `StatusCallback` is this URL with `?key=<delivery key>` added |
 
 use nudge_config::{ConfigError, Secret};
 use serde::{Deserialize, Serialize};

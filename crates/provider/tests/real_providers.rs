@@ -89,7 +89,7 @@ fn twilio_config(base: &str) -> HttpProviderConfig {
         auth_token: Secret::new("twilio-token"),
         from: Some("+15550001".into()),
         messaging_service_sid: None,
-        status_callback_url: Some("https://intake.example/v1/receipts/twilio/sms-twilio".into()),
+        status_callback_url: Some("https://intake.example/receipts/twilio/sms-twilio".into()),
     });
     cfg
 }
@@ -181,7 +181,7 @@ async fn twilio_gets_a_basic_auth_form_post_with_the_callback_key_and_a_capped_v
     assert_eq!(get("Body"), Some("See you at 9"));
     assert_eq!(get("ValidityPeriod"), Some("7200"));
     let callback = url::Url::parse(get("StatusCallback").unwrap()).unwrap();
-    assert_eq!(callback.path(), "/v1/receipts/twilio/sms-twilio");
+    assert_eq!(callback.path(), "/receipts/twilio/sms-twilio");
     assert_eq!(
         callback.query_pairs().find(|(k, _)| k == "key").unwrap().1,
         key.as_str()

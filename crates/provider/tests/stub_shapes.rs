@@ -131,7 +131,7 @@ async fn the_twilio_shape_answers_what_the_adapter_maps_and_signs_its_callbacks(
         auth_token: Secret::new(TOKEN),
         from: Some("+15550001".into()),
         messaging_service_sid: None,
-        status_callback_url: Some(format!("{receipts}/v1/receipts/twilio/sms-twilio")),
+        status_callback_url: Some(format!("{receipts}/receipts/twilio/sms-twilio")),
     });
     let p = nudge_provider::build(&cfg).unwrap();
     let mut verdicts = Vec::new();

@@ -234,6 +234,9 @@ pub struct WorkerOptions {
     pub max_pause_s: u64,
     /// Where the worker serves `GET /metrics`, if anywhere.
     pub metrics_port: Option<u16>,
+    /// The provider kind of every account (`generic` when None) and the TOML body of the
+    /// kind's own table (`[providers.<kind>]`), added to each account.
+    pub kind: Option<(String, String)>,
 }
 
 impl WorkerOptions {
@@ -251,13 +254,19 @@ impl WorkerOptions {
             closed_recheck_ms: 1_000,
             max_pause_s: 60,
             metrics_port: None,
+            kind: None,
         }
     }
 }
 
 impl TestEnv {
-    /// A fresh database (migrated), namespace and provider stub.
+    /// A fresh database (migrated), namespace and provider stub (the generic shape).
     pub async fn start(test: &str) -> anyhow::Result<Self> {
+        Self::start_with_stub(test, &[]).await
+    }
+
+    /// [`TestEnv::start`] with extra arguments for the provider stub (`--shape twilio`, ...).
+    pub async fn start_with_stub(test: &str, stub_args: &[String]) -> anyhow::Result<Self> {
         let id = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
         let dir = std::env::temp_dir().join(format!("nudge-e2e-{test}-{id}"));
         std::fs::create_dir_all(&dir)?;
@@ -303,22 +312,19 @@ impl TestEnv {
             admin_ports: HashMap::new(),
             otlp_endpoint: None,
         };
-        env.start_stub()?;
+        env.start_stub(stub_args)?;
         Ok(env)
     }
 
-    fn start_stub(&mut self) -> anyhow::Result<()> {
-        self.start_stub_with(&[])
-    }
-
-    /// Stops the stub and starts another with `args` (a `--shape` and its options) instead.
-    /// `trust`, when set, is a PEM authority the new stub wrote at start-up (the APNs shape's
-    /// TLS): this test's HTTP client then trusts only it, for `https://` URLs.
+    /// Stops the stub and starts another with `args` (a `--shape` and its options) instead, for
+    /// shapes whose options are files made in the test's directory. `trust`, when set, is a PEM
+    /// authority the new stub wrote at start-up (the APNs shape's TLS): this test's HTTP client
+    /// then trusts only it, for `https://` URLs.
     pub fn replace_stub(&mut self, args: &[String], trust: Option<&Path>) -> anyhow::Result<()> {
         if let Some(mut stub) = self.stub.take() {
             stub.kill();
         }
-        self.start_stub_with(args)?;
+        self.start_stub(args)?;
         if let Some(pem) = trust {
             let roots = reqwest::Certificate::from_pem_bundle(&std::fs::read(pem)?)?;
             self.http = reqwest::Client::builder()
@@ -329,7 +335,7 @@ impl TestEnv {
         Ok(())
     }
 
-    fn start_stub_with(&mut self, args: &[String]) -> anyhow::Result<()> {
+    fn start_stub(&mut self, args: &[String]) -> anyhow::Result<()> {
         let log = self.dir.join("provider-stub.log");
         let mut child = clean_command(bin("provider-stub"))
             .args(["--listen", "127.0.0.1:0"])
@@ -621,6 +627,9 @@ log_filter = "info"
             if let Some((rate, burst)) = options.rate {
                 body.push_str(&format!("rate_per_second = {rate:?}\nburst = {burst}\n"));
             }
+            if let Some((kind, table)) = &options.kind {
+                body.push_str(&format!("kind = \"{kind}\"\n[providers.{kind}]\n{table}\n"));
+            }
         }
         extend(&mut body)?;
         let config = self.write_config(name, &body)?;
@@ -680,14 +689,31 @@ log_filter = "info"
     /// Starts `nudge-intake` on a free loopback port, with its configuration serialised from
     /// `IntakeConfig`; returns its index and base URL once it says where it listens.
     pub async fn start_intake(&mut self, name: &str) -> anyhow::Result<(usize, String)> {
-        let mut config = nudge_intake::IntakeConfig::default();
+        self.start_intake_with(name, nudge_intake::IntakeConfig::default())
+            .await
+    }
+
+    /// [`TestEnv::start_intake`] from `config` (its `[receipts]`, a fixed listen address), with
+    /// the test's database, keys and telemetry filled in.
+    pub async fn start_intake_with(
+        &mut self,
+        name: &str,
+        mut config: nudge_intake::IntakeConfig,
+    ) -> anyhow::Result<(usize, String)> {
+        // The default address is a deployment's; a test listens where it said, else anywhere.
+        let listen =
+            if config.intake.listen_addr == nudge_intake::IntakeSection::default().listen_addr {
+                std::net::SocketAddr::from(([127, 0, 0, 1], 0))
+            } else {
+                config.intake.listen_addr
+            };
         config.database.url = nudge_config::Secret::new(self.db_url.clone());
         config.database.max_connections = 8;
         config.telemetry.log_format = nudge_config::LogFormat::Json;
         config.crypto.destination_key = Some(nudge_config::Secret::new(self.key_b64.clone()));
         config.crypto.subscriber_key =
             Some(nudge_config::Secret::new(SUBSCRIBER_KEY_B64.to_owned()));
-        config.intake.listen_addr = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        config.intake.listen_addr = listen;
         config.telemetry.otlp_endpoint = self.otlp_endpoint.clone();
         config.telemetry.metrics_addr = self
             .admin_port(name)

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use figment::Figment;
 use figment::providers::{Format, Toml};
 use nudge_config::{Validate, load};
+use nudge_domain::Channel;
 use nudge_intake::IntakeConfig;
 use nudge_janitor::JanitorConfig;
 use nudge_producer::ProducerConfig;
@@ -146,8 +147,8 @@ fn the_example_has_every_key_of_the_intake_with_its_default() {
     let checked = check_binary::<IntakeConfig>("nudge-intake", IntakeConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 4 + 2 + 9,
-        "database, telemetry, crypto, intake"
+        6 + 4 + 2 + 9 + 3,
+        "database, telemetry, crypto, intake, receipts"
     );
 }
 
@@ -169,57 +170,82 @@ fn the_example_has_every_key_of_nudgectl_with_its_default() {
 fn the_example_provider_accounts_show_every_key_with_its_default() {
     let example = example();
     let entries = example.values["providers"].as_array().unwrap();
-    let kinds: Vec<&str> = entries
-        .iter()
-        .map(|e| e["kind"].as_str().unwrap())
-        .collect();
     assert_eq!(
-        kinds,
-        ["generic", "fcm", "apns"],
-        "one example account per kind"
+        entries.len(),
+        5,
+        "a generic account, then one of each real kind"
     );
-    let mut checked = 0;
-    for (i, entry) in entries.iter().enumerate() {
+    let entry = &entries[0];
+    let parsed: HttpProviderConfig = serde_json::from_value(entry.clone()).unwrap();
+    parsed.validate("providers.0").unwrap();
+    assert_eq!(parsed.channel, Channel::Sms);
+
+    // The required keys as the example has them, every other key at its default.
+    let defaults = serde_json::to_value(HttpProviderConfig::new(
+        parsed.account.clone(),
+        parsed.channel,
+        parsed.base_url.clone(),
+    ))
+    .unwrap();
+    let checked = example.check_section(
+        "nudge-worker",
+        "providers",
+        defaults.as_object().unwrap(),
+        entry,
+        &[],
+    );
+    assert_eq!(checked, 11);
+}
+
+#[test]
+fn the_example_shows_one_account_of_each_real_kind_with_every_key_at_its_default() {
+    let example = example();
+    let entries = example.values["providers"].as_array().unwrap();
+    let mut kinds = Vec::new();
+    let mut table_keys = 0;
+    for (i, entry) in entries.iter().enumerate().skip(1) {
         let parsed: HttpProviderConfig = serde_json::from_value(entry.clone()).unwrap();
         parsed.validate(&format!("providers.{i}")).unwrap();
-
-        // The required keys as the example has them, every other key at its default.
-        let mut defaults = HttpProviderConfig::new(
-            parsed.account.clone(),
-            parsed.channel,
-            parsed.base_url.clone(),
-        );
-        defaults.kind = parsed.kind;
-        let mut defaults = serde_json::to_value(defaults).unwrap();
-        let defaults = defaults.as_object_mut().unwrap();
+        assert!(!parsed.honours_idempotency);
+        kinds.push(parsed.kind);
+        // The required keys, the kind and its table as the example has them; every other key
+        // at its default.
+        let defaults = serde_json::to_value(HttpProviderConfig {
+            kind: parsed.kind,
+            twilio: parsed.twilio.clone(),
+            sendgrid: parsed.sendgrid.clone(),
+            ..HttpProviderConfig::new(
+                parsed.account.clone(),
+                parsed.channel,
+                parsed.base_url.clone(),
+            )
+        })
+        .unwrap();
+        // The push kinds' tables are checked key by key: their required keys as the example
+        // has them, every other key at its default.
         let kind = parsed.kind.as_str();
         let table = match parsed.kind {
-            ProviderKind::Generic => None,
-            ProviderKind::Fcm => {
-                let keys = parsed.fcm.as_ref().unwrap();
-                Some(serde_json::to_value(FcmKeys::new(
-                    keys.project_id.clone(),
-                    keys.client_email.clone(),
-                    keys.private_key.clone(),
-                )))
-            }
-            ProviderKind::Apns => {
-                let keys = parsed.apns.as_ref().unwrap();
-                Some(serde_json::to_value(ApnsKeys::new(
-                    keys.team_id.clone(),
-                    keys.key_id.clone(),
-                    keys.private_key.clone(),
-                    keys.topic.clone(),
-                )))
-            }
-            other => panic!("no example check for kind {other}"),
+            ProviderKind::Fcm => parsed.fcm.as_ref().map(|k| {
+                serde_json::to_value(FcmKeys::new(
+                    k.project_id.clone(),
+                    k.client_email.clone(),
+                    k.private_key.clone(),
+                ))
+            }),
+            ProviderKind::Apns => parsed.apns.as_ref().map(|k| {
+                serde_json::to_value(ApnsKeys::new(
+                    k.team_id.clone(),
+                    k.key_id.clone(),
+                    k.private_key.clone(),
+                    k.topic.clone(),
+                ))
+            }),
+            _ => None,
         };
-        let mut without_table = entry.clone();
-        without_table.as_object_mut().unwrap().remove(kind);
-        checked +=
-            example.check_section("nudge-worker", "providers", defaults, &without_table, &[]);
+        let mut top = entry.clone();
         if let Some(table) = table {
-            checked += example.check_section(
+            top.as_object_mut().unwrap().remove(kind);
+            table_keys += example.check_section(
                 "nudge-worker",
                 &format!("providers.{kind}"),
                 table.unwrap().as_object().unwrap(),
@@ -227,10 +253,24 @@ fn the_example_provider_accounts_show_every_key_with_its_default() {
                 &[],
             );
         }
+        let checked = example.check_section(
+            "nudge-worker",
+            "providers",
+            defaults.as_object().unwrap(),
+            &top,
+            &[],
+        );
+        let with_table = usize::from(parsed.twilio.is_some() || parsed.sendgrid.is_some());
+        assert_eq!(checked, 11 + with_table, "{}", parsed.kind);
     }
     assert_eq!(
-        checked,
-        3 * 11 + 6 + 8,
-        "every key of each account and of its kind's table"
+        kinds,
+        [
+            ProviderKind::Twilio,
+            ProviderKind::Sendgrid,
+            ProviderKind::Fcm,
+            ProviderKind::Apns
+        ]
     );
+    assert_eq!(table_keys, 6 + 8, "every key of the fcm and apns tables");
 }
