@@ -1,7 +1,8 @@
 //! FCM and APNs end to end: the real `nudge-push` worker against the provider stub speaking each
 //! push provider's shape (FCM's OAuth token endpoint and HTTP v1 send; APNs over TLS and HTTP/2
 //! with ES256 provider tokens). One tenant per provider account, one reminder each: accepted,
-//! throttled then accepted, an invalid device token (terminal, contact flagged), refused
+//! throttled then accepted (the account's quota, FCM's `UNAVAILABLE`, one busy device, APNs
+//! calling our token churn), an invalid device token (terminal, contact flagged), refused
 //! credentials (auth failure: the account's bucket suspended, the delivery kept), a lost answer
 //! (ambiguous, never resent).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
@@ -181,6 +182,12 @@ async fn fcm_sends_throttles_invalidates_suspends_on_refused_credentials_and_hol
     )
     .await
     .unwrap();
+    env.script(
+        "fcm-unavailable",
+        json!({"sequence": [{"status": 503, "retry_after": "1"}], "default": {"status": 200}}),
+    )
+    .await
+    .unwrap();
     env.script("fcm-gone", json!({"default": {"status": 404}}))
         .await
         .unwrap();
@@ -196,6 +203,7 @@ async fn fcm_sends_throttles_invalidates_suspends_on_refused_credentials_and_hol
     for (name, key) in [
         ("fcm-ok", &service_account),
         ("fcm-quota", &service_account),
+        ("fcm-unavailable", &service_account),
         ("fcm-gone", &service_account),
         ("fcm-auth", &wrong_key),
         ("fcm-hang", &service_account),
@@ -213,6 +221,7 @@ async fn fcm_sends_throttles_invalidates_suspends_on_refused_credentials_and_hol
 
     let ok = tenant_for(&env, "fcm-ok", "fcm-registration-token-ok").await;
     let quota = tenant_for(&env, "fcm-quota", "fcm-registration-token-quota").await;
+    let unavailable = tenant_for(&env, "fcm-unavailable", "fcm-registration-token-busy").await;
     let gone = tenant_for(&env, "fcm-gone", "fcm-registration-token-gone").await;
     let auth = tenant_for(&env, "fcm-auth", "fcm-registration-token-auth").await;
     let hang = tenant_for(&env, "fcm-hang", "fcm-registration-token-hang").await;
@@ -232,6 +241,7 @@ async fn fcm_sends_throttles_invalidates_suspends_on_refused_credentials_and_hol
         &[
             (ok, "delivered"),
             (quota, "delivered"),
+            (unavailable, "delivered"),
             (gone, "dead_lettered"),
             (hang, "ambiguous"),
         ],
@@ -259,6 +269,19 @@ async fn fcm_sends_throttles_invalidates_suspends_on_refused_credentials_and_hol
         "QUOTA_EXCEEDED was fed to the account's bucket: {slowed:?}"
     );
     assert_eq!(attempts[1].outcome_class, OutcomeClass::Delivered);
+
+    let (_, attempts) = delivery_of(&env, unavailable).await.unwrap();
+    assert_eq!(attempts.len(), 2, "{attempts:?}");
+    assert_eq!(
+        attempts[0].reason.as_deref(),
+        Some("retry_later: UNAVAILABLE")
+    );
+    assert_eq!(attempts[1].outcome_class, OutcomeClass::Delivered);
+    let untouched = bucket(&env, "fcm-unavailable").await;
+    assert!(
+        untouched.pause_cause.is_none(),
+        "UNAVAILABLE is not fed to the bucket: {untouched:?}"
+    );
 
     let (_, attempts) = delivery_of(&env, gone).await.unwrap();
     assert_eq!(attempts.len(), 1);
@@ -333,6 +356,15 @@ async fn apns_sends_over_tls_with_one_provider_token_and_maps_each_answer() {
     )
     .await
     .unwrap();
+    env.script(
+        "apns-churn",
+        json!({
+            "sequence": [{"status": 429, "code": "TooManyProviderTokenUpdates"}],
+            "default": {"status": 200}
+        }),
+    )
+    .await
+    .unwrap();
     env.script("apns-gone", json!({"default": {"status": 410}}))
         .await
         .unwrap();
@@ -348,6 +380,7 @@ async fn apns_sends_over_tls_with_one_provider_token_and_maps_each_answer() {
     for (name, key) in [
         ("apns-ok", &signing),
         ("apns-busy", &signing),
+        ("apns-churn", &signing),
         ("apns-gone", &signing),
         ("apns-auth", &wrong_key),
         ("apns-hang", &signing),
@@ -366,6 +399,7 @@ async fn apns_sends_over_tls_with_one_provider_token_and_maps_each_answer() {
 
     let ok = tenant_for(&env, "apns-ok", &format!("{DEVICE}1")).await;
     let busy = tenant_for(&env, "apns-busy", &format!("{DEVICE}2")).await;
+    let churn = tenant_for(&env, "apns-churn", &format!("{DEVICE}6")).await;
     let gone = tenant_for(&env, "apns-gone", &format!("{DEVICE}3")).await;
     let auth = tenant_for(&env, "apns-auth", &format!("{DEVICE}4")).await;
     let hang = tenant_for(&env, "apns-hang", &format!("{DEVICE}5")).await;
@@ -385,6 +419,7 @@ async fn apns_sends_over_tls_with_one_provider_token_and_maps_each_answer() {
         &[
             (ok, "delivered"),
             (busy, "delivered"),
+            (churn, "delivered"),
             (gone, "dead_lettered"),
             (hang, "ambiguous"),
         ],
@@ -412,6 +447,19 @@ async fn apns_sends_over_tls_with_one_provider_token_and_maps_each_answer() {
         "one device's 429 never slows the account: {busy_bucket:?}"
     );
     assert_eq!(attempts[1].outcome_class, OutcomeClass::Delivered);
+
+    let (_, attempts) = delivery_of(&env, churn).await.unwrap();
+    assert_eq!(attempts.len(), 2, "{attempts:?}");
+    assert_eq!(
+        attempts[0].reason.as_deref(),
+        Some("own_fault: TooManyProviderTokenUpdates")
+    );
+    let churn_bucket = bucket(&env, "apns-churn").await;
+    assert!(
+        churn_bucket.pause_cause.is_none()
+            && churn_bucket.effective_rate == churn_bucket.rate_per_second,
+        "our own token fault is never fed to the bucket: {churn_bucket:?}"
+    );
 
     let (_, attempts) = delivery_of(&env, gone).await.unwrap();
     assert_eq!(attempts.len(), 1);
@@ -447,7 +495,13 @@ async fn apns_sends_over_tls_with_one_provider_token_and_maps_each_answer() {
     // Every send of an account used the one provider token made at start (Apple's 20-minute
     // rule: the stub refuses a second one sooner, and none was refused).
     let apns = stub_get(&env, "/stats/apns").await;
-    for name in ["apns-ok", "apns-busy", "apns-gone", "apns-hang"] {
+    for name in [
+        "apns-ok",
+        "apns-busy",
+        "apns-churn",
+        "apns-gone",
+        "apns-hang",
+    ] {
         assert_eq!(
             apns["accounts"][name]["provider_tokens"], 1,
             "{name}: {apns}"
