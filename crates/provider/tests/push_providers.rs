@@ -290,6 +290,37 @@ async fn each_scripted_fcm_error_gets_its_verdict() {
 }
 
 #[tokio::test]
+async fn a_401_from_fcm_drops_the_access_token_so_the_next_send_fetches_another() {
+    let keys = rsa_keys();
+    let stub = fcm_stub(&keys.public_pem, Duration::from_secs(3600)).await;
+    stub.state.set_script(
+        account("fcm-main"),
+        Script {
+            sequence: vec![Step::status(401).unwrap()],
+            ..Script::default()
+        },
+    );
+    let provider = fcm(&fcm_config(&stub, "fcm-main", &keys.private_pem));
+    let key = new_key();
+    assert_eq!(
+        provider.send(message(&key, "tok")).await,
+        answered(
+            Verdict::AuthFailure,
+            Some(401),
+            Some("THIRD_PARTY_AUTH_ERROR")
+        )
+    );
+    assert_eq!(provider.access_tokens_fetched(), 1);
+    // The same delivery again: its second request is accepted, with a new token.
+    assert!(accepted_id(&provider.send(message(&key, "tok")).await).is_some());
+    assert_eq!(
+        provider.access_tokens_fetched(),
+        2,
+        "the refused token was not reused"
+    );
+}
+
+#[tokio::test]
 async fn a_payload_over_the_limit_is_refused_and_never_reaches_fcm() {
     let keys = rsa_keys();
     let stub = fcm_stub(&keys.public_pem, Duration::from_secs(3600)).await;
