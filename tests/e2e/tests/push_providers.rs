@@ -513,3 +513,41 @@ async fn apns_sends_over_tls_with_one_provider_token_and_maps_each_answer() {
     }
     assert!(apns["accounts"]["apns-auth"]["provider_token_refused"].as_u64() >= Some(1));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_account_with_an_unusable_key_stops_the_worker_at_start_naming_the_key_not_the_value()
+ {
+    let mut env = TestEnv::start("push-bad-key").await.unwrap();
+    let mut fcm = account(&env, "fcm-main", ProviderKind::Fcm, true);
+    fcm.fcm = Some(FcmKeys::new(
+        "nudge-e2e",
+        "nudge@nudge-e2e.iam.gserviceaccount.com",
+        Secret::new("-----BEGIN PRIVATE KEY-----\nhunter2\n-----END PRIVATE KEY-----\n"),
+    ));
+    let index = env
+        .start_worker_with_providers(
+            Channel::Push,
+            "worker-push",
+            &WorkerOptions::for_channel(Channel::Push),
+            &[fcm],
+        )
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while env.proc(index).is_running() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker did not stop: {}",
+            env.proc(index).log_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = std::fs::read_to_string(&env.proc(index).log).unwrap();
+    assert!(
+        log.contains("providers[0].fcm.private_key"),
+        "the error names the key: {log}"
+    );
+    assert!(
+        !log.contains("hunter2"),
+        "the value is never printed: {log}"
+    );
+}
