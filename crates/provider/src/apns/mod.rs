@@ -326,33 +326,10 @@ impl ApnsProvider {
         };
         let mut url = self.endpoint.clone();
         url.set_path(&format!("{}/{device}", self.endpoint.path()));
-        let apns_id = req
-            .idempotency_key
-            .reminder_id()
-            .as_uuid()
-            .hyphenated()
-            .to_string();
-        let mut request = self
+        let request = self
             .client
             .post(url)
-            .header(header::AUTHORIZATION, auth.clone())
-            .header(APNS_TOPIC, self.topic.clone())
-            .header(APNS_PUSH_TYPE, self.push_type.as_str())
-            .header(APNS_PRIORITY, self.priority.to_string())
-            .header(APNS_ID, apns_id)
-            .header(header::CONTENT_TYPE, "application/json");
-        if let Some(expiry) = req.expiry {
-            request = request.header(
-                APNS_EXPIRATION,
-                expiry.expires_at.timestamp().max(0).to_string(),
-            );
-        }
-        if let Ok(v) = HeaderValue::from_str(req.correlation_id) {
-            request = request.header(CORRELATION_ID, v);
-        }
-        if let Some(v) = req.traceparent.and_then(|t| HeaderValue::from_str(t).ok()) {
-            request = request.header(TRACEPARENT, v);
-        }
+            .headers(self.headers(&req, auth.clone()));
         let response = match request.body(body).send().await {
             Ok(r) => r,
             Err(e) => return logged_outcome_of_error(&self.account, e),
@@ -365,6 +342,44 @@ impl ApnsProvider {
         let answer = map_response(status, &headers, &body);
         self.after(&answer, &auth);
         SendOutcome::Answered(answer)
+    }
+
+    /// The request's headers: the provider token, APNs's own, and our trace ids.
+    fn headers(&self, req: &SendRequest<'_>, auth: HeaderValue) -> reqwest::header::HeaderMap {
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert(header::AUTHORIZATION, auth);
+        headers.insert(APNS_TOPIC, self.topic.clone());
+        headers.insert(
+            APNS_PUSH_TYPE,
+            HeaderValue::from_static(self.push_type.as_str()),
+        );
+        headers.insert(APNS_PRIORITY, HeaderValue::from(u16::from(self.priority)));
+        let apns_id = req
+            .idempotency_key
+            .reminder_id()
+            .as_uuid()
+            .hyphenated()
+            .to_string();
+        if let Ok(v) = HeaderValue::from_str(&apns_id) {
+            headers.insert(APNS_ID, v);
+        }
+        if let Some(expiry) = req.expiry {
+            headers.insert(
+                APNS_EXPIRATION,
+                HeaderValue::from(expiry.expires_at.timestamp().max(0)),
+            );
+        }
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Ok(v) = HeaderValue::from_str(req.correlation_id) {
+            headers.insert(CORRELATION_ID, v);
+        }
+        if let Some(v) = req.traceparent.and_then(|t| HeaderValue::from_str(t).ok()) {
+            headers.insert(TRACEPARENT, v);
+        }
+        headers
     }
 
     /// What an answer says about the provider token.
@@ -473,6 +488,31 @@ mod tests {
 
     fn keys() -> ApnsKeys {
         ApnsKeys::for_tests()
+    }
+
+    #[test]
+    fn the_headers_carry_topic_push_type_priority_the_reminder_id_and_the_expiry() {
+        let mut cfg = HttpProviderConfig::new("push-apns", Channel::Push, "https://127.0.0.1:9");
+        cfg.kind = crate::ProviderKind::Apns;
+        cfg.apns = Some(keys());
+        let provider = ApnsProvider::new(&cfg).unwrap();
+        let reminder = ReminderId::new();
+        let key = IdempotencyKey::for_delivery(reminder, Channel::Push);
+        let now = chrono::Utc::now();
+        let expires_at = now + chrono::TimeDelta::minutes(30);
+        let mut req = msg(&key, None);
+        req.expiry = Some(crate::Expiry { expires_at, now });
+        let headers = provider.headers(&req, HeaderValue::from_static("bearer t"));
+        let get = |name: &str| headers.get(name).unwrap().to_str().unwrap().to_owned();
+        assert_eq!(get("authorization"), "bearer t");
+        assert_eq!(get("apns-topic"), "org.example.app");
+        assert_eq!(get("apns-push-type"), "alert");
+        assert_eq!(get("apns-priority"), "10");
+        assert_eq!(get("apns-id"), reminder.as_uuid().hyphenated().to_string());
+        assert_eq!(get("apns-expiration"), expires_at.timestamp().to_string());
+        req.expiry = None;
+        let headers = provider.headers(&req, HeaderValue::from_static("bearer t"));
+        assert!(headers.get("apns-expiration").is_none());
     }
 
     #[test]
