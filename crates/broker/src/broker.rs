@@ -1,8 +1,14 @@
 //! The supervised connection: one AMQP connection per process, replaced (and the topology
 //! redeclared) by the first caller that needs a channel after it dropped.
+//!
+//! A process may know several addresses (the nodes of a cluster). It connects to the first that
+//! answers; after a drop it tries the next ones in turn, starting after the node it lost, so a
+//! node that went down is tried last rather than first. Quorum queues live on every node, so
+//! whichever node answers serves the same queues.
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::options::{
@@ -46,8 +52,11 @@ pub struct Broker {
 }
 
 struct Inner {
-    /// Holds the password: never logged, never in `Debug`.
-    uri: AMQPUri,
+    /// The nodes to try, in order; at least one. Hold the password: never logged, never in
+    /// `Debug` (only `host:port` is).
+    uris: Vec<AMQPUri>,
+    /// Index into `uris` of the node the current (or last) connection went to.
+    current: AtomicUsize,
     connection_name: String,
     connect_timeout: Duration,
     topology: Topology,
@@ -75,28 +84,37 @@ impl Broker {
         connect_timeout: Duration,
         topology: Topology,
     ) -> Result<Broker, BrokerError> {
-        Broker::connect_named(url, connect_timeout, topology, "nudge").await
+        Broker::connect_named(&[url], connect_timeout, topology, "nudge").await
     }
 
-    /// [`Broker::connect`] with the connection name shown by `rabbitmqctl list_connections` and
-    /// the management UI (e.g. the service name).
+    /// Connects to the first of `urls` (the nodes of one cluster) that answers within
+    /// `connect_timeout` each, and declares `topology`; fails when none does, with the last
+    /// node's error. `connection_name` is what `rabbitmqctl list_connections` and the management
+    /// UI show (e.g. the service name).
     pub async fn connect_named(
-        url: &str,
+        urls: &[&str],
         connect_timeout: Duration,
         topology: Topology,
         connection_name: &str,
     ) -> Result<Broker, BrokerError> {
         // Parsed here rather than by lapin, whose parse error quotes the whole URL.
-        let uri: AMQPUri = url.parse().map_err(|_| BrokerError::InvalidUrl)?;
+        let uris = urls
+            .iter()
+            .map(|url| url.parse::<AMQPUri>().map_err(|_| BrokerError::InvalidUrl))
+            .collect::<Result<Vec<_>, _>>()?;
+        if uris.is_empty() {
+            return Err(BrokerError::InvalidUrl);
+        }
         let inner = Inner {
-            uri,
+            uris,
+            current: AtomicUsize::new(0),
             connection_name: connection_name.to_owned(),
             connect_timeout,
             topology,
             connection: Mutex::new(None),
             closed: CancellationToken::new(),
         };
-        let connection = inner.connect_and_declare().await?;
+        let connection = inner.connect_any(0).await?;
         *inner.connection.lock().await = Some(connection);
         Ok(Broker {
             inner: Arc::new(inner),
@@ -263,15 +281,18 @@ impl Broker {
         *guard = None;
         let mut delay = INITIAL_BACKOFF;
         let mut attempt: u32 = 1;
+        // The node just lost goes last: with one address this is that address again.
+        let first = (inner.current.load(Ordering::Relaxed) + 1) % inner.uris.len();
         loop {
             let result = tokio::select! {
                 () = inner.closed.cancelled() => return Err(BrokerError::Closed),
-                result = inner.connect_and_declare() => result,
+                result = inner.connect_any(first) => result,
             };
             match result {
                 Ok(connection) => {
                     tracing::info!(
                         attempt,
+                        node = %inner.node(inner.current.load(Ordering::Relaxed)),
                         "reconnected to RabbitMQ and redeclared the topology"
                     );
                     *guard = Some(connection);
@@ -305,12 +326,46 @@ fn is_refusal(error: &BrokerError) -> bool {
 }
 
 impl Inner {
-    async fn connect_and_declare(&self) -> Result<Connection, BrokerError> {
+    /// `host:port` of node `index`, for logs (the URL holds the password).
+    fn node(&self, index: usize) -> String {
+        let authority = &self.uris[index].authority;
+        format!("{}:{}", authority.host, authority.port)
+    }
+
+    /// Tries every node once, starting at `first`, and records which one answered. A refusal of
+    /// the topology is returned at once (another node holds the same definitions); otherwise the
+    /// last node's error is.
+    async fn connect_any(&self, first: usize) -> Result<Connection, BrokerError> {
+        let count = self.uris.len();
+        let mut last_error = None;
+        for index in (0..count).map(|i| (first + i) % count) {
+            match self.connect_and_declare(index).await {
+                Ok(connection) => {
+                    self.current.store(index, Ordering::Relaxed);
+                    return Ok(connection);
+                }
+                Err(error) if is_refusal(&error) => return Err(error),
+                Err(error) => {
+                    if count > 1 {
+                        tracing::debug!(
+                            node = %self.node(index),
+                            error.cause_chain = ?CauseChain(&error),
+                            "RabbitMQ node did not take the connection; trying the next"
+                        );
+                    }
+                    last_error = Some(error);
+                }
+            }
+        }
+        Err(last_error.unwrap_or(BrokerError::InvalidUrl))
+    }
+
+    async fn connect_and_declare(&self, index: usize) -> Result<Connection, BrokerError> {
         let properties = ConnectionProperties::default()
             .with_connection_name(self.connection_name.as_str().into());
         let connection = tokio::time::timeout(
             self.connect_timeout,
-            Connection::connect_uri(self.uri.clone(), properties),
+            Connection::connect_uri(self.uris[index].clone(), properties),
         )
         .await
         .map_err(|_| BrokerError::ConnectTimeout {

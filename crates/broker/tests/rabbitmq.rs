@@ -19,6 +19,7 @@ use nudge_broker::{
     declare,
 };
 use nudge_domain::Channel;
+use nudge_testkit::FaultProxy;
 use tokio::time::{Instant, timeout};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -85,7 +86,7 @@ async fn setup(delivery_limit: u32) -> (Broker, Cleanup, String) {
         topology: topology.clone(),
     };
     let connection_name = format!("nudge-broker-test {namespace}");
-    let broker = Broker::connect_named(&amqp_url(), CONNECT_TIMEOUT, topology, &connection_name)
+    let broker = Broker::connect_named(&[&amqp_url()], CONNECT_TIMEOUT, topology, &connection_name)
         .await
         .unwrap();
     (broker, cleanup, connection_name)
@@ -421,6 +422,55 @@ async fn after_the_connection_is_forced_closed_the_broker_reconnects_and_redecla
     assert_eq!(incoming.correlation_id(), Some("c-1"));
     incoming.ack().await.unwrap();
     side.close(200, "done".into()).await.unwrap();
+    broker.close().await;
+}
+
+/// `host:port` of the test broker.
+fn broker_addr() -> String {
+    let url = amqp_url();
+    let after_credentials = url.rsplit('@').next().unwrap();
+    let without_scheme = after_credentials.trim_start_matches("amqp://");
+    without_scheme.split('/').next().unwrap().to_owned()
+}
+
+/// The test broker's URL with `proxy` in place of its address.
+fn via(proxy: &FaultProxy) -> String {
+    amqp_url().replacen(&broker_addr(), &proxy.addr(), 1)
+}
+
+#[tokio::test]
+async fn with_several_addresses_a_dead_first_node_is_skipped_and_a_lost_node_fails_over_to_the_next()
+ {
+    let first = FaultProxy::start(broker_addr()).await.unwrap();
+    let second = FaultProxy::start(broker_addr()).await.unwrap();
+    let simple = uuid::Uuid::new_v4().simple().to_string();
+    let topology = Topology::new(&format!("t-{}.", &simple[..8]), 5).unwrap();
+    let _cleanup = Cleanup {
+        topology: topology.clone(),
+    };
+
+    // The first node is down at start-up: the second takes the connection.
+    first.refuse(true);
+    let urls = [via(&first), via(&second)];
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let broker = Broker::connect_named(&urls, CONNECT_TIMEOUT, topology.clone(), "failover")
+        .await
+        .unwrap();
+    assert_eq!((first.connections(), second.connections()), (0, 1));
+
+    // The second node goes down while the first is back: the next call fails over to the first.
+    first.refuse(false);
+    second.refuse(true);
+    assert_eq!(second.cut(), 1);
+    let publisher = match timeout(DEADLINE, broker.publisher()).await {
+        Ok(Ok(publisher)) => publisher,
+        Ok(Err(error)) => panic!("failing over did not give a publisher: {error}"),
+        Err(_) => panic!("no publisher within {DEADLINE:?}"),
+    };
+    let results = publisher.publish_batch(&[message(Channel::Sms, 1)]).await;
+    assert!(matches!(results.as_slice(), [Ok(())]), "{results:?}");
+    assert_eq!((first.connections(), second.connections()), (1, 0));
+    assert!(broker.is_connected().await);
     broker.close().await;
 }
 

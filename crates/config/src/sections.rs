@@ -123,8 +123,12 @@ impl Validate for DatabaseConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AmqpConfig {
-    /// `amqp://` or `amqps://` URL; may hold a password.
+    /// `amqp://` or `amqps://` URL; may hold a password. Used when `urls` is empty.
     pub url: Secret,
+    /// The nodes of a RabbitMQ cluster, each an `amqp://` or `amqps://` URL; when not empty it
+    /// replaces `url`. A process connects to the first that answers and, when its connection
+    /// drops, tries the next ones in turn.
+    pub urls: Vec<Secret>,
     /// Unacknowledged deliveries per consumer, >= 1; bounds a worker's concurrency.
     pub prefetch: u16,
     /// How long to wait for the broker connection, > 0.
@@ -140,6 +144,7 @@ impl Default for AmqpConfig {
     fn default() -> Self {
         Self {
             url: Secret::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            urls: Vec::new(),
             prefetch: 128,
             connect_timeout_ms: 10_000,
             namespace: String::new(),
@@ -149,14 +154,35 @@ impl Default for AmqpConfig {
 }
 
 impl AmqpConfig {
+    /// The broker addresses to try, in order: `urls`, or `url` alone when `urls` is empty.
+    pub fn addresses(&self) -> Vec<&str> {
+        if self.urls.is_empty() {
+            vec![self.url.expose()]
+        } else {
+            self.urls.iter().map(Secret::expose).collect()
+        }
+    }
+
     /// Checks the section as it sits under `prefix` (usually `"amqp"`).
     pub fn validate_at(&self, prefix: &str) -> Result<(), ConfigError> {
-        check_url(
-            self.url.expose(),
-            &["amqp", "amqps"],
-            "expected an amqp:// or amqps:// URL",
-        )
-        .map_err(|m| ConfigError::invalid(key(prefix, "url"), m))?;
+        let amqp_url = |raw: &str| {
+            check_url(
+                raw,
+                &["amqp", "amqps"],
+                "expected an amqp:// or amqps:// URL",
+            )
+        };
+        amqp_url(self.url.expose()).map_err(|m| ConfigError::invalid(key(prefix, "url"), m))?;
+        for (i, url) in self.urls.iter().enumerate() {
+            amqp_url(url.expose())
+                .map_err(|m| ConfigError::invalid(key(prefix, &format!("urls.{i}")), m))?;
+        }
+        if self.urls.len() > MAX_AMQP_URLS {
+            return Err(ConfigError::invalid(
+                key(prefix, "urls"),
+                format!("at most {MAX_AMQP_URLS} addresses, got {}", self.urls.len()),
+            ));
+        }
         if self.prefetch == 0 {
             return Err(ConfigError::invalid(
                 key(prefix, "prefetch"),
@@ -184,6 +210,9 @@ impl AmqpConfig {
         Ok(())
     }
 }
+
+/// A bound on `amqp.urls`, so a reconnect round (one connect timeout per address) stays short.
+const MAX_AMQP_URLS: usize = 16;
 
 fn valid_namespace(ns: &str) -> bool {
     if ns.is_empty() {
@@ -398,6 +427,48 @@ mod tests {
             ..AmqpConfig::default()
         };
         assert!(amqps.validate().is_ok());
+    }
+
+    #[test]
+    fn the_cluster_addresses_replace_the_single_url_and_a_bad_one_is_named_by_position() {
+        let single = AmqpConfig::default();
+        assert_eq!(single.addresses(), vec![single.url.expose()]);
+
+        let cluster = AmqpConfig {
+            urls: vec![
+                Secret::new("amqp://guest:guest@127.0.0.1:5701/%2f"),
+                Secret::new("amqp://guest:guest@127.0.0.1:5702/%2f"),
+            ],
+            ..AmqpConfig::default()
+        };
+        assert!(cluster.validate().is_ok());
+        assert_eq!(
+            cluster.addresses(),
+            vec![
+                "amqp://guest:guest@127.0.0.1:5701/%2f",
+                "amqp://guest:guest@127.0.0.1:5702/%2f"
+            ]
+        );
+
+        let bad = AmqpConfig {
+            urls: vec![
+                Secret::new("amqp://guest:guest@127.0.0.1:5701/%2f"),
+                Secret::new("http://guest:s3cret@127.0.0.1:5702/"),
+            ],
+            ..AmqpConfig::default()
+        };
+        let error = bad.validate().unwrap_err();
+        assert_eq!(error.key().as_deref(), Some("amqp.urls.1"));
+        assert!(!error.to_string().contains("s3cret"), "{error}");
+
+        let too_many = AmqpConfig {
+            urls: vec![Secret::new("amqp://127.0.0.1/%2f"); MAX_AMQP_URLS + 1],
+            ..AmqpConfig::default()
+        };
+        assert_eq!(
+            too_many.validate().err().and_then(|e| e.key()).as_deref(),
+            Some("amqp.urls")
+        );
     }
 
     #[test]

@@ -566,3 +566,48 @@ fn an_index_into_a_section_that_is_no_list_is_refused() {
         Ok(())
     });
 }
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct BrokerConfig {
+    amqp: nudge_config::AmqpConfig,
+}
+
+impl Validate for BrokerConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.amqp.validate()
+    }
+}
+
+#[test]
+fn the_cluster_addresses_come_from_a_file_list_or_one_environment_variable() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file(
+            "nudge.toml",
+            r#"
+                [amqp]
+                urls = ["amqp://file@rabbit-1:5672/%2f", "amqp://file@rabbit-2:5672/%2f"]
+            "#,
+        )?;
+        let from_file: BrokerConfig =
+            load(Some(Path::new("nudge.toml")), &["amqp"]).map_err(|e| chain(&e))?;
+        assert_eq!(
+            from_file.amqp.addresses(),
+            vec![
+                "amqp://file@rabbit-1:5672/%2f",
+                "amqp://file@rabbit-2:5672/%2f"
+            ]
+        );
+
+        jail.set_env(
+            "NUDGE_AMQP__URLS",
+            r#"["amqp://env@rabbit-1:5672/%2f","amqp://env@rabbit-2:5672/%2f","amqp://env@rabbit-3:5672/%2f"]"#,
+        );
+        let from_env: BrokerConfig =
+            load(Some(Path::new("nudge.toml")), &["amqp"]).map_err(|e| chain(&e))?;
+        assert_eq!(from_env.amqp.addresses().len(), 3);
+        assert_eq!(from_env.amqp.addresses()[2], "amqp://env@rabbit-3:5672/%2f");
+        Ok(())
+    });
+}

@@ -4,7 +4,6 @@
 //! queue stays there, so its depth is exactly what the relay published.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
@@ -14,11 +13,8 @@ use nudge_broker::{Broker, Topology};
 use nudge_domain::{Channel, EventId, SubscriberRef, TenantId};
 use nudge_ledger::{DestinationCipher, Ledger, NewReminder, SubscriberKey};
 use nudge_producer::{ProducerSection, Relay};
+use nudge_testkit::FaultProxy;
 use sqlx::PgPool;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 fn amqp_url() -> String {
     std::env::var("NUDGE_TEST_AMQP_URL")
@@ -219,99 +215,6 @@ async fn a_long_worker_outage_keeps_the_work_queue_within_the_in_flight_bound_an
     broker.close().await;
 }
 
-/// A TCP proxy to the broker that can stop forwarding (the broker, as a publisher sees it
-/// during a memory or disk alarm: no error, no answer) and cut every connection it carries.
-struct Proxy {
-    port: u16,
-    paused: watch::Sender<bool>,
-    links: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    accept: JoinHandle<()>,
-}
-
-impl Proxy {
-    async fn start(upstream: &'static str) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (paused, _) = watch::channel(false);
-        let links = Arc::new(Mutex::new(Vec::new()));
-        let accept = {
-            let paused = paused.clone();
-            let links = Arc::clone(&links);
-            tokio::spawn(async move {
-                while let Ok((client, _)) = listener.accept().await {
-                    let Ok(server) = TcpStream::connect(upstream).await else {
-                        continue;
-                    };
-                    let (client_read, client_write) = client.into_split();
-                    let (server_read, server_write) = server.into_split();
-                    let mut links = links.lock().unwrap();
-                    links.push(tokio::spawn(forward(
-                        client_read,
-                        server_write,
-                        paused.subscribe(),
-                    )));
-                    links.push(tokio::spawn(forward(
-                        server_read,
-                        client_write,
-                        paused.subscribe(),
-                    )));
-                }
-            })
-        };
-        Proxy {
-            port,
-            paused,
-            links,
-            accept,
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
-    }
-
-    fn pause(&self, paused: bool) {
-        self.paused.send_replace(paused);
-    }
-
-    /// Drops every forwarded connection, and the bytes held back with it.
-    fn cut(&self) {
-        for link in self.links.lock().unwrap().drain(..) {
-            link.abort();
-        }
-    }
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.cut();
-        self.accept.abort();
-    }
-}
-
-async fn forward(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut paused: watch::Receiver<bool>,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let Ok(n) = from.read(&mut buf).await else {
-            return;
-        };
-        if n == 0 {
-            return;
-        }
-        // Bytes read while paused are held until the pause ends (or dropped by a cut).
-        if paused.wait_for(|p| !*p).await.is_err() {
-            return;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
-}
-
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_publish_the_broker_never_confirms_times_out_and_its_batch_is_handed_back_for_a_later_pass(
     pool: PgPool,
@@ -326,8 +229,10 @@ async fn a_publish_the_broker_never_confirms_times_out_and_its_batch_is_handed_b
         .await
         .unwrap()
         .id;
-    let proxy = Proxy::start("127.0.0.1:5672").await;
-    let broker = Broker::connect(&proxy.url(), Duration::from_secs(10), ns.topology.clone())
+    // Holds the broker's answers back, as a broker in a memory or disk alarm does.
+    let proxy = FaultProxy::start("127.0.0.1:5672").await.unwrap();
+    let proxy_url = format!("amqp://guest:guest@{}/%2f", proxy.addr());
+    let broker = Broker::connect(&proxy_url, Duration::from_secs(10), ns.topology.clone())
         .await
         .unwrap();
     let publish_timeout = Duration::from_millis(500);

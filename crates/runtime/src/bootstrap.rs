@@ -157,11 +157,11 @@ async fn connect_broker(service: &str, amqp: &AmqpConfig) -> anyhow::Result<Brok
     let topology = Topology::new(&amqp.namespace, amqp.delivery_limit)
         .context("invalid amqp.namespace or amqp.delivery_limit")?;
     Broker::connect_named(
-        amqp.url.expose(),
+        &amqp.addresses(),
         Duration::from_millis(amqp.connect_timeout_ms),
         topology,
         service,
     )
     .await
-    .context("failed to connect to RabbitMQ (amqp.url)")
+    .context("failed to connect to RabbitMQ (amqp.url or amqp.urls)")
 }

@@ -21,6 +21,8 @@ use nudge_domain::Channel;
 use nudge_ledger::{DestinationCipher, Ledger};
 use serde_json::Value;
 
+pub mod private;
+
 pub use provider_stub::{KeysReport, Stats};
 
 pub const ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
@@ -121,6 +123,9 @@ pub struct Proc {
     pub name: String,
     child: Option<Child>,
     pub log: PathBuf,
+    /// The binary and configuration file it was started with, to start it again; None for
+    /// the stub.
+    started_as: Option<(String, PathBuf)>,
 }
 
 impl Proc {
@@ -176,12 +181,37 @@ impl Drop for Proc {
     }
 }
 
+/// Where a test's PostgreSQL and RabbitMQ are: the shared ones ([`Services::shared`]) or a
+/// test's own ([`private`]).
+#[derive(Debug, Clone)]
+pub struct Services {
+    /// The maintenance database, where the test's own database is created and dropped.
+    pub admin_url: String,
+    pub amqp_url: String,
+}
+
+impl Services {
+    /// The machine's services: `DATABASE_URL` (else [`ADMIN_URL`]) and `NUDGE_TEST_AMQP_URL`.
+    pub fn shared() -> Self {
+        Self {
+            admin_url: admin_url(),
+            amqp_url: amqp_url(),
+        }
+    }
+}
+
 /// One test's world.
 pub struct TestEnv {
     pub id: String,
     pub dir: PathBuf,
     pub db_name: String,
+    /// The test database, as the harness reaches it.
     pub db_url: String,
+    pub services: Services,
+    /// The test database as the processes reach it (through a proxy, say); `db_url` by default.
+    pub process_db_url: String,
+    /// The broker addresses the processes are given (`amqp.urls`); the services' by default.
+    pub process_amqp_urls: Vec<String>,
     pub namespace: String,
     pub ledger: Ledger,
     pub cipher: DestinationCipher,
@@ -260,25 +290,36 @@ impl WorkerOptions {
 }
 
 impl TestEnv {
-    /// A fresh database (migrated), namespace and provider stub (the generic shape).
+    /// A fresh database (migrated), namespace and provider stub (the generic shape) on the
+    /// shared services.
     pub async fn start(test: &str) -> anyhow::Result<Self> {
-        Self::start_with_stub(test, &[]).await
+        Self::boot(test, Services::shared(), &[]).await
+    }
+
+    /// [`TestEnv::start`] on the given services.
+    pub async fn start_on(test: &str, services: Services) -> anyhow::Result<Self> {
+        Self::boot(test, services, &[]).await
     }
 
     /// [`TestEnv::start`] with extra arguments for the provider stub (`--shape twilio`, ...).
     pub async fn start_with_stub(test: &str, stub_args: &[String]) -> anyhow::Result<Self> {
+        Self::boot(test, Services::shared(), stub_args).await
+    }
+
+    /// The one way a test environment starts: on `services`, the stub given `stub_args`.
+    async fn boot(test: &str, services: Services, stub_args: &[String]) -> anyhow::Result<Self> {
         let id = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
         let dir = std::env::temp_dir().join(format!("nudge-e2e-{test}-{id}"));
         std::fs::create_dir_all(&dir)?;
         let db_name = format!("nudge_e2e_{id}");
-        let admin = sqlx::PgPool::connect(&admin_url())
+        let admin = sqlx::PgPool::connect(&services.admin_url)
             .await
             .context("PostgreSQL must answer for the end-to-end tests (DATABASE_URL)")?;
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db_name}")))
             .execute(&admin)
             .await?;
         admin.close().await;
-        let base = admin_url();
+        let base = services.admin_url.clone();
         let db_url = match base.rfind('/') {
             Some(i) => format!("{}/{db_name}", &base[..i]),
             None => bail!("DATABASE_URL has no database path"),
@@ -299,7 +340,10 @@ impl TestEnv {
             id,
             dir,
             db_name,
+            process_db_url: db_url.clone(),
+            process_amqp_urls: vec![services.amqp_url.clone()],
             db_url,
+            services,
             ledger,
             cipher: DestinationCipher::new(&key)
                 .with_subscriber_key(nudge_ledger::SubscriberKey::new(&SUBSCRIBER_KEY)),
@@ -358,6 +402,7 @@ impl TestEnv {
             name: "provider-stub".into(),
             child: Some(child),
             log,
+            started_as: None,
         });
         Ok(())
     }
@@ -419,7 +464,7 @@ url = "{db}"
 max_connections = 8
 
 [amqp]
-url = "{amqp}"
+urls = {amqp}
 namespace = "{ns}"
 delivery_limit = 3
 
@@ -427,8 +472,8 @@ delivery_limit = 3
 log_format = "json"
 log_filter = "info"
 {admin}"#,
-            db = self.db_url,
-            amqp = amqp_url(),
+            db = self.process_db_url,
+            amqp = toml_strings(&self.process_amqp_urls),
             ns = self.namespace,
         )
     }
@@ -472,20 +517,51 @@ log_filter = "info"
 
     fn spawn(&mut self, binary: &str, name: &str, config: &Path) -> anyhow::Result<usize> {
         let log = self.dir.join(format!("{name}.log"));
-        let child = clean_command(bin(binary))
-            .arg("--config")
-            .arg(config)
-            .env_remove("RUST_LOG")
-            .stdout(std::fs::File::create(self.dir.join(format!("{name}.out")))?)
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()
-            .with_context(|| format!("failed to start {binary}"))?;
+        let child = self.launch(binary, name, config)?;
         self.procs.push(Proc {
             name: name.to_owned(),
             child: Some(child),
             log,
+            started_as: Some((binary.to_owned(), config.to_owned())),
         });
         Ok(self.procs.len() - 1)
+    }
+
+    /// Starts `binary` with `config`, appending to `name`'s output and log files.
+    fn launch(&self, binary: &str, name: &str, config: &Path) -> anyhow::Result<Child> {
+        let append = |file: String| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(self.dir.join(file))
+        };
+        clean_command(bin(binary))
+            .arg("--config")
+            .arg(config)
+            .env_remove("RUST_LOG")
+            .stdout(append(format!("{name}.out"))?)
+            .stderr(append(format!("{name}.log"))?)
+            .spawn()
+            .with_context(|| format!("failed to start {binary}"))
+    }
+
+    /// Starts process `index` again with its binary and configuration, as a supervisor
+    /// (systemd, Kubernetes) does after a crash; kills it first if it still runs.
+    pub fn restart(&mut self, index: usize) -> anyhow::Result<()> {
+        self.procs[index].kill();
+        let (binary, config) = self.procs[index]
+            .started_as
+            .clone()
+            .context("this process cannot be started again")?;
+        let name = self.procs[index].name.clone();
+        let child = self.launch(&binary, &name, &config)?;
+        self.procs[index].child = Some(child);
+        Ok(())
+    }
+
+    /// The names of the processes this test started, by index.
+    pub fn proc_names(&self) -> Vec<String> {
+        self.procs.iter().map(|p| p.name.clone()).collect()
     }
 
     pub fn proc(&mut self, index: usize) -> &mut Proc {
@@ -511,7 +587,7 @@ log_filter = "info"
         use nudge_broker::lapin::options::QueueDeclareOptions;
         use nudge_broker::lapin::types::FieldTable;
         let conn = nudge_broker::lapin::Connection::connect(
-            &amqp_url(),
+            &self.services.amqp_url,
             nudge_broker::lapin::ConnectionProperties::default(),
         )
         .await?;
@@ -707,7 +783,7 @@ log_filter = "info"
             } else {
                 config.intake.listen_addr
             };
-        config.database.url = nudge_config::Secret::new(self.db_url.clone());
+        config.database.url = nudge_config::Secret::new(self.process_db_url.clone());
         config.database.max_connections = 8;
         config.telemetry.log_format = nudge_config::LogFormat::Json;
         config.crypto.destination_key = Some(nudge_config::Secret::new(self.key_b64.clone()));
@@ -894,6 +970,12 @@ log_filter = "info"
     }
 }
 
+/// `["a", "b"]`: strings as a TOML array.
+fn toml_strings(items: &[String]) -> String {
+    let quoted: Vec<String> = items.iter().map(|i| format!("{i:?}")).collect();
+    format!("[{}]", quoted.join(", "))
+}
+
 fn rand_key() -> [u8; 32] {
     let a = uuid::Uuid::new_v4().into_bytes();
     let b = uuid::Uuid::new_v4().into_bytes();
@@ -913,6 +995,7 @@ impl Drop for TestEnv {
         }
         let db_name = self.db_name.clone();
         let namespace = self.namespace.clone();
+        let services = self.services.clone();
         let pool = self.ledger.pool().clone();
         // Async cleanup from a destructor that may run while a test panics: its own runtime,
         // on its own thread.
@@ -923,7 +1006,7 @@ impl Drop for TestEnv {
                 .expect("cleanup runtime");
             rt.block_on(async move {
                 pool.close().await;
-                if let Ok(admin) = sqlx::PgPool::connect(&admin_url()).await {
+                if let Ok(admin) = sqlx::PgPool::connect(&services.admin_url).await {
                     let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
                         "DROP DATABASE IF EXISTS {db_name} WITH (FORCE)"
                     )))
@@ -931,7 +1014,7 @@ impl Drop for TestEnv {
                     .await;
                     admin.close().await;
                 }
-                delete_namespace(&namespace).await;
+                delete_namespace(&services.amqp_url, &namespace).await;
             });
         });
         let _ = cleanup.join();
@@ -943,10 +1026,10 @@ impl Drop for TestEnv {
     }
 }
 
-async fn delete_namespace(namespace: &str) {
+async fn delete_namespace(amqp_url: &str, namespace: &str) {
     use nudge_broker::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
     let Ok(conn) = nudge_broker::lapin::Connection::connect(
-        &amqp_url(),
+        amqp_url,
         nudge_broker::lapin::ConnectionProperties::default(),
     )
     .await

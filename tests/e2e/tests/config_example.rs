@@ -117,7 +117,7 @@ fn the_example_has_every_key_of_the_producer_with_its_default() {
     let checked = check_binary::<ProducerConfig>("nudge-producer", ProducerConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 5 + 4 + 9,
+        6 + 6 + 4 + 9,
         "database, amqp, telemetry, producer"
     );
 }
@@ -127,7 +127,7 @@ fn the_example_has_every_key_of_the_workers_with_its_default() {
     let checked = check_binary::<WorkerConfig>("nudge-worker", WorkerConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 5 + 4 + 2 + 4 + 4 + 3,
+        6 + 6 + 4 + 2 + 4 + 4 + 3,
         "database, amqp, telemetry, crypto, worker, retry, admission"
     );
 }
@@ -137,7 +137,7 @@ fn the_example_has_every_key_of_the_janitor_with_its_default() {
     let checked = check_binary::<JanitorConfig>("nudge-janitor", JanitorConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 5 + 4 + 3 + 4 + 4 + 12,
+        6 + 6 + 4 + 3 + 4 + 4 + 12,
         "database, amqp, telemetry, janitor, retry, redrive, retention"
     );
 }
