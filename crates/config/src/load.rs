@@ -111,6 +111,7 @@ pub const KNOWN_SECTIONS: &[&str] = &[
     "redrive",
     "admission",
     "intake",
+    "receipts",
     "retention",
 ];
 

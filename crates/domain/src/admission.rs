@@ -390,6 +390,22 @@ pub fn on_throttled_after(
     *state != before
 }
 
+/// The account cannot send at all (the provider refused its credentials): the whole bucket
+/// pauses until `until` (a later existing pause is kept) and its rate is left alone, because a
+/// refusal of credentials says nothing about how fast the provider takes messages. After the
+/// pause one send probes; if the credentials are still refused it suspends again. Every
+/// delivery waiting meanwhile is given back unsent, so none burns an attempt on a known
+/// refusal. Returns true when the state changed.
+pub fn on_suspended(state: &mut BucketState, until: DateTime<Utc>, now: DateTime<Utc>) -> bool {
+    let until = from_ns(round_up_to_stored(to_ns(until)));
+    if until > now && state.paused_until.is_none_or(|p| p < until) {
+        state.paused_until = Some(until);
+        true
+    } else {
+        false
+    }
+}
+
 /// A successful send. The effective rate rises by `max(rate * 0.025, 0.5)`, at most once per
 /// second and only a second after the last decrease (the success must be sustained, not the
 /// tail of sends admitted before the 429), never above the configured rate. Returns true when
@@ -645,6 +661,40 @@ mod tests {
             Admission::Admitted { send_at } => send_at,
             Admission::Deferred { .. } => panic!("expected a slot, got {a:?}"),
         }
+    }
+
+    #[test]
+    fn a_suspended_bucket_defers_everything_until_then_and_keeps_its_rate() {
+        let c = config(40.0, 5);
+        let mut state = BucketState::fresh(&c);
+        let until = t0() + TimeDelta::seconds(60);
+        assert!(on_suspended(&mut state, until, t0()));
+        assert_eq!(state.effective_rate, 40.0);
+        for lane in [Lane::New, Lane::Retry, Lane::Redrive] {
+            assert_eq!(
+                admit(&c, &mut state, lane, t0() + ms(10), &waiting(500)),
+                Admission::Deferred {
+                    until,
+                    reason: DeferReason::Paused
+                }
+            );
+        }
+        // An earlier suspension does not shorten it; one in the past does nothing.
+        assert!(!on_suspended(
+            &mut state,
+            t0() + TimeDelta::seconds(30),
+            t0()
+        ));
+        assert!(!on_suspended(
+            &mut state,
+            t0() - TimeDelta::seconds(1),
+            t0()
+        ));
+        assert_eq!(state.paused_until, Some(until));
+        assert!(matches!(
+            admit(&c, &mut state, Lane::New, until, &waiting(500)),
+            Admission::Admitted { .. }
+        ));
     }
 
     /// The admitted counts of each lane's client, each asking every `period_ms` (in the order

@@ -5,6 +5,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::answer::{ProviderAnswer, Verdict};
 use crate::ids::IdError;
 
 /// What happened when a worker tried to send, as reported by a provider adapter.
@@ -16,6 +17,9 @@ pub enum SendOutcome {
         retry_after: Option<String>,
         provider_message_id: Option<String>,
     },
+    /// The provider answered, and the adapter, which knows the provider's contract, says what
+    /// the answer means (see [`crate::answer`]). The generic adapter never reports this.
+    Answered(ProviderAnswer),
     /// Connect, DNS or TLS failure: the request never left, so the provider cannot have sent it.
     FailedBeforeSend { reason: String },
     /// Timeout or reset after the request left: the provider may or may not have sent it.
@@ -115,6 +119,7 @@ pub fn classify(outcome: &SendOutcome, idem: IdempotencySupport) -> OutcomeClass
             (500..=599, IdempotencySupport::NotHonoured) => OutcomeClass::Ambiguous,
             _ => OutcomeClass::Terminal,
         },
+        SendOutcome::Answered(answer) => classify_verdict(answer.verdict, idem),
         SendOutcome::FailedBeforeSend { .. } => OutcomeClass::Retryable,
         // Only a provider that dedups by key makes a resend of an unknown outcome safe.
         SendOutcome::UnknownAfterSend { .. } => match idem {
@@ -124,13 +129,46 @@ pub fn classify(outcome: &SendOutcome, idem: IdempotencySupport) -> OutcomeClass
     }
 }
 
+/// The class of a [`Verdict`]: accepted is delivered; the three that refuse for good
+/// (invalid contact, opted out, rejected) are terminal; "maybe sent" is ambiguous unless the
+/// account dedupes a resend; everything else (throttles, retry later, an auth failure, our own
+/// fault) says the message was not taken and is retryable.
+pub fn classify_verdict(verdict: Verdict, idem: IdempotencySupport) -> OutcomeClass {
+    match verdict {
+        Verdict::Accepted => OutcomeClass::Delivered,
+        Verdict::ContactInvalid | Verdict::ContactOptedOut | Verdict::Rejected => {
+            OutcomeClass::Terminal
+        }
+        Verdict::MaybeSent => match idem {
+            IdempotencySupport::Honoured => OutcomeClass::Retryable,
+            IdempotencySupport::NotHonoured => OutcomeClass::Ambiguous,
+        },
+        Verdict::ThrottledAccount
+        | Verdict::ThrottledRecipient
+        | Verdict::RetryLater
+        | Verdict::AuthFailure
+        | Verdict::OwnFault => OutcomeClass::Retryable,
+    }
+}
+
 /// The class of a provider's answer, a metric label: `2xx`, `3xx`, `4xx` (other than 429),
 /// `429`, `5xx`, `timeout` (no answer after the request left) or `network` (the request never
 /// left). Nothing of the answer beyond its status is used.
 pub fn response_class(outcome: &SendOutcome) -> &'static str {
     match outcome {
         SendOutcome::Response { status: 429, .. } => "429",
-        SendOutcome::Response { status, .. } => match status {
+        SendOutcome::Answered(ProviderAnswer {
+            http_status: None, ..
+        }) => "other",
+        SendOutcome::Answered(ProviderAnswer {
+            http_status: Some(429),
+            ..
+        }) => "429",
+        SendOutcome::Response { status, .. }
+        | SendOutcome::Answered(ProviderAnswer {
+            http_status: Some(status),
+            ..
+        }) => match status {
             200..=299 => "2xx",
             300..=399 => "3xx",
             400..=499 => "4xx",
@@ -293,7 +331,78 @@ mod tests {
         );
     }
 
+    fn answered(verdict: Verdict, http_status: Option<u16>) -> SendOutcome {
+        SendOutcome::Answered(ProviderAnswer::new(verdict, http_status))
+    }
+
+    #[test]
+    fn each_verdict_has_the_class_its_meaning_implies() {
+        use Verdict::*;
+        for (v, want) in [
+            (Accepted, [OutcomeClass::Delivered; 2]),
+            (ContactInvalid, [OutcomeClass::Terminal; 2]),
+            (ContactOptedOut, [OutcomeClass::Terminal; 2]),
+            (Rejected, [OutcomeClass::Terminal; 2]),
+            (ThrottledAccount, [OutcomeClass::Retryable; 2]),
+            (ThrottledRecipient, [OutcomeClass::Retryable; 2]),
+            (RetryLater, [OutcomeClass::Retryable; 2]),
+            (AuthFailure, [OutcomeClass::Retryable; 2]),
+            (OwnFault, [OutcomeClass::Retryable; 2]),
+            (
+                MaybeSent,
+                [OutcomeClass::Retryable, OutcomeClass::Ambiguous],
+            ),
+        ] {
+            assert_eq!(both(&answered(v, Some(400))), want, "{v}");
+        }
+    }
+
+    #[test]
+    fn an_answer_is_classed_by_its_verdict_never_by_its_status() {
+        // A 200 that the adapter read as a refusal is a refusal; a 401 read as accepted is not.
+        assert_eq!(
+            both(&answered(Verdict::Rejected, Some(200))),
+            [OutcomeClass::Terminal; 2]
+        );
+        assert_eq!(
+            both(&answered(Verdict::AuthFailure, Some(401))),
+            [OutcomeClass::Retryable; 2]
+        );
+    }
+
+    #[test]
+    fn an_answer_s_response_class_is_its_status_family() {
+        assert_eq!(
+            response_class(&answered(Verdict::ThrottledAccount, Some(429))),
+            "429"
+        );
+        assert_eq!(
+            response_class(&answered(Verdict::Accepted, Some(201))),
+            "2xx"
+        );
+        assert_eq!(
+            response_class(&answered(Verdict::ContactInvalid, Some(400))),
+            "4xx"
+        );
+        assert_eq!(
+            response_class(&answered(Verdict::MaybeSent, Some(502))),
+            "5xx"
+        );
+        assert_eq!(response_class(&answered(Verdict::MaybeSent, None)), "other");
+    }
+
     proptest! {
+        #[test]
+        fn only_maybe_sent_without_idempotency_makes_an_answer_ambiguous(
+            i in 0usize..Verdict::ALL.len(),
+            status in proptest::option::of(any::<u16>()),
+        ) {
+            let v = Verdict::ALL[i];
+            let [honoured, not_honoured] = both(&answered(v, status));
+            prop_assert_ne!(honoured, OutcomeClass::Ambiguous);
+            prop_assert_eq!(not_honoured == OutcomeClass::Ambiguous, v == Verdict::MaybeSent);
+        }
+
         #[test]
         fn only_a_5xx_without_idempotency_makes_a_response_ambiguous(s in any::<u16>()) {
             let [honoured, not_honoured] = both(&status(s));

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use crate::answer::{Alert, BucketSignal, ContactFlag, Effects, ProviderAnswer, Verdict};
 use crate::classify::{IdempotencySupport, OutcomeClass, SendOutcome, classify};
 use crate::policy::{Jitter, RetryPolicy};
 use crate::retry_after::{RetryAfter, add_saturating, trim_ows};
@@ -53,6 +54,9 @@ pub struct Decision {
     pub next_state: DeliveryState,
     pub next_attempt_at: Option<DateTime<Utc>>,
     pub facts: AttemptFacts,
+    /// What the answer does besides moving the delivery, whatever its next state (a throttle
+    /// on the last allowed attempt still slows the bucket).
+    pub effects: Effects,
 }
 
 const UNKNOWN_OUTCOME_AFTER_SEND: &str = "unknown_outcome_after_send";
@@ -74,6 +78,10 @@ pub fn decide(
     jitter: &mut impl Jitter,
 ) -> Decision {
     let outcome_class = classify(outcome, ctx.idempotency);
+    let answered = match outcome {
+        SendOutcome::Answered(answer) => Some(answer),
+        _ => None,
+    };
     let (http_status, raw_retry_after, provider_message_id, cause) = match outcome {
         SendOutcome::Response {
             status,
@@ -84,6 +92,12 @@ pub fn decide(
             retry_after.as_deref().map(trim_ows),
             provider_message_id.clone(),
             format!("http_{status}"),
+        ),
+        SendOutcome::Answered(answer) => (
+            answer.http_status,
+            answer.retry_after.as_deref().map(trim_ows),
+            answer.provider_message_id.clone(),
+            answer_cause(answer),
         ),
         SendOutcome::FailedBeforeSend { .. } => (None, None, None, FAILED_BEFORE_SEND.to_owned()),
         SendOutcome::UnknownAfterSend { .. } => {
@@ -101,6 +115,7 @@ pub fn decide(
         reason: None,
         provider_message_id,
     };
+    let effects = effects(outcome, retry_after.map(|ra| ra.resolve(now)));
 
     let next_state = match outcome_class {
         OutcomeClass::Delivered => DeliveryState::Delivered,
@@ -109,10 +124,12 @@ pub fn decide(
             DeliveryState::DeadLettered
         }
         OutcomeClass::Ambiguous => {
-            facts.reason = Some(match http_status {
+            facts.reason = Some(match (answered, http_status) {
+                // The adapter said so; its cause starts with `maybe_sent`.
+                (Some(_), _) => cause,
                 // A 5xx from a provider without idempotency: it may have sent.
-                Some(_) => format!("maybe_sent: {cause}"),
-                None => UNKNOWN_OUTCOME_AFTER_SEND.to_owned(),
+                (None, Some(_)) => format!("maybe_sent: {cause}"),
+                (None, None) => UNKNOWN_OUTCOME_AFTER_SEND.to_owned(),
             });
             DeliveryState::Ambiguous
         }
@@ -145,6 +162,7 @@ pub fn decide(
                         next_state: DeliveryState::RetryWait,
                         next_attempt_at: Some(next),
                         facts,
+                        effects,
                     };
                 }
             }
@@ -154,6 +172,56 @@ pub fn decide(
         next_state,
         next_attempt_at: None,
         facts,
+        effects,
+    }
+}
+
+/// An answer's cause in the attempt's reason: its verdict, then the provider's code when it
+/// gave one (`contact_invalid: 21211`); never anything free-text from the provider.
+fn answer_cause(answer: &ProviderAnswer) -> String {
+    match (&answer.code, answer.http_status) {
+        (Some(code), _) => format!("{}: {code}", answer.verdict),
+        (None, Some(status)) => format!("{}: http_{status}", answer.verdict),
+        (None, None) => answer.verdict.as_str().to_owned(),
+    }
+}
+
+/// What an outcome does besides moving the delivery. A generic 429 throttles the bucket, as
+/// it always has; an adapter's verdict says the rest. `retry_at` is the answer's valid
+/// `Retry-After`, resolved.
+fn effects(outcome: &SendOutcome, retry_at: Option<DateTime<Utc>>) -> Effects {
+    let verdict = match outcome {
+        SendOutcome::Response { status: 429, .. } => Verdict::ThrottledAccount,
+        SendOutcome::Answered(answer) => answer.verdict,
+        _ => return Effects::default(),
+    };
+    match verdict {
+        Verdict::ThrottledAccount => Effects {
+            bucket: Some(BucketSignal::Throttled { retry_at }),
+            ..Effects::default()
+        },
+        Verdict::AuthFailure => Effects {
+            bucket: Some(BucketSignal::Suspend),
+            alert: Some(Alert::AuthFailure),
+            ..Effects::default()
+        },
+        Verdict::OwnFault => Effects {
+            alert: Some(Alert::OwnFault),
+            ..Effects::default()
+        },
+        Verdict::ContactInvalid => Effects {
+            contact: Some(ContactFlag::Invalid),
+            ..Effects::default()
+        },
+        Verdict::ContactOptedOut => Effects {
+            contact: Some(ContactFlag::OptedOut),
+            ..Effects::default()
+        },
+        Verdict::Accepted
+        | Verdict::ThrottledRecipient
+        | Verdict::RetryLater
+        | Verdict::Rejected
+        | Verdict::MaybeSent => Effects::default(),
     }
 }
 
@@ -464,6 +532,203 @@ mod tests {
         assert!(!d.facts.retry_after_valid);
     }
 
+    fn answered(
+        verdict: Verdict,
+        status: u16,
+        retry_after: Option<&str>,
+        code: Option<&str>,
+    ) -> SendOutcome {
+        SendOutcome::Answered(
+            ProviderAnswer::new(verdict, Some(status))
+                .with_retry_after(retry_after.map(str::to_owned))
+                .with_code(code),
+        )
+    }
+
+    fn not_honoured(attempt: u32) -> AttemptContext {
+        AttemptContext {
+            idempotency: IdempotencySupport::NotHonoured,
+            ..ctx(attempt)
+        }
+    }
+
+    #[test]
+    fn a_generic_429_throttles_the_bucket_with_its_retry_after_as_before() {
+        let d = run(&ctx(1), &response(429, Some("30")));
+        assert_eq!(
+            d.effects,
+            Effects {
+                bucket: Some(BucketSignal::Throttled {
+                    retry_at: Some(now() + TimeDelta::seconds(30))
+                }),
+                ..Effects::default()
+            }
+        );
+        let d = run(&ctx(1), &response(429, Some("soon")));
+        assert_eq!(
+            d.effects.bucket,
+            Some(BucketSignal::Throttled { retry_at: None })
+        );
+        for status in [200, 400, 408, 500, 503] {
+            assert_eq!(
+                run(&ctx(1), &response(status, Some("30"))).effects,
+                Effects::default()
+            );
+        }
+    }
+
+    #[test]
+    fn an_accepted_answer_is_delivered_with_its_message_id() {
+        let outcome = SendOutcome::Answered(
+            ProviderAnswer::new(Verdict::Accepted, Some(201)).with_message_id(Some("SM1".into())),
+        );
+        let d = run(&not_honoured(1), &outcome);
+        assert_eq!(d.next_state, DeliveryState::Delivered);
+        assert_eq!(d.facts.provider_message_id.as_deref(), Some("SM1"));
+        assert_eq!(d.facts.http_status, Some(201));
+        assert_eq!(d.effects, Effects::default());
+    }
+
+    #[test]
+    fn an_account_throttle_feeds_the_bucket_and_retries_at_the_date_it_gave() {
+        let d = run(
+            &not_honoured(1),
+            &answered(
+                Verdict::ThrottledAccount,
+                429,
+                Some("Tue, 01 Jan 2030 00:01:00 GMT"),
+                Some("20429"),
+            ),
+        );
+        assert_eq!(d.next_state, DeliveryState::RetryWait);
+        let at = now() + TimeDelta::seconds(60);
+        assert_eq!(d.next_attempt_at, Some(at));
+        assert_eq!(
+            d.effects.bucket,
+            Some(BucketSignal::Throttled { retry_at: Some(at) })
+        );
+        assert_eq!(d.facts.reason.as_deref(), Some("throttled_account: 20429"));
+    }
+
+    #[test]
+    fn a_recipient_throttle_retries_that_delivery_and_never_feeds_the_bucket() {
+        let d = run(
+            &not_honoured(1),
+            &answered(
+                Verdict::ThrottledRecipient,
+                429,
+                Some("5"),
+                Some("TooManyRequests"),
+            ),
+        );
+        assert_eq!(d.next_state, DeliveryState::RetryWait);
+        assert_eq!(d.next_attempt_at, Some(now() + TimeDelta::seconds(5)));
+        assert_eq!(d.effects, Effects::default());
+        assert_eq!(
+            d.facts.reason.as_deref(),
+            Some("throttled_recipient: TooManyRequests")
+        );
+    }
+
+    #[test]
+    fn retry_later_honours_its_retry_after_without_telling_the_bucket() {
+        let d = run(
+            &not_honoured(1),
+            &answered(Verdict::RetryLater, 503, Some("20"), None),
+        );
+        assert_eq!(d.next_attempt_at, Some(now() + TimeDelta::seconds(20)));
+        assert_eq!(d.effects, Effects::default());
+        assert_eq!(d.facts.reason.as_deref(), Some("retry_later: http_503"));
+    }
+
+    #[test]
+    fn an_invalid_contact_is_dead_lettered_and_flagged() {
+        let d = run(
+            &not_honoured(1),
+            &answered(Verdict::ContactInvalid, 400, None, Some("21211")),
+        );
+        assert_eq!(d.next_state, DeliveryState::DeadLettered);
+        assert_eq!(d.facts.reason.as_deref(), Some("contact_invalid: 21211"));
+        assert_eq!(d.effects.contact, Some(ContactFlag::Invalid));
+        assert_eq!(d.effects.bucket, None);
+    }
+
+    #[test]
+    fn an_opted_out_contact_is_dead_lettered_and_flagged() {
+        let d = run(
+            &not_honoured(1),
+            &answered(Verdict::ContactOptedOut, 400, None, Some("21610")),
+        );
+        assert_eq!(d.next_state, DeliveryState::DeadLettered);
+        assert_eq!(d.facts.reason.as_deref(), Some("contact_opted_out: 21610"));
+        assert_eq!(d.effects.contact, Some(ContactFlag::OptedOut));
+    }
+
+    #[test]
+    fn a_rejection_is_dead_lettered_with_nothing_else() {
+        let d = run(
+            &not_honoured(1),
+            &answered(Verdict::Rejected, 400, None, Some("INVALID_ARGUMENT")),
+        );
+        assert_eq!(d.next_state, DeliveryState::DeadLettered);
+        assert_eq!(d.effects, Effects::default());
+    }
+
+    #[test]
+    fn an_auth_failure_suspends_the_account_alerts_and_retries_the_delivery() {
+        let d = run(
+            &not_honoured(1),
+            &answered(Verdict::AuthFailure, 401, None, Some("20003")),
+        );
+        assert_eq!(d.next_state, DeliveryState::RetryWait);
+        assert_eq!(
+            d.effects,
+            Effects {
+                bucket: Some(BucketSignal::Suspend),
+                alert: Some(Alert::AuthFailure),
+                contact: None,
+            }
+        );
+    }
+
+    #[test]
+    fn our_own_fault_alerts_retries_and_never_tells_the_bucket() {
+        let d = run(
+            &not_honoured(1),
+            &answered(
+                Verdict::OwnFault,
+                429,
+                Some("1"),
+                Some("TooManyProviderTokenUpdates"),
+            ),
+        );
+        assert_eq!(d.next_state, DeliveryState::RetryWait);
+        assert_eq!(d.effects.bucket, None);
+        assert_eq!(d.effects.alert, Some(Alert::OwnFault));
+    }
+
+    #[test]
+    fn maybe_sent_is_held_ambiguous_without_idempotency_and_retried_with_it() {
+        let outcome = answered(Verdict::MaybeSent, 502, None, None);
+        let d = run(&not_honoured(1), &outcome);
+        assert_eq!(d.next_state, DeliveryState::Ambiguous);
+        assert_eq!(d.facts.reason.as_deref(), Some("maybe_sent: http_502"));
+        assert_eq!(run(&ctx(1), &outcome).next_state, DeliveryState::RetryWait);
+    }
+
+    #[test]
+    fn an_answer_on_the_last_attempt_still_has_its_effects() {
+        let d = run(
+            &not_honoured(8),
+            &answered(Verdict::ThrottledAccount, 429, None, None),
+        );
+        assert_eq!(d.next_state, DeliveryState::DeadLettered);
+        assert_eq!(
+            d.effects.bucket,
+            Some(BucketSignal::Throttled { retry_at: None })
+        );
+    }
+
     // ---- properties ----
 
     fn instant(secs: i64) -> DateTime<Utc> {
@@ -519,6 +784,20 @@ mod tests {
                     provider_message_id,
                 }
             ),
+            2 => (0usize..crate::answer::Verdict::ALL.len(), proptest::option::of(status()), header(),
+                  proptest::option::of("[a-zA-Z0-9]{1,20}"), proptest::option::of(".{0,20}")).prop_map(
+                move |(v, http_status, h, id, code)| SendOutcome::Answered(
+                    ProviderAnswer::new(crate::answer::Verdict::ALL[v], http_status)
+                        .with_retry_after(match h {
+                            Header::Absent => None,
+                            Header::Delta(n) => Some(n.to_string()),
+                            Header::Date(offset) => Some(http_date(now + TimeDelta::seconds(offset))),
+                            Header::Garbage(s) => Some(s),
+                        })
+                        .with_message_id(id)
+                        .with_code(code.as_deref()),
+                )
+            ),
             1 => ".{0,10}".prop_map(|reason| SendOutcome::FailedBeforeSend { reason }),
             1 => ".{0,10}".prop_map(|reason| SendOutcome::UnknownAfterSend { reason }),
         ]
@@ -568,7 +847,11 @@ mod tests {
             SendOutcome::Response {
                 retry_after: Some(raw),
                 ..
-            } => RetryAfter::parse(raw).ok(),
+            }
+            | SendOutcome::Answered(ProviderAnswer {
+                retry_after: Some(raw),
+                ..
+            }) => RetryAfter::parse(raw).ok(),
             _ => None,
         }
     }
@@ -658,6 +941,50 @@ mod tests {
             prop_assert_eq!(d.facts.outcome_class, classify(&outcome, ctx.idempotency));
             if d.next_state != DeliveryState::Delivered {
                 prop_assert!(d.facts.reason.is_some());
+            }
+        }
+
+        #[test]
+        fn only_an_account_throttle_or_an_auth_failure_tells_the_bucket((ctx, outcome, now, policy, j) in scenario()) {
+            let d = decide(&ctx, &outcome, now, &policy, &mut FixedJitter::new(j));
+            let verdict = match &outcome {
+                SendOutcome::Answered(a) => Some(a.verdict),
+                SendOutcome::Response { status: 429, .. } => Some(Verdict::ThrottledAccount),
+                _ => None,
+            };
+            match d.effects.bucket {
+                Some(BucketSignal::Throttled { retry_at }) => {
+                    prop_assert_eq!(verdict, Some(Verdict::ThrottledAccount));
+                    prop_assert_eq!(retry_at, valid_retry_after(&outcome).map(|ra| ra.resolve(now)));
+                }
+                Some(BucketSignal::Suspend) => prop_assert_eq!(verdict, Some(Verdict::AuthFailure)),
+                None => prop_assert!(!matches!(verdict, Some(Verdict::ThrottledAccount | Verdict::AuthFailure))),
+            }
+        }
+
+        #[test]
+        fn a_contact_is_flagged_exactly_when_the_answer_condemns_it((ctx, outcome, now, policy, j) in scenario()) {
+            let d = decide(&ctx, &outcome, now, &policy, &mut FixedJitter::new(j));
+            let want = match &outcome {
+                SendOutcome::Answered(a) if a.verdict == Verdict::ContactInvalid => Some(ContactFlag::Invalid),
+                SendOutcome::Answered(a) if a.verdict == Verdict::ContactOptedOut => Some(ContactFlag::OptedOut),
+                _ => None,
+            };
+            prop_assert_eq!(d.effects.contact, want);
+            if want.is_some() {
+                prop_assert_eq!(d.next_state, DeliveryState::DeadLettered);
+            }
+        }
+
+        #[test]
+        fn an_answer_s_reason_never_holds_more_than_its_verdict_and_a_plain_code((ctx, outcome, now, policy, j) in scenario()) {
+            let d = decide(&ctx, &outcome, now, &policy, &mut FixedJitter::new(j));
+            if let (SendOutcome::Answered(a), Some(reason)) = (&outcome, &d.facts.reason) {
+                prop_assert!(reason.len() <= 128, "{}", reason);
+                prop_assert!(reason.bytes().all(|b| b.is_ascii_alphanumeric() || b" :_-.".contains(&b)), "{}", reason);
+                if d.next_state == DeliveryState::DeadLettered || d.next_state == DeliveryState::Ambiguous {
+                    prop_assert!(reason.contains(a.verdict.as_str()) || reason.starts_with("attempts_exhausted") || reason.starts_with("retry_after_over_ceiling"), "{}", reason);
+                }
             }
         }
 

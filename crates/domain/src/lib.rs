@@ -2,7 +2,8 @@
 //!
 //! This crate owns what a delivery *is* and what may happen to it: identifiers parsed at the edge
 //! ([`ids`]), the delivery state machine ([`state`]), the `Retry-After` header ([`retry_after`]),
-//! the retry policy with injected jitter ([`policy`]), how a provider answer is classified
+//! the retry policy with injected jitter ([`policy`]), what a provider's answer means
+//! ([`answer`]: verdicts and their effects on bucket, contact and operators), how it is classified
 //! ([`mod@classify`]), the one function that turns an attempt's outcome into the next state
 //! ([`mod@decide`]) and the drain model: a channel's admitted rate, the time of each turn at it
 //! and the drain floor ([`drain`]). Every other crate asks these questions here instead of
@@ -13,6 +14,7 @@
 //! so that tests can pin every number exactly.
 
 pub mod admission;
+pub mod answer;
 pub mod classify;
 pub mod decide;
 pub mod drain;
@@ -25,9 +27,15 @@ pub mod state;
 
 pub use admission::{
     Admission, AdmissionSettings, BucketConfig, BucketState, DeferReason, InvalidBucket, admit,
-    on_success, on_throttled, on_throttled_after, reconfigured,
+    on_success, on_suspended, on_throttled, on_throttled_after, reconfigured,
 };
-pub use classify::{IdempotencySupport, OutcomeClass, SendOutcome, classify, response_class};
+pub use answer::{
+    Alert, BucketSignal, ContactFlag, Effects, ProviderAnswer, ProviderCode, Verdict,
+    retry_after_at,
+};
+pub use classify::{
+    IdempotencySupport, OutcomeClass, SendOutcome, classify, classify_verdict, response_class,
+};
 pub use decide::{AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide};
 pub use ids::{
     Channel, DeliveryId, EventId, IdError, IdempotencyKey, ProviderAccount, ReminderId,

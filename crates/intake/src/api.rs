@@ -43,6 +43,8 @@ pub const CORRELATION_HEADER: &str = "x-correlation-id";
 #[derive(Clone)]
 pub struct AppState {
     inner: Arc<Inner>,
+    /// The providers' receipt verifiers (`[receipts]`); none until [`AppState::with_receipts`].
+    receipts: Arc<crate::receipts::Receipts>,
 }
 
 struct Inner {
@@ -96,7 +98,22 @@ impl AppState {
                 limits,
                 clock,
             }),
+            receipts: Arc::default(),
         }
+    }
+
+    /// This state, taking the providers' receipts `receipts` verifies.
+    pub fn with_receipts(mut self, receipts: crate::receipts::Receipts) -> Self {
+        self.receipts = Arc::new(receipts);
+        self
+    }
+
+    pub(crate) fn receipts(&self) -> &crate::receipts::Receipts {
+        &self.receipts
+    }
+
+    pub(crate) fn limits(&self) -> &Limits {
+        &self.inner.limits
     }
 
     pub fn metrics(&self) -> &IntakeMetrics {
@@ -107,7 +124,7 @@ impl AppState {
         &self.inner.ledger
     }
 
-    fn now(&self) -> DateTime<Utc> {
+    pub(crate) fn now(&self) -> DateTime<Utc> {
         (self.inner.clock)()
     }
 

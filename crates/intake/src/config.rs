@@ -19,6 +19,8 @@
 //!   may be scheduled.
 //! - `intake.max_connections` (default 1024): connections served at once; more wait to be
 //!   accepted.
+//! - `receipts.*`: the providers whose delivery receipts are taken, and how each is verified
+//!   (see [`crate::receipts`]).
 
 use std::net::SocketAddr;
 
@@ -32,10 +34,12 @@ pub struct IntakeConfig {
     pub telemetry: TelemetryConfig,
     pub crypto: CryptoConfig,
     pub intake: IntakeSection,
+    pub receipts: crate::receipts::ReceiptsSection,
 }
 
 impl IntakeConfig {
-    pub const SECTIONS: &'static [&'static str] = &["database", "telemetry", "crypto", "intake"];
+    pub const SECTIONS: &'static [&'static str] =
+        &["database", "telemetry", "crypto", "intake", "receipts"];
 }
 
 impl nudge_runtime::ServiceConfig for IntakeConfig {
@@ -161,6 +165,7 @@ impl Validate for IntakeConfig {
             3_650,
         )?;
         within("intake.max_connections", i.max_connections, 1, 100_000)?;
+        self.receipts.build()?;
         Ok(())
     }
 }

@@ -1,7 +1,8 @@
 //! `nudge-intake`: the signed webhook through which a clinic's application hands nudge its
 //! reminders, cancels them, keeps its subscribers' destinations and erases a subscriber, over
 //! the same ledger as every other binary (see [`api`] for the routes, [`signature`] for the
-//! authentication, and `docs/openapi.json` for the contract, generated from this code).
+//! authentication, and `docs/openapi.json` for the contract, generated from this code), and
+//! through which providers' delivery receipts arrive ([`receipts`]).
 //!
 //! It must never: answer 2xx before the ledger committed; write anything for a request it
 //! refused; echo, log or put in a metric a destination, subscriber reference or content; tell
@@ -12,6 +13,7 @@ pub mod commit;
 mod config;
 pub mod error;
 pub mod metrics;
+pub mod receipts;
 pub mod signature;
 
 use std::net::SocketAddr;
@@ -60,6 +62,8 @@ pub use metrics::IntakeMetrics;
         api::cancel_reminder,
         api::put_contacts,
         api::erase_subscriber,
+        receipts::twilio,
+        receipts::sendgrid,
         api::healthz,
         api::readyz,
         api::openapi,
@@ -68,6 +72,7 @@ pub use metrics::IntakeMetrics;
     tags(
         (name = "reminders", description = "Post, read and cancel reminders"),
         (name = "subscribers", description = "Destinations and erasure"),
+        (name = "receipts", description = "Providers' delivery receipts, signed by the provider"),
         (name = "operations", description = "Health, readiness and this document"),
     )
 )]
@@ -118,6 +123,8 @@ pub fn router(state: AppState, body_limit: usize, request_timeout: Duration) -> 
             "/v1/tenants/{tenant}/subscribers/{subscriber_ref}",
             delete(api::erase_subscriber),
         )
+        .route("/receipts/twilio/{account}", post(receipts::twilio))
+        .route("/receipts/sendgrid/{account}", post(receipts::sendgrid))
         .route("/healthz", get(api::healthz))
         .route("/readyz", get(api::readyz))
         .route("/openapi.json", get(api::openapi))
@@ -292,7 +299,8 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
             max_schedule_ahead: chrono::Duration::days(i64::from(section.max_schedule_ahead_days)),
         },
         Arc::new(chrono::Utc::now),
-    );
+    )
+    .with_receipts(app.config.receipts.build()?);
     let listener = TcpListener::bind(section.listen_addr)
         .await
         .with_context(|| {

@@ -244,6 +244,41 @@ async fn store(
     Ok(())
 }
 
+/// Suspends a bucket for `suspend_for` (the provider refused the account's credentials),
+/// inside the caller's transaction: paused for every replica, its rate untouched, the cause
+/// stored for `nudgectl status`. An account without a bucket is not paused (there is no
+/// shared row to pause): its deliveries each find the refusal themselves. Returns the pause's
+/// end when it changed.
+pub(crate) async fn suspend(
+    conn: &mut sqlx::PgConnection,
+    account: &ProviderAccount,
+    channel: Channel,
+    suspend_for: std::time::Duration,
+    at: LedgerTime,
+) -> Result<Option<DateTime<Utc>>, LedgerError> {
+    let Some((row, now)) = lock_now(conn, account, channel, at).await? else {
+        return Ok(None);
+    };
+    let mut state = row.state();
+    let until = now + chrono::Duration::from_std(suspend_for).unwrap_or(chrono::Duration::MAX);
+    if !admission::on_suspended(&mut state, until, now) {
+        return Ok(None);
+    }
+    store(conn, account, channel, &state).await?;
+    sqlx::query(
+        "UPDATE rate_buckets SET pause_cause = $3 WHERE provider_account = $1 AND channel = $2",
+    )
+    .bind(account.as_str())
+    .bind(channel.as_str())
+    .bind(format!(
+        "provider refused the account's credentials: suspended for admission.max_pause_s ({} s)",
+        suspend_for.as_secs()
+    ))
+    .execute(&mut *conn)
+    .await?;
+    Ok(state.paused_until)
+}
+
 impl Ledger {
     /// Creates the bucket with the configured starting rate if it does not exist yet. An
     /// existing bucket keeps what operators set at run time.

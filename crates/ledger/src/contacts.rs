@@ -16,7 +16,8 @@ pub(crate) fn destination_aad(tenant_id: TenantId, stored_ref: &str, channel: Ch
 }
 
 /// Inserts or replaces sealed destinations `(tenant, stored subscriber ref, channel,
-/// ciphertext)` in one statement. The caller gives each key once, sealed under
+/// ciphertext)` in one statement; a replaced destination loses its provider flags (invalid,
+/// opted out). The caller gives each key once, sealed under
 /// [`destination_aad`] of that key.
 pub(crate) async fn upsert_contacts(
     conn: &mut sqlx::PgConnection,
@@ -34,7 +35,9 @@ pub(crate) async fn upsert_contacts(
               AS c(tenant_id, subscriber_ref, channel, ciphertext)
          ON CONFLICT (tenant_id, subscriber_ref, channel)
          DO UPDATE SET destination_ciphertext = EXCLUDED.destination_ciphertext,
-                       updated_at = EXCLUDED.updated_at",
+                       updated_at = EXCLUDED.updated_at,
+                       -- The flags describe the destination they were learnt from.
+                       invalid_at = NULL, opted_out_at = NULL",
     )
     .bind(sealed.iter().map(|c| c.0).collect::<Vec<_>>())
     .bind(sealed.iter().map(|c| c.1.as_str()).collect::<Vec<_>>())

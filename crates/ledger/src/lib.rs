@@ -29,6 +29,7 @@ mod export;
 mod gauges;
 pub mod input;
 mod intake;
+mod receipts;
 mod redrive;
 mod reminders;
 mod republish;
@@ -59,6 +60,7 @@ pub use intake::{
     Cancellation, ChannelStatus as IntakeChannelStatus, Erasure, IntakeTenant, MAX_ACTIVE_SECRETS,
     ReminderStatus, SigningSecret,
 };
+pub use receipts::{Receipt, ReceiptOutcome, ReceiptRecorded};
 pub use redrive::{
     AutoPause, Exclusion, ReasonCount, RedriveFilter, RedrivePlan, RedriveState, RedriveStatus,
     RedriveTick,

@@ -93,6 +93,7 @@ async fn send_once(ledger: &Ledger, at: DateTime<Utc>, outcome: SendOutcome) -> 
                 decision: &decision,
                 attempt: &facts,
             }],
+            std::time::Duration::from_secs(60),
             LedgerTime::Fixed(facts.finished_at),
         )
         .await

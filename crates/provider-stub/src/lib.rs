@@ -14,7 +14,11 @@
 //!
 //! | route | what |
 //! |---|---|
-//! | `POST /accounts/{account}/v1/messages` | the provider API; body `{"channel", "to", "content"}` |
+//! | `POST /accounts/{account}/v1/messages` | the provider API (shape `generic`, the default); body `{"channel", "to", "content"}` |
+//! | `POST /accounts/{account}/2010-04-01/Accounts/{sid}/Messages.json` | shape `twilio`: Twilio's form, answers and error codes; status callbacks signed with `X-Twilio-Signature` |
+//! | `POST /accounts/{account}/v3/mail/send` | shape `sendgrid`: SendGrid's JSON, `X-Message-Id`, `X-RateLimit-*`; event webhook batches signed with ECDSA P-256 |
+//! | `POST /accounts/{account}/token`, `POST /accounts/{account}/v1/projects/{project}/messages:send`, `GET /stats/fcm` | shape `fcm`: Google's OAuth 2 token endpoint (RS256 assertions checked with `--fcm-public-key`), FCM HTTP v1's send and error bodies ([`fcm`]) |
+//! | `POST /accounts/{account}/3/device/{token}`, `GET /stats/apns` | shape `apns`, over TLS and HTTP/2 with an authority written to `--tls-ca-out`: ES256 provider tokens checked with `--apns-public-key`, APNs's headers and reasons ([`apns`]) |
 //! | `PUT /admin/accounts/{account}` | set the account's [`Script`] (JSON); `GET` reads it back |
 //! | `POST /admin/reset` | forget every script, key and counter |
 //! | `GET /stats` | [`Stats`] |
@@ -30,20 +34,33 @@
 //!    A request without a key always gets `sequence[0]` and is never deduplicated.
 //!
 //! 429, 5xx and 4xx answers are not cached. Rules 1 to 3 do not advance a key's sequence.
+//! The real providers' shapes skip rule 3 (they do not deduplicate) and read the key from where
+//! their adapter puts it (Twilio: the `StatusCallback`'s `key`; SendGrid: `custom_args.nudge_key`);
+//! see [`Shape`].
 
+pub mod apns;
 mod cli;
+pub mod fcm;
+mod push_common;
 mod script;
+mod sendgrid;
 mod server;
+mod shape;
 mod state;
 mod stats;
+pub mod tls;
+mod twilio;
 
 pub use cli::{Args, bind, load_scripts, shutdown_signal};
 pub use script::{
     RateLimit, RetryAfterForm, RetryAfterSpec, Script, ScriptError, Step, StepStatus,
 };
-pub use server::{MAX_HANG, serve};
+pub use sendgrid::{SIGNATURE_HEADER, TIMESTAMP_HEADER, sendgrid_signature};
+pub use server::{MAX_HANG, serve, serve_tls};
+pub use shape::{Shape, ShapeConfig};
 pub use state::StubState;
 pub use stats::{
     AccountStats, AnswerKind, KeyReport, KeyRequest, KeysReport, SlidingWindowMax, Stats,
     rfc3339_ms,
 };
+pub use twilio::twilio_signature;

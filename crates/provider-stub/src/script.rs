@@ -137,6 +137,19 @@ pub struct Step {
     /// message and only the answer was lost, which is what an unknown outcome looks like.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub hang: bool,
+    /// The provider's error code in the answer's body, for shapes that have one (Twilio's
+    /// numeric codes such as `21211`; SendGrid's `invalid_to` names the recipient's field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+    /// What the delivery receipt of a message taken by this step (a 2xx, or a hang: taken,
+    /// answer lost) reports, for shapes that send receipts: Twilio's `MessageStatus`
+    /// (`delivered` by default, `undelivered`, `failed`), SendGrid's `event` (`delivered` by
+    /// default, `bounce`, `dropped`, `unsubscribe`); `none` sends no receipt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt: Option<String>,
+    /// How long after the request the receipt is sent (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt_delay_ms: Option<u64>,
 }
 
 impl Step {

@@ -26,11 +26,13 @@ pub const MAX_HANG: Duration = Duration::from_secs(120);
 const MAX_KEY_LEN: usize = 255;
 
 #[derive(Clone)]
-struct App {
-    stub: StubState,
+pub(crate) struct App {
+    pub(crate) stub: StubState,
     /// Cancelled when shutdown starts, so held (hung or delayed) requests end and graceful
     /// shutdown does not wait out [`MAX_HANG`].
-    shutdown: CancellationToken,
+    pub(crate) shutdown: CancellationToken,
+    /// Sends the shapes' delivery receipts.
+    pub(crate) receipts: reqwest::Client,
 }
 
 /// Serves the stub on `listener` until `shutdown` completes, then finishes open requests (held
@@ -41,10 +43,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
     let token = CancellationToken::new();
-    let app = router(App {
-        stub: state,
-        shutdown: token.clone(),
-    });
+    let app = router(app(state, &token)?);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown.await;
@@ -53,9 +52,37 @@ pub async fn serve(
         .await
 }
 
+/// [`serve`] over TLS with HTTP/2 only (the APNs shape), with `tls` from [`crate::tls::generate`].
+pub async fn serve_tls(
+    listener: TcpListener,
+    state: StubState,
+    tls: std::sync::Arc<tokio_rustls::rustls::ServerConfig>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let token = CancellationToken::new();
+    let app = router(app(state, &token)?);
+    crate::tls::serve(listener, app, tls, async move {
+        shutdown.await;
+        token.cancel();
+    })
+    .await
+}
+
+fn app(state: StubState, shutdown: &CancellationToken) -> io::Result<App> {
+    let receipts = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .no_proxy()
+        .build()
+        .map_err(io::Error::other)?;
+    Ok(App {
+        stub: state,
+        shutdown: shutdown.clone(),
+        receipts,
+    })
+}
+
 fn router(app: App) -> Router {
-    Router::new()
-        .route("/accounts/{account}/v1/messages", post(send_message))
+    crate::shape::provider_routes(app.stub.shape().shape)
         .route("/admin/accounts/{account}", put(put_script).get(get_script))
         .route("/admin/reset", post(reset))
         .route("/stats", get(stats))
@@ -85,12 +112,12 @@ fn check_body(body: &[u8]) -> Option<&'static str> {
     }
 }
 
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(serde_json::json!({ "error": message.into() }))).into_response()
 }
 
 /// A 400 with `{"error": message}`.
-struct BadRequest(String);
+pub(crate) struct BadRequest(String);
 
 impl IntoResponse for BadRequest {
     fn into_response(self) -> Response {
@@ -98,11 +125,11 @@ impl IntoResponse for BadRequest {
     }
 }
 
-fn parse_account(raw: &str) -> Result<ProviderAccount, BadRequest> {
+pub(crate) fn parse_account(raw: &str) -> Result<ProviderAccount, BadRequest> {
     ProviderAccount::parse(raw).map_err(|e| BadRequest(e.to_string()))
 }
 
-async fn send_message(
+pub(crate) async fn send_message(
     State(app): State<App>,
     Path(account): Path<String>,
     headers: HeaderMap,
@@ -129,6 +156,7 @@ async fn send_message(
             key,
             invalid,
             traceparent,
+            dedupe: true,
         },
     );
     tracing::debug!(
@@ -138,6 +166,15 @@ async fn send_message(
         hang = reply.hang,
         "provider request"
     );
+    carry_out(&app, reply, into_response).await
+}
+
+/// Carries out a decided reply: holds it (a hang, a delay), then renders it in the shape's form.
+pub(crate) async fn carry_out(
+    app: &App,
+    reply: Reply,
+    render: impl FnOnce(Reply) -> Response,
+) -> Response {
     if reply.hang {
         return hang(&app.shutdown).await;
     }
@@ -147,7 +184,7 @@ async fn send_message(
             () = app.shutdown.cancelled() => {}
         }
     }
-    into_response(reply)
+    render(reply)
 }
 
 /// Holds the request open. Hyper drops this future when the client goes away; otherwise it ends

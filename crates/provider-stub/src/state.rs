@@ -10,6 +10,7 @@ use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use nudge_domain::ProviderAccount;
 
 use crate::script::{RetryAfterForm, Script, Step, StepStatus};
+use crate::shape::ShapeConfig;
 use crate::stats::{
     AccountStats, AnswerKind, KeyReport, KeyRequest, KeysReport, SlidingWindowMax, Stats,
 };
@@ -18,6 +19,7 @@ use crate::stats::{
 #[derive(Clone, Default)]
 pub struct StubState {
     inner: Arc<Mutex<Inner>>,
+    shape: Arc<ShapeConfig>,
 }
 
 impl std::fmt::Debug for StubState {
@@ -106,6 +108,9 @@ pub(crate) struct Incoming<'a> {
     pub(crate) invalid: Option<&'static str>,
     /// The W3C `traceparent` header, kept with the key's history (at most 64 characters).
     pub(crate) traceparent: Option<&'a str>,
+    /// Whether an already accepted key gets its first answer again (providers that honour an
+    /// idempotency key) or is sent again (the real providers' shapes, which do not).
+    pub(crate) dedupe: bool,
 }
 
 /// What to answer, decided under the lock and carried out after it.
@@ -116,11 +121,30 @@ pub(crate) struct Reply {
     pub(crate) body: serde_json::Value,
     pub(crate) delay: Option<Duration>,
     pub(crate) hang: bool,
+    /// The scripted step's provider error code and receipt (see [`Step`]).
+    pub(crate) code: Option<String>,
+    pub(crate) receipt: Option<String>,
+    pub(crate) receipt_delay: Duration,
+    /// The message id handed out when the step took the message (a 2xx, or a 2xx hang).
+    pub(crate) message_id: Option<String>,
 }
 
 impl StubState {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A stub speaking `shape` (its routes, answers and receipts) instead of the generic one.
+    pub fn with_shape(shape: ShapeConfig) -> Self {
+        Self {
+            inner: Arc::default(),
+            shape: Arc::new(shape),
+        }
+    }
+
+    /// The shape this stub speaks.
+    pub fn shape(&self) -> &ShapeConfig {
+        &self.shape
     }
 
     /// Sets `account`'s script. Its bucket starts full again; its keys keep their history
@@ -308,6 +332,10 @@ fn decide(
             body: serde_json::json!({"error": "rate limited"}),
             delay: None,
             hang: false,
+            code: None,
+            receipt: None,
+            receipt_delay: Duration::ZERO,
+            message_id: None,
         };
         return Decision::plain(reply, AnswerKind::RateLimited);
     }
@@ -322,17 +350,29 @@ fn decide(
             body: serde_json::json!({ "error": message }),
             delay: None,
             hang: false,
+            code: None,
+            receipt: None,
+            receipt_delay: Duration::ZERO,
+            message_id: None,
         };
         return Decision::plain(reply, AnswerKind::Invalid);
     }
 
-    if let Some(accepted) = key.as_ref().and_then(|k| k.accepted.as_ref()) {
+    if let Some(accepted) = key
+        .as_ref()
+        .and_then(|k| k.accepted.as_ref())
+        .filter(|_| req.dedupe)
+    {
         let reply = Reply {
             status: accepted.status.as_u16(),
             retry_after: None,
             body: serde_json::json!({ "id": accepted.message_id }),
             delay: None,
             hang: false,
+            code: None,
+            receipt: None,
+            receipt_delay: Duration::ZERO,
+            message_id: None,
         };
         return Decision::plain(reply, AnswerKind::Duplicate);
     }
@@ -346,16 +386,20 @@ fn decide(
         .cloned()
         .unwrap_or_default();
     let newly_accepted = step.status.is_success();
+    let mut taken = None;
     let body = if newly_accepted {
         *last_message += 1;
         let message_id = format!("msg_{last_message}");
-        if let Some(k) = key.as_deref_mut() {
+        if let Some(k) = key.as_deref_mut()
+            && k.accepted.is_none()
+        {
             k.accepted = Some(Accepted {
                 at: now,
                 status: step.status,
                 message_id: message_id.clone(),
             });
         }
+        taken = Some(message_id.clone());
         serde_json::json!({ "id": message_id })
     } else {
         serde_json::json!({ "error": format!("scripted {}", step.status.as_u16()) })
@@ -369,6 +413,10 @@ fn decide(
         body,
         delay: step.delay(),
         hang: step.hang,
+        code: step.code.clone(),
+        receipt: step.receipt.clone(),
+        receipt_delay: Duration::from_millis(step.receipt_delay_ms.unwrap_or(0)),
+        message_id: taken,
     };
     let kind = if step.hang {
         AnswerKind::Hung

@@ -1,12 +1,11 @@
 //! The HTTP adapter: `POST {base_url}/v1/messages`.
 
-use std::time::Duration;
-
 use nudge_domain::{IdempotencySupport, ProviderAccount, SendOutcome};
 use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 use serde::Serialize;
 use url::Url;
 
+use crate::transport::{self, error_chain, failed_before_send};
 use crate::{HttpProviderConfig, Provider, ProviderError, SendRequest};
 
 /// The stable reason codes carried by [`SendOutcome::FailedBeforeSend`] and
@@ -78,16 +77,7 @@ impl HttpProvider {
         let endpoint = cfg
             .endpoint()
             .map_err(|m| nudge_config::ConfigError::invalid("base_url", m))?;
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_millis(cfg.timeout_ms))
-            .connect_timeout(Duration::from_millis(cfg.connect_timeout_ms))
-            .redirect(reqwest::redirect::Policy::none())
-            .no_proxy()
-            .build()
-            .map_err(|source| ProviderError::Client {
-                account: account.clone(),
-                source,
-            })?;
+        let client = transport::client(cfg, &account)?;
         Ok(Self {
             account,
             idempotency: cfg.idempotency(),
@@ -218,64 +208,8 @@ impl HttpProvider {
     }
 
     fn outcome_of_error(&self, e: reqwest::Error) -> SendOutcome {
-        let outcome = outcome_of_error(&e);
-        // The caller records and logs the outcome once; this is the detail behind the reason code.
-        // `without_url` because reqwest's message names the URL.
-        tracing::debug!(
-            provider_account = %self.account,
-            outcome = ?outcome,
-            error.cause_chain = %error_chain(&e.without_url()),
-            "provider request failed"
-        );
-        outcome
+        transport::logged_outcome_of_error(&self.account, e)
     }
-}
-
-/// The reqwest error kinds, mapped onto whether the request can have left.
-///
-/// `is_connect` covers refused, DNS, TLS and connect timeouts: the request was never written.
-/// A timeout that is not a connect timeout fired after the connection was up, so the request may
-/// have been written and acted on; the same goes for a connection that broke before the answer.
-fn outcome_of_error(e: &reqwest::Error) -> SendOutcome {
-    if e.is_connect() {
-        failed_before_send(if e.is_timeout() {
-            reason::CONNECT_TIMEOUT
-        } else {
-            reason::CONNECT_ERROR
-        })
-    } else if e.is_builder() {
-        failed_before_send(reason::REQUEST_BUILD_ERROR)
-    } else if e.is_timeout() {
-        unknown_after_send(reason::TIMEOUT_AFTER_SEND)
-    } else if e.is_body() {
-        unknown_after_send(reason::BODY_ERROR)
-    } else {
-        unknown_after_send(reason::RESET_AFTER_SEND)
-    }
-}
-
-fn failed_before_send(reason: &str) -> SendOutcome {
-    SendOutcome::FailedBeforeSend {
-        reason: reason.to_owned(),
-    }
-}
-
-fn unknown_after_send(reason: &str) -> SendOutcome {
-    SendOutcome::UnknownAfterSend {
-        reason: reason.to_owned(),
-    }
-}
-
-/// `e` and its sources joined with `": "`, for one log line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
 }
 
 impl Provider for HttpProvider {
@@ -285,6 +219,10 @@ impl Provider for HttpProvider {
 
     fn idempotency(&self) -> IdempotencySupport {
         self.idempotency
+    }
+
+    fn endpoint(&self) -> &Url {
+        &self.endpoint
     }
 
     fn send<'a>(

@@ -2,26 +2,56 @@
 //! [`SendOutcome`].
 //!
 //! Owns: the [`Provider`] trait workers send through (and [`DynProvider`] for dynamic dispatch),
-//! the [`HttpProvider`] that POSTs to `{base_url}/v1/messages` with our `Idempotency-Key` on every
-//! request, its [`HttpProviderConfig`], and the mapping of transport failures onto "the request
-//! never left" ([`SendOutcome::FailedBeforeSend`]) versus "it may have been sent"
-//! ([`SendOutcome::UnknownAfterSend`]), with short stable reason codes.
+//! the account configuration with its `kind` ([`HttpProviderConfig`], [`ProviderKind`]), the one
+//! place a kind becomes an adapter ([`build`]), the adapters: [`HttpProvider`] (kind `generic`:
+//! POSTs to `{base_url}/v1/messages` with our `Idempotency-Key` on every request, reported as a
+//! bare status), [`twilio`], [`sendgrid`], [`fcm`] (FCM HTTP v1 with the OAuth 2
+//! service-account flow) and [`apns`] (APNs over HTTP/2 with an ES256 provider token), each
+//! reading its provider's contract into a [`nudge_domain::Verdict`], and the transport shared by all ([`transport`]: the mapping of
+//! transport failures onto "the request never left" ([`SendOutcome::FailedBeforeSend`]) versus
+//! "it may have been sent" ([`SendOutcome::UnknownAfterSend`]), with short stable reason codes).
 //!
 //! Must never: decide what an outcome means for a delivery (that is `nudge_domain::classify` and
-//! `decide`), retry or sleep (one call is one attempt; backoff belongs to the ledger), follow a
-//! redirect (it could send twice), or put a destination, message content or auth token into a log
-//! line, an error or a reason.
+//! `decide`; an adapter only says what its provider's answer means), retry or sleep (one call is
+//! one attempt; backoff belongs to the ledger), follow a redirect (it could send twice), or put a
+//! destination, message content or credential into a log line, an error or a reason.
 
+pub mod apns;
 mod config;
+mod dispatch;
+pub mod fcm;
 mod http;
+mod push;
+pub mod sendgrid;
+pub mod transport;
+pub mod twilio;
 
 use std::future::Future;
 use std::pin::Pin;
 
+use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, IdempotencyKey, IdempotencySupport, ProviderAccount, SendOutcome};
+use url::Url;
 
-pub use config::HttpProviderConfig;
+pub use config::{ApnsKeys, FcmKeys, HttpProviderConfig, ProviderKind};
+pub use dispatch::build;
 pub use http::{HttpProvider, NON_UTF8_RETRY_AFTER, reason};
+
+/// When the message stops being worth sending, and the sender's view of the database's clock
+/// at the send: adapters whose provider can drop a message that waited too long (Twilio's
+/// `ValidityPeriod`, APNs' `apns-expiration`, FCM's `ttl`) derive it from these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expiry {
+    pub expires_at: DateTime<Utc>,
+    pub now: DateTime<Utc>,
+}
+
+impl Expiry {
+    /// Whole seconds left before `expires_at`, rounded down, at least 0.
+    pub fn seconds_left(&self) -> u64 {
+        u64::try_from((self.expires_at - self.now).num_seconds()).unwrap_or(0)
+    }
+}
 
 /// One message to send, borrowed from the worker for the duration of the attempt.
 ///
@@ -36,6 +66,8 @@ pub struct SendRequest<'a> {
     pub correlation_id: &'a str,
     /// W3C trace context of the attempt's provider span, sent as `traceparent` when set.
     pub traceparent: Option<&'a str>,
+    /// The delivery's expiry, for providers that can be told it (None: not told).
+    pub expiry: Option<Expiry>,
 }
 
 impl std::fmt::Debug for SendRequest<'_> {
@@ -47,6 +79,7 @@ impl std::fmt::Debug for SendRequest<'_> {
             .field("content", &self.content.map(|_| "<redacted>"))
             .field("correlation_id", &self.correlation_id)
             .field("traceparent", &self.traceparent)
+            .field("expiry", &self.expiry)
             .finish()
     }
 }
@@ -60,6 +93,9 @@ pub trait Provider: Send + Sync {
     /// outcome is safe.
     fn idempotency(&self) -> IdempotencySupport;
 
+    /// Where messages go (for the request span's server address; never logged in full).
+    fn endpoint(&self) -> &Url;
+
     /// Sends once and reports what happened. Never fails: every failure is an outcome.
     fn send<'a>(&'a self, req: SendRequest<'a>) -> impl Future<Output = SendOutcome> + Send + 'a;
 }
@@ -72,6 +108,7 @@ pub type BoxSendFuture<'a> = Pin<Box<dyn Future<Output = SendOutcome> + Send + '
 pub trait DynProvider: Send + Sync {
     fn account(&self) -> &ProviderAccount;
     fn idempotency(&self) -> IdempotencySupport;
+    fn endpoint(&self) -> &Url;
     fn send_boxed<'a>(&'a self, req: SendRequest<'a>) -> BoxSendFuture<'a>;
 }
 
@@ -84,12 +121,16 @@ impl<P: Provider> DynProvider for P {
         Provider::idempotency(self)
     }
 
+    fn endpoint(&self) -> &Url {
+        Provider::endpoint(self)
+    }
+
     fn send_boxed<'a>(&'a self, req: SendRequest<'a>) -> BoxSendFuture<'a> {
         Box::pin(Provider::send(self, req))
     }
 }
 
-/// Why an [`HttpProvider`] could not be built. Never carries a configured value.
+/// Why a provider account could not be built. Never carries a configured value.
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
     /// A key breaks its rule; the message names the key (relative to the provider section).

@@ -119,6 +119,7 @@ async fn send(p: &HttpProvider, key: &IdempotencyKey, content: Option<&Value>) -
         content,
         correlation_id: "corr-1",
         traceparent: None,
+        expiry: None,
     })
     .await
 }
@@ -490,6 +491,7 @@ async fn a_provider_can_be_held_behind_dyn_dispatch() {
             content: None,
             correlation_id: "c",
             traceparent: None,
+            expiry: None,
         })
         .await;
     assert_eq!(outcome, response(202, None, Some("m-1")));
@@ -509,6 +511,7 @@ async fn debug_output_never_shows_the_token_the_destination_or_the_content() {
         content: Some(&content),
         correlation_id: "c",
         traceparent: None,
+        expiry: None,
     };
     let debug = format!("{p:?} {cfg:?} {req:?}");
     for secret in ["tok-secret", DESTINATION, "appointment"] {

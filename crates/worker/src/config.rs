@@ -20,11 +20,15 @@
 //! - `admission.max_pause_s` (default 60, 1..=3600): the longest one provider answer (a 429's
 //!   `Retry-After`) may pause a whole bucket; the delivery that got the answer still follows
 //!   `retry.max_retry_after_s`.
+//! - `admission.max_pause_s` is also how long an account whose credentials a provider refused
+//!   is suspended (its bucket paused, its rate kept) before one send probes again.
 //! - `providers`: a list (`[[providers]]` in TOML) of provider accounts, each
-//!   `account`, `channel`, `base_url`, `auth_token`, `timeout_ms`, `connect_timeout_ms`,
-//!   `honours_idempotency`, `default_for_channel`, `rate_per_second`, `burst` (see
-//!   `nudge_provider::HttpProviderConfig`). A worker uses the accounts of its channel;
-//!   exactly one of them must be the default (used for tenants without their own routing).
+//!   `kind` (`generic`, `twilio`, `sendgrid`, `fcm`, `apns`), `account`, `channel`, `base_url`,
+//!   `auth_token`, `timeout_ms`, `connect_timeout_ms`, `honours_idempotency`,
+//!   `default_for_channel`, `rate_per_second`, `burst`, and the kind's own table
+//!   (`[providers.twilio]`, ...; see `nudge_provider::HttpProviderConfig`). A worker uses the
+//!   accounts of its channel; exactly one of them must be the default (used for tenants
+//!   without their own routing).
 
 use std::time::Duration;
 

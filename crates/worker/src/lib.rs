@@ -27,7 +27,6 @@ use anyhow::Context;
 use nudge_broker::{Broker, Incoming, QueueKind};
 use nudge_domain::{Channel, ProviderAccount};
 use nudge_ledger::{DestinationCipher, Ledger};
-use nudge_provider::HttpProvider;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -125,7 +124,7 @@ pub async fn build(
         .filter(|p| p.channel == channel)
         .enumerate()
     {
-        let provider = HttpProvider::new(cfg)
+        let provider = nudge_provider::build(cfg)
             .with_context(|| format!("failed to build provider account providers[{i}]"))?;
         if let Some(rate) = cfg.rate_per_second {
             let now = ledger
@@ -150,7 +149,8 @@ pub async fn build(
     }
     let default = default.context("no default provider account for this channel")?;
     let clock = Arc::new(LedgerClock::new(Arc::new(chrono::Utc::now)));
-    let recorder = Recorder::spawn(ledger.clone(), clock.clone());
+    let admission = config.admission.settings();
+    let recorder = Recorder::spawn(ledger.clone(), clock.clone(), admission.max_pause);
     Ok(Worker {
         channel,
         ledger,
@@ -166,7 +166,7 @@ pub async fn build(
         ),
         clock,
         recorder,
-        admission: config.admission.settings(),
+        admission,
         metrics,
         shutdown,
     })

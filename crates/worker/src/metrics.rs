@@ -84,6 +84,10 @@ fn provider_buckets() -> impl Iterator<Item = f64> {
 ///   `unknown_provider_account`).
 /// - `nudge_scheduled_to_delivered_seconds{channel}`: from the reminder's time to the 2xx.
 /// - `nudge_provider_request_duration_seconds{provider_account, channel}`: provider calls.
+/// - `nudge_provider_alerts_total{provider_account, channel, reason}`: provider answers an
+///   operator must hear about: `auth_failure` (the account's credentials were refused; its
+///   bucket is suspended) and `own_fault` (a fault of ours, such as provider tokens renewed
+///   too often).
 #[derive(Debug)]
 pub struct WorkerMetrics {
     registry: Arc<MetricRegistry>,
@@ -96,6 +100,7 @@ pub struct WorkerMetrics {
     releases: Family<ReasonLabels, Counter>,
     scheduled_to_delivered: Family<ChannelLabels, Histogram>,
     provider_latency: Family<BucketLabels, Histogram>,
+    alerts: Family<ReasonLabels, Counter>,
 }
 
 impl Default for WorkerMetrics {
@@ -126,6 +131,7 @@ impl WorkerMetrics {
         let retry_after = Family::<RetryAfterLabels, Counter>::default();
         let deferrals = Family::<ReasonLabels, Counter>::default();
         let releases = Family::<ReasonLabels, Counter>::default();
+        let alerts = Family::<ReasonLabels, Counter>::default();
         let scheduled_to_delivered =
             Family::<ChannelLabels, Histogram>::new_with_constructor(|| {
                 Histogram::new(SCHEDULED_TO_DELIVERED_BUCKETS)
@@ -179,6 +185,11 @@ impl WorkerMetrics {
             "Duration of provider requests, from send to answer or failure",
             provider_latency.clone(),
         );
+        registry.register(
+            "nudge_provider_alerts",
+            "Provider answers an operator must act on (credentials refused, a fault of ours)",
+            alerts.clone(),
+        );
         Self {
             registry: Arc::new(registry),
             effective_rate,
@@ -190,6 +201,7 @@ impl WorkerMetrics {
             releases,
             scheduled_to_delivered,
             provider_latency,
+            alerts,
         }
     }
 
@@ -273,6 +285,22 @@ impl WorkerMetrics {
         } else {
             self.releases.get_or_create(&labels).inc();
         }
+    }
+
+    /// Counts a provider answer an operator must hear about (`nudge_domain::Alert`).
+    pub fn provider_alert(
+        &self,
+        account: &ProviderAccount,
+        channel: Channel,
+        reason: &'static str,
+    ) {
+        self.alerts
+            .get_or_create(&ReasonLabels {
+                provider_account: account.as_str().to_owned(),
+                channel: channel.as_str(),
+                reason,
+            })
+            .inc();
     }
 
     /// Observes a delivery's time from its scheduled time to its 2xx.

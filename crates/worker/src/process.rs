@@ -10,15 +10,15 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use nudge_domain::{
-    AdmissionSettings, AttemptContext, AttemptFacts, Channel, Decision, DeliveryId, DeliveryState,
-    OutcomeClass, ProviderAccount, RandJitter, RetryAfter, RetryPolicy, decide,
+    AdmissionSettings, AttemptContext, AttemptFacts, BucketSignal, Channel, Decision, DeliveryId,
+    DeliveryState, OutcomeClass, ProviderAccount, RandJitter, RetryPolicy, decide,
 };
 use nudge_ledger::{
     AttemptRecord, DestinationCipher, Feedback, FenceRefused, LeaseBatch, LeaseOutcome,
     LeasedDelivery, Ledger, LedgerTime, Material, Recorded, SendSlot, Slotted, WorkerRoutes,
 };
 use nudge_proto::Envelope;
-use nudge_provider::{HttpProvider, Provider, SendRequest};
+use nudge_provider::{DynProvider, Expiry, SendRequest};
 use tracing::{Instrument, debug, error, info, warn};
 
 use crate::clock::LedgerClock;
@@ -57,15 +57,23 @@ impl Processed {
     }
 }
 
-/// The provider accounts of one channel.
-#[derive(Debug)]
+/// The provider accounts of one channel, of whatever kind (`nudge_provider::build`).
 pub struct Providers {
-    by_account: HashMap<ProviderAccount, HttpProvider>,
+    by_account: HashMap<ProviderAccount, Arc<dyn DynProvider>>,
     routes: WorkerRoutes,
 }
 
+impl std::fmt::Debug for Providers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Providers")
+            .field("accounts", &self.by_account.keys().collect::<Vec<_>>())
+            .field("default", &self.routes.default)
+            .finish()
+    }
+}
+
 impl Providers {
-    pub fn new(providers: Vec<HttpProvider>, default: ProviderAccount) -> Self {
+    pub fn new(providers: Vec<Arc<dyn DynProvider>>, default: ProviderAccount) -> Self {
         let routes = WorkerRoutes {
             default,
             accounts: providers
@@ -80,8 +88,8 @@ impl Providers {
         Self { by_account, routes }
     }
 
-    fn get(&self, account: &ProviderAccount) -> Option<&HttpProvider> {
-        self.by_account.get(account)
+    fn get(&self, account: &ProviderAccount) -> Option<&dyn DynProvider> {
+        self.by_account.get(account).map(|p| &**p)
     }
 }
 
@@ -383,8 +391,30 @@ impl Worker {
         };
         let (destination, content) = match material {
             Ok(Material {
+                contact_flag: Some(flag),
+                ..
+            }) => {
+                // A provider said this destination cannot (or must not) receive: no send.
+                let (state, reason) = match flag {
+                    nudge_domain::ContactFlag::OptedOut => {
+                        (DeliveryState::Cancelled, "contact_opted_out")
+                    }
+                    nudge_domain::ContactFlag::Invalid => {
+                        (DeliveryState::DeadLettered, "contact_invalid")
+                    }
+                };
+                info!(
+                    contact_flag = flag.as_str(),
+                    "contact flagged by its provider: settled without a send"
+                );
+                return self
+                    .record_unsendable(lease, state, reason, &correlation_id)
+                    .await;
+            }
+            Ok(Material {
                 destination: Some(destination),
                 content,
+                ..
             }) => (
                 destination,
                 content.and_then(|c| serde_json::from_slice::<serde_json::Value>(&c).ok()),
@@ -394,13 +424,23 @@ impl Worker {
             }) => {
                 warn!("no destination on file for this channel: dead-lettering the delivery");
                 return self
-                    .record_unsendable(lease, "no_destination", &correlation_id)
+                    .record_unsendable(
+                        lease,
+                        DeliveryState::DeadLettered,
+                        "no_destination",
+                        &correlation_id,
+                    )
                     .await;
             }
             Err(e) => {
                 error!(error.cause_chain = ?e, "the destination or content did not open: dead-lettering the delivery");
                 return self
-                    .record_unsendable(lease, "material_unreadable", &correlation_id)
+                    .record_unsendable(
+                        lease,
+                        DeliveryState::DeadLettered,
+                        "material_unreadable",
+                        &correlation_id,
+                    )
                     .await;
             }
         };
@@ -510,18 +550,26 @@ impl Worker {
         let traceparent = nudge_telemetry::traceparent_of(&request_span);
         let started_at = self.clock.now();
         let outcome = provider
-            .send(SendRequest {
+            .send_boxed(SendRequest {
                 idempotency_key: &lease.idempotency_key,
                 channel: self.channel,
                 destination: destination.expose(),
                 content: content.as_ref(),
                 correlation_id: &correlation_id,
                 traceparent: traceparent.as_deref(),
+                expiry: Some(Expiry {
+                    expires_at: lease.expires_at,
+                    now: started_at,
+                }),
             })
             .instrument(request_span.clone())
             .await;
         match &outcome {
-            nudge_domain::SendOutcome::Response { status, .. } => {
+            nudge_domain::SendOutcome::Response { status, .. }
+            | nudge_domain::SendOutcome::Answered(nudge_domain::ProviderAnswer {
+                http_status: Some(status),
+                ..
+            }) => {
                 request_span.record("http.response.status_code", status);
                 if *status >= 400 {
                     request_span.record("error.type", status.to_string());
@@ -571,9 +619,19 @@ impl Worker {
             &decision,
             reserved_at,
             below_full_rate,
-            finished_at,
         )
         .await;
+        if let Some(alert) = decision.effects.alert {
+            self.metrics
+                .provider_alert(&lease.provider_account, self.channel, alert.as_str());
+            error!(
+                provider_account = %lease.provider_account,
+                channel = %self.channel,
+                alert = alert.as_str(),
+                reason = decision.facts.reason.as_deref(),
+                "provider answer needs an operator"
+            );
+        }
         info!(
             attempt = lease.attempt_number,
             provider_account = %lease.provider_account,
@@ -597,13 +655,14 @@ impl Worker {
     async fn record_unsendable(
         &self,
         lease: LeasedDelivery,
+        state: DeliveryState,
         reason: &str,
         correlation_id: &str,
     ) -> Processed {
         let now = self.clock.now();
         self.record(
             lease,
-            without_send(reason),
+            without_send(state, reason),
             (now, now),
             correlation_id,
             "none",
@@ -678,31 +737,23 @@ impl Worker {
         }
     }
 
-    /// Tells the bucket what the provider said: a 429 pauses (valid Retry-After, at most
-    /// `admission.max_pause`) or slows it, a success raises a lowered rate back.
+    /// Tells the bucket what the provider said: an account throttle (a generic 429, or an
+    /// adapter's `throttled_account`) pauses (valid Retry-After, at most `admission.max_pause`)
+    /// or slows it, a success raises a lowered rate back. A suspension (credentials refused)
+    /// is written with the outcome, not here.
     async fn feedback(
         &self,
         account: &ProviderAccount,
         decision: &Decision,
         reserved_at: DateTime<Utc>,
         below_full_rate: bool,
-        at: DateTime<Utc>,
     ) {
-        let feedback = match (decision.facts.http_status, decision.facts.outcome_class) {
-            (Some(429), _) => {
-                let retry_at = decision
-                    .facts
-                    .retry_after_seen
-                    .as_deref()
-                    .filter(|_| decision.facts.retry_after_valid)
-                    .and_then(|seen| RetryAfter::parse(seen).ok())
-                    .map(|r| r.resolve(at));
-                Feedback::Throttled {
-                    retry_at,
-                    reserved_at: Some(reserved_at),
-                }
-            }
-            (_, OutcomeClass::Delivered) if below_full_rate => Feedback::Success,
+        let feedback = match (decision.effects.bucket, decision.facts.outcome_class) {
+            (Some(BucketSignal::Throttled { retry_at }), _) => Feedback::Throttled {
+                retry_at,
+                reserved_at: Some(reserved_at),
+            },
+            (None, OutcomeClass::Delivered) if below_full_rate => Feedback::Success,
             _ => return,
         };
         let asked_for_pause = matches!(
@@ -753,10 +804,11 @@ fn deferral_label(reason: nudge_domain::DeferReason) -> &'static str {
     }
 }
 
-/// A delivery that cannot be attempted at all (no destination): dead-lettered with a reason.
-fn without_send(reason: &str) -> Decision {
+/// A delivery that is not attempted at all (no destination, a flagged contact): settled in
+/// `state` (dead-lettered or cancelled) with a reason.
+fn without_send(state: DeliveryState, reason: &str) -> Decision {
     Decision {
-        next_state: DeliveryState::DeadLettered,
+        next_state: state,
         next_attempt_at: None,
         facts: AttemptFacts {
             outcome_class: OutcomeClass::Terminal,
@@ -767,5 +819,6 @@ fn without_send(reason: &str) -> Decision {
             reason: Some(reason.to_owned()),
             provider_message_id: None,
         },
+        effects: nudge_domain::Effects::default(),
     }
 }

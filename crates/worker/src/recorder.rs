@@ -48,9 +48,15 @@ pub struct Recorder {
 
 impl Recorder {
     /// Starts the recorder task. It ends when every handle is dropped and its queue is empty.
-    pub fn spawn(ledger: Ledger, clock: std::sync::Arc<LedgerClock>) -> Self {
+    /// `suspend_for` is how long an outcome that refused the account's credentials suspends
+    /// the account's bucket (`admission.max_pause_s`), in the outcome's transaction.
+    pub fn spawn(
+        ledger: Ledger,
+        clock: std::sync::Arc<LedgerClock>,
+        suspend_for: Duration,
+    ) -> Self {
         let (jobs, rx) = mpsc::channel(4 * MAX_GROUP);
-        tokio::spawn(run(ledger, clock, rx));
+        tokio::spawn(run(ledger, clock, suspend_for, rx));
         Self { jobs }
     }
 
@@ -75,7 +81,12 @@ impl Recorder {
     }
 }
 
-async fn run(ledger: Ledger, clock: std::sync::Arc<LedgerClock>, mut rx: mpsc::Receiver<Job>) {
+async fn run(
+    ledger: Ledger,
+    clock: std::sync::Arc<LedgerClock>,
+    suspend_for: Duration,
+    mut rx: mpsc::Receiver<Job>,
+) {
     let mut group: Vec<Job> = Vec::with_capacity(MAX_GROUP);
     while let Some(first) = rx.recv().await {
         group.push(first);
@@ -85,12 +96,12 @@ async fn run(ledger: Ledger, clock: std::sync::Arc<LedgerClock>, mut rx: mpsc::R
                 Err(_) => break,
             }
         }
-        write(&ledger, &clock, &mut group).await;
+        write(&ledger, &clock, suspend_for, &mut group).await;
     }
 }
 
 /// Writes a group, retrying while the ledger fails; replies to every job.
-async fn write(ledger: &Ledger, clock: &LedgerClock, group: &mut Vec<Job>) {
+async fn write(ledger: &Ledger, clock: &LedgerClock, suspend_for: Duration, group: &mut Vec<Job>) {
     let mut delay = RETRY_FIRST;
     let mut failures = 0u32;
     loop {
@@ -103,7 +114,7 @@ async fn write(ledger: &Ledger, clock: &LedgerClock, group: &mut Vec<Job>) {
             })
             .collect();
         match ledger
-            .record_outcomes(&outcomes, LedgerTime::Database)
+            .record_outcomes(&outcomes, suspend_for, LedgerTime::Database)
             .await
         {
             Ok(recorded) => {

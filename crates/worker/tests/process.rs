@@ -14,7 +14,7 @@ use nudge_ledger::{
     Destination, DestinationCipher, DueDelivery, Ledger, LedgerTime, NewReminder, SubscriberKey,
 };
 use nudge_proto::Envelope;
-use nudge_provider::{HttpProvider, HttpProviderConfig};
+use nudge_provider::HttpProviderConfig;
 use nudge_worker::{LedgerClock, Processed, Providers, Recorder, Worker, WorkerMetrics};
 use serde_json::json;
 use sqlx::PgPool;
@@ -55,7 +55,8 @@ fn worker(
     timeout_ms: u64,
     skew: chrono::Duration,
 ) -> Worker {
-    let provider = HttpProvider::new(&HttpProviderConfig {
+    let provider = nudge_provider::build(&HttpProviderConfig {
+        kind: nudge_provider::ProviderKind::Generic,
         account: "sms-main".into(),
         channel: Channel::Sms,
         base_url: format!("{}/accounts/sms-main", setup.base),
@@ -66,6 +67,10 @@ fn worker(
         default_for_channel: true,
         rate_per_second: None,
         burst: None,
+        twilio: None,
+        sendgrid: None,
+        fcm: None,
+        apns: None,
     })
     .unwrap();
     let clock = Arc::new(LedgerClock::new(Arc::new(move || Utc::now() + skew)));
@@ -77,7 +82,11 @@ fn worker(
         policy: RetryPolicy::default(),
         lease_for: Duration::from_secs(30),
         worker_id: format!("test-worker-{}", uuid::Uuid::new_v4().simple()),
-        recorder: Recorder::spawn(setup.ledger.clone(), clock.clone()),
+        recorder: Recorder::spawn(
+            setup.ledger.clone(),
+            clock.clone(),
+            AdmissionSettings::default().max_pause,
+        ),
         clock,
         admission: AdmissionSettings::default(),
         metrics: Arc::new(WorkerMetrics::new()),

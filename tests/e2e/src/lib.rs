@@ -237,6 +237,14 @@ impl std::fmt::Debug for TestEnv {
     }
 }
 
+/// Where and what one reminder sends ([`TestEnv::reminder_to`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Addressed<'a> {
+    pub channel: Channel,
+    pub destination: &'a str,
+    pub content: &'a Value,
+}
+
 /// Extra configuration for a worker process: provider accounts and policy overrides.
 #[derive(Debug, Clone)]
 pub struct WorkerOptions {
@@ -256,6 +264,9 @@ pub struct WorkerOptions {
     pub max_pause_s: u64,
     /// Where the worker serves `GET /metrics`, if anywhere.
     pub metrics_port: Option<u16>,
+    /// The provider kind of every account (`generic` when None) and the TOML body of the
+    /// kind's own table (`[providers.<kind>]`), added to each account.
+    pub kind: Option<(String, String)>,
 }
 
 impl WorkerOptions {
@@ -273,18 +284,30 @@ impl WorkerOptions {
             closed_recheck_ms: 1_000,
             max_pause_s: 60,
             metrics_port: None,
+            kind: None,
         }
     }
 }
 
 impl TestEnv {
-    /// A fresh database (migrated), namespace and provider stub on the shared services.
+    /// A fresh database (migrated), namespace and provider stub (the generic shape) on the
+    /// shared services.
     pub async fn start(test: &str) -> anyhow::Result<Self> {
-        Self::start_on(test, Services::shared()).await
+        Self::boot(test, Services::shared(), &[]).await
     }
 
     /// [`TestEnv::start`] on the given services.
     pub async fn start_on(test: &str, services: Services) -> anyhow::Result<Self> {
+        Self::boot(test, services, &[]).await
+    }
+
+    /// [`TestEnv::start`] with extra arguments for the provider stub (`--shape twilio`, ...).
+    pub async fn start_with_stub(test: &str, stub_args: &[String]) -> anyhow::Result<Self> {
+        Self::boot(test, Services::shared(), stub_args).await
+    }
+
+    /// The one way a test environment starts: on `services`, the stub given `stub_args`.
+    async fn boot(test: &str, services: Services, stub_args: &[String]) -> anyhow::Result<Self> {
         let id = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
         let dir = std::env::temp_dir().join(format!("nudge-e2e-{test}-{id}"));
         std::fs::create_dir_all(&dir)?;
@@ -333,14 +356,34 @@ impl TestEnv {
             admin_ports: HashMap::new(),
             otlp_endpoint: None,
         };
-        env.start_stub()?;
+        env.start_stub(stub_args)?;
         Ok(env)
     }
 
-    fn start_stub(&mut self) -> anyhow::Result<()> {
+    /// Stops the stub and starts another with `args` (a `--shape` and its options) instead, for
+    /// shapes whose options are files made in the test's directory. `trust`, when set, is a PEM
+    /// authority the new stub wrote at start-up (the APNs shape's TLS): this test's HTTP client
+    /// then trusts only it, for `https://` URLs.
+    pub fn replace_stub(&mut self, args: &[String], trust: Option<&Path>) -> anyhow::Result<()> {
+        if let Some(mut stub) = self.stub.take() {
+            stub.kill();
+        }
+        self.start_stub(args)?;
+        if let Some(pem) = trust {
+            let roots = reqwest::Certificate::from_pem_bundle(&std::fs::read(pem)?)?;
+            self.http = reqwest::Client::builder()
+                .tls_certs_only(roots)
+                .no_proxy()
+                .build()?;
+        }
+        Ok(())
+    }
+
+    fn start_stub(&mut self, args: &[String]) -> anyhow::Result<()> {
         let log = self.dir.join("provider-stub.log");
         let mut child = clean_command(bin("provider-stub"))
             .args(["--listen", "127.0.0.1:0"])
+            .args(args)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log)?)
@@ -617,6 +660,17 @@ log_filter = "info"
         name: &str,
         options: &WorkerOptions,
     ) -> anyhow::Result<usize> {
+        self.start_worker_config(channel, name, options, |_| Ok(()))
+    }
+
+    /// The worker's configuration from `options`, then whatever `extend` appends to it.
+    fn start_worker_config(
+        &mut self,
+        channel: Channel,
+        name: &str,
+        options: &WorkerOptions,
+        extend: impl FnOnce(&mut String) -> anyhow::Result<()>,
+    ) -> anyhow::Result<usize> {
         let mut body = self.common_config(name);
         body = body.replace(
             "delivery_limit = 3",
@@ -649,23 +703,93 @@ log_filter = "info"
             if let Some((rate, burst)) = options.rate {
                 body.push_str(&format!("rate_per_second = {rate:?}\nburst = {burst}\n"));
             }
+            if let Some((kind, table)) = &options.kind {
+                body.push_str(&format!("kind = \"{kind}\"\n[providers.{kind}]\n{table}\n"));
+            }
         }
+        extend(&mut body)?;
         let config = self.write_config(name, &body)?;
         let binary = format!("nudge-{channel}");
         self.spawn(&binary, name, &config)
     }
 
+    /// Starts the worker binary of `channel` with `providers` as its accounts (serialised from
+    /// the config struct, so every kind's own table is written as the worker reads it) and the
+    /// policy of `options` (its `accounts` are not used); returns its index.
+    pub fn start_worker_with_providers(
+        &mut self,
+        channel: Channel,
+        name: &str,
+        options: &WorkerOptions,
+        providers: &[nudge_provider::HttpProviderConfig],
+    ) -> anyhow::Result<usize> {
+        #[derive(serde::Serialize)]
+        struct Providers<'a> {
+            providers: &'a [nudge_provider::HttpProviderConfig],
+        }
+        let mut without_accounts = options.clone();
+        without_accounts.accounts.clear();
+        let index = self.start_worker_config(channel, name, &without_accounts, |body| {
+            body.push('\n');
+            body.push_str(&toml::to_string(&Providers { providers })?);
+            Ok(())
+        })?;
+        Ok(index)
+    }
+
+    /// Imports one reminder with one channel, to a given destination and with given content.
+    pub async fn reminder_to(
+        &self,
+        tenant: nudge_domain::TenantId,
+        event: &str,
+        to: Addressed<'_>,
+        scheduled_at: chrono::DateTime<chrono::Utc>,
+        expires_at: chrono::DateTime<chrono::Utc>,
+    ) -> anyhow::Result<nudge_ledger::CreatedReminder> {
+        let reminder = nudge_ledger::NewReminder::new(
+            tenant,
+            nudge_domain::EventId::parse(event)?,
+            nudge_domain::SubscriberRef::parse(&format!("sub-{event}"))?,
+            &[to.channel],
+            scheduled_at,
+            expires_at,
+        )?
+        .with_content(serde_json::to_vec(to.content)?)?;
+        let contacts = [(to.channel, nudge_ledger::Destination::new(to.destination))];
+        Ok(self
+            .ledger
+            .import_reminder(&reminder, &contacts, &self.cipher, chrono::Utc::now())
+            .await?)
+    }
+
     /// Starts `nudge-intake` on a free loopback port, with its configuration serialised from
     /// `IntakeConfig`; returns its index and base URL once it says where it listens.
     pub async fn start_intake(&mut self, name: &str) -> anyhow::Result<(usize, String)> {
-        let mut config = nudge_intake::IntakeConfig::default();
+        self.start_intake_with(name, nudge_intake::IntakeConfig::default())
+            .await
+    }
+
+    /// [`TestEnv::start_intake`] from `config` (its `[receipts]`, a fixed listen address), with
+    /// the test's database, keys and telemetry filled in.
+    pub async fn start_intake_with(
+        &mut self,
+        name: &str,
+        mut config: nudge_intake::IntakeConfig,
+    ) -> anyhow::Result<(usize, String)> {
+        // The default address is a deployment's; a test listens where it said, else anywhere.
+        let listen =
+            if config.intake.listen_addr == nudge_intake::IntakeSection::default().listen_addr {
+                std::net::SocketAddr::from(([127, 0, 0, 1], 0))
+            } else {
+                config.intake.listen_addr
+            };
         config.database.url = nudge_config::Secret::new(self.process_db_url.clone());
         config.database.max_connections = 8;
         config.telemetry.log_format = nudge_config::LogFormat::Json;
         config.crypto.destination_key = Some(nudge_config::Secret::new(self.key_b64.clone()));
         config.crypto.subscriber_key =
             Some(nudge_config::Secret::new(SUBSCRIBER_KEY_B64.to_owned()));
-        config.intake.listen_addr = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        config.intake.listen_addr = listen;
         config.telemetry.otlp_endpoint = self.otlp_endpoint.clone();
         config.telemetry.metrics_addr = self
             .admin_port(name)

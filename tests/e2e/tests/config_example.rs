@@ -13,7 +13,7 @@ use nudge_domain::Channel;
 use nudge_intake::IntakeConfig;
 use nudge_janitor::JanitorConfig;
 use nudge_producer::ProducerConfig;
-use nudge_provider::HttpProviderConfig;
+use nudge_provider::{ApnsKeys, FcmKeys, HttpProviderConfig, ProviderKind};
 use nudge_worker::WorkerConfig;
 use nudgectl::CtlConfig;
 use serde::Serialize;
@@ -147,8 +147,8 @@ fn the_example_has_every_key_of_the_intake_with_its_default() {
     let checked = check_binary::<IntakeConfig>("nudge-intake", IntakeConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 4 + 2 + 9,
-        "database, telemetry, crypto, intake"
+        6 + 4 + 2 + 9 + 3,
+        "database, telemetry, crypto, intake, receipts"
     );
 }
 
@@ -167,10 +167,14 @@ fn the_example_has_every_key_of_nudgectl_with_its_default() {
 }
 
 #[test]
-fn the_example_provider_account_shows_every_key_with_its_default() {
+fn the_example_provider_accounts_show_every_key_with_its_default() {
     let example = example();
     let entries = example.values["providers"].as_array().unwrap();
-    assert_eq!(entries.len(), 1, "one example account");
+    assert_eq!(
+        entries.len(),
+        5,
+        "a generic account, then one of each real kind"
+    );
     let entry = &entries[0];
     let parsed: HttpProviderConfig = serde_json::from_value(entry.clone()).unwrap();
     parsed.validate("providers.0").unwrap();
@@ -190,5 +194,83 @@ fn the_example_provider_account_shows_every_key_with_its_default() {
         entry,
         &[],
     );
-    assert_eq!(checked, 10);
+    assert_eq!(checked, 11);
+}
+
+#[test]
+fn the_example_shows_one_account_of_each_real_kind_with_every_key_at_its_default() {
+    let example = example();
+    let entries = example.values["providers"].as_array().unwrap();
+    let mut kinds = Vec::new();
+    let mut table_keys = 0;
+    for (i, entry) in entries.iter().enumerate().skip(1) {
+        let parsed: HttpProviderConfig = serde_json::from_value(entry.clone()).unwrap();
+        parsed.validate(&format!("providers.{i}")).unwrap();
+        assert!(!parsed.honours_idempotency);
+        kinds.push(parsed.kind);
+        // The required keys, the kind and its table as the example has them; every other key
+        // at its default.
+        let defaults = serde_json::to_value(HttpProviderConfig {
+            kind: parsed.kind,
+            twilio: parsed.twilio.clone(),
+            sendgrid: parsed.sendgrid.clone(),
+            ..HttpProviderConfig::new(
+                parsed.account.clone(),
+                parsed.channel,
+                parsed.base_url.clone(),
+            )
+        })
+        .unwrap();
+        // The push kinds' tables are checked key by key: their required keys as the example
+        // has them, every other key at its default.
+        let kind = parsed.kind.as_str();
+        let table = match parsed.kind {
+            ProviderKind::Fcm => parsed.fcm.as_ref().map(|k| {
+                serde_json::to_value(FcmKeys::new(
+                    k.project_id.clone(),
+                    k.client_email.clone(),
+                    k.private_key.clone(),
+                ))
+            }),
+            ProviderKind::Apns => parsed.apns.as_ref().map(|k| {
+                serde_json::to_value(ApnsKeys::new(
+                    k.team_id.clone(),
+                    k.key_id.clone(),
+                    k.private_key.clone(),
+                    k.topic.clone(),
+                ))
+            }),
+            _ => None,
+        };
+        let mut top = entry.clone();
+        if let Some(table) = table {
+            top.as_object_mut().unwrap().remove(kind);
+            table_keys += example.check_section(
+                "nudge-worker",
+                &format!("providers.{kind}"),
+                table.unwrap().as_object().unwrap(),
+                &entry[kind],
+                &[],
+            );
+        }
+        let checked = example.check_section(
+            "nudge-worker",
+            "providers",
+            defaults.as_object().unwrap(),
+            &top,
+            &[],
+        );
+        let with_table = usize::from(parsed.twilio.is_some() || parsed.sendgrid.is_some());
+        assert_eq!(checked, 11 + with_table, "{}", parsed.kind);
+    }
+    assert_eq!(
+        kinds,
+        [
+            ProviderKind::Twilio,
+            ProviderKind::Sendgrid,
+            ProviderKind::Fcm,
+            ProviderKind::Apns
+        ]
+    );
+    assert_eq!(table_keys, 6 + 8, "every key of the fcm and apns tables");
 }

@@ -64,6 +64,9 @@ pub struct Material {
     /// None when the subscriber has no destination on file for the channel.
     pub destination: Option<Destination>,
     pub content: Option<Vec<u8>>,
+    /// What a provider said about the destination (opted out wins over invalid): the worker
+    /// settles the delivery without a send.
+    pub contact_flag: Option<nudge_domain::ContactFlag>,
 }
 
 /// When a leased delivery may be sent.
@@ -153,6 +156,8 @@ struct CandidateRow {
     subscriber_ref: String,
     content_ciphertext: Option<Vec<u8>>,
     destination_ciphertext: Option<Vec<u8>>,
+    contact_invalid: bool,
+    contact_opted_out: bool,
     db_now: DateTime<Utc>,
 }
 
@@ -249,9 +254,17 @@ impl CandidateRow {
                 )
             })
             .transpose()?;
+        let contact_flag = if self.contact_opted_out {
+            Some(nudge_domain::ContactFlag::OptedOut)
+        } else if self.contact_invalid {
+            Some(nudge_domain::ContactFlag::Invalid)
+        } else {
+            None
+        };
         Ok(Material {
             destination,
             content,
+            contact_flag,
         })
     }
 }
@@ -306,9 +319,8 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
     SELECT d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
            d.idempotency_key, d.scheduled_at, d.expires_at, a.account, a.bucketed,
            r.subscriber_ref, r.content_ciphertext,
-           (SELECT c.destination_ciphertext FROM contacts c
-            WHERE c.tenant_id = d.tenant_id AND c.subscriber_ref = r.subscriber_ref
-              AND c.channel = d.channel) AS destination_ciphertext,
+           c.destination_ciphertext, COALESCE(c.invalid, false) AS contact_invalid,
+           COALESCE(c.opted_out, false) AS contact_opted_out,
            COALESCE($5, now()) AS db_now
     FROM input i
     CROSS JOIN LATERAL (
@@ -320,6 +332,12 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
           AND d0.next_attempt_at <= COALESCE($5, now()) AND d0.expires_at > COALESCE($5, now())
         FOR UPDATE) d
     JOIN reminders r ON r.id = d.reminder_id
+    LEFT JOIN LATERAL (
+        SELECT c0.destination_ciphertext, c0.invalid_at IS NOT NULL AS invalid,
+               c0.opted_out_at IS NOT NULL AS opted_out
+        FROM contacts c0
+        WHERE c0.tenant_id = d.tenant_id AND c0.subscriber_ref = r.subscriber_ref
+          AND c0.channel = d.channel) c ON true
     CROSS JOIN LATERAL (
         SELECT x.account, EXISTS (
                    SELECT 1 FROM rate_buckets b

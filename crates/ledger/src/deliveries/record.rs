@@ -51,6 +51,7 @@ pub(super) struct OutcomeColumns {
     delay_chosen_ms: Vec<Option<i64>>,
     workers: Vec<String>,
     correlation_ids: Vec<Option<String>>,
+    contact_flags: Vec<Option<&'static str>>,
 }
 
 /// The identity of a held lease, as the conditional update checks it.
@@ -100,6 +101,12 @@ impl OutcomeColumns {
         self.delay_chosen_ms.push(facts.delay_chosen.map(millis));
         self.workers.push(attempt.worker.clone());
         self.correlation_ids.push(attempt.correlation_id.clone());
+        self.contact_flags.push(
+            decision
+                .effects
+                .contact
+                .map(nudge_domain::ContactFlag::as_str),
+        );
         Ok(())
     }
 
@@ -113,11 +120,11 @@ const APPLY: &str = "WITH input AS (
                              $5::timestamptz[], $6::text[], $7::text[], $8::text[], $9::int[],
                              $10::text[], $11::timestamptz[], $12::timestamptz[], $13::text[],
                              $14::smallint[], $15::text[], $16::bool[], $17::bigint[], $18::text[],
-                             $19::text[])
+                             $19::text[], $21::text[])
             AS i(id, owner, generation, next_state, next_attempt_at, provider_message_id,
                  error_class, reason, attempt_number, lane, started_at, finished_at,
                  outcome_class, http_status, retry_after_seen, retry_after_valid,
-                 delay_chosen_ms, worker, correlation_id)),
+                 delay_chosen_ms, worker, correlation_id, contact_flag)),
     applied AS (
         UPDATE deliveries d
         SET state = i.next_state, next_attempt_at = i.next_attempt_at, lease_owner = NULL,
@@ -137,7 +144,7 @@ const APPLY: &str = "WITH input AS (
         -- looking each outcome's delivery up by its key.
         WHERE d.id = i.id AND d.lease_owner = i.owner AND d.lease_expires_at IS NOT NULL
           AND d.generation = i.generation
-        RETURNING d.id, d.provider_account,
+        RETURNING d.id, d.provider_account, d.reminder_id, d.channel,
             -- A redriven delivery's attempts carry its redrive's incident; any other attempt
             -- made while its channel drains, the drain's.
             COALESCE(
@@ -147,7 +154,21 @@ const APPLY: &str = "WITH input AS (
                      WHERE ri.delivery_id = d.id AND ri.fed_at IS NOT NULL
                      ORDER BY ri.redrive_id DESC LIMIT 1) END,
                 (SELECT cc.drain_incident FROM channel_controls cc
-                 WHERE cc.channel = d.channel AND cc.draining)) AS incident)
+                 WHERE cc.channel = d.channel AND cc.draining)) AS incident),
+    -- What the answer said about the contact, flagged with the outcome that showed it (only
+    -- for outcomes applied; a flag already set keeps its first time).
+    flagged AS (
+        UPDATE contacts c
+        SET invalid_at = CASE WHEN i.contact_flag = 'invalid'
+                              THEN COALESCE(c.invalid_at, COALESCE($20, now()))
+                              ELSE c.invalid_at END,
+            opted_out_at = CASE WHEN i.contact_flag = 'opted_out'
+                                THEN COALESCE(c.opted_out_at, COALESCE($20, now()))
+                                ELSE c.opted_out_at END
+        FROM input i JOIN applied a ON a.id = i.id JOIN reminders r ON r.id = a.reminder_id
+        WHERE i.contact_flag IS NOT NULL AND c.tenant_id = r.tenant_id
+          AND c.subscriber_ref = r.subscriber_ref AND c.channel = a.channel
+        RETURNING 1)
     INSERT INTO attempts (delivery_id, attempt_number, generation, lane, started_at,
         finished_at, outcome_class, http_status, retry_after_seen, retry_after_valid,
         delay_chosen_ms, next_state, next_attempt_at, reason, provider_account,
@@ -189,6 +210,7 @@ pub(super) async fn apply(
         .bind(&columns.workers)
         .bind(&columns.correlation_ids)
         .bind(at.bind())
+        .bind(&columns.contact_flags)
         .fetch_all(&mut *conn)
         .await?)
 }
@@ -196,13 +218,21 @@ pub(super) async fn apply(
 impl Ledger {
     /// Records finished attempts: for each, the domain's decision is applied and the attempt
     /// appended, only if its lease is still held; all in one statement, so one commit covers
-    /// every send of the batch. Returns what became of each, in order.
+    /// every send of the batch. Contact flags ride in that statement; an outcome that suspends
+    /// its account (`BucketSignal::Suspend`: credentials refused) pauses the account's bucket
+    /// for `suspend_for` in the same transaction. Returns what became of each, in order.
     pub async fn record_outcomes(
         &self,
         outcomes: &[OutcomeToRecord<'_>],
+        suspend_for: std::time::Duration,
         at: LedgerTime,
     ) -> Result<Vec<Recorded>, LedgerError> {
         let mut columns = OutcomeColumns::default();
+        let mut suspend: Vec<(
+            &nudge_domain::ProviderAccount,
+            nudge_domain::Channel,
+            uuid::Uuid,
+        )> = Vec::new();
         for o in outcomes {
             columns.push(
                 &Held {
@@ -215,9 +245,30 @@ impl Ledger {
                 o.decision,
                 o.attempt,
             )?;
+            if o.decision.effects.bucket == Some(nudge_domain::BucketSignal::Suspend) {
+                suspend.push((
+                    &o.lease.provider_account,
+                    o.lease.channel,
+                    o.lease.id.as_uuid(),
+                ));
+            }
         }
-        let mut conn = self.pool.acquire().await?;
-        let applied = apply(&mut conn, &columns, at).await?;
+        let applied = if suspend.is_empty() {
+            let mut conn = self.pool.acquire().await?;
+            apply(&mut conn, &columns, at).await?
+        } else {
+            let mut tx = self.pool.begin().await?;
+            let applied = apply(&mut tx, &columns, at).await?;
+            let mut done = std::collections::HashSet::new();
+            for (account, channel, id) in suspend {
+                // Only an outcome that was applied speaks for the account; one bucket once.
+                if applied.contains(&id) && done.insert((account.as_str(), channel)) {
+                    crate::buckets::suspend(&mut tx, account, channel, suspend_for, at).await?;
+                }
+            }
+            tx.commit().await?;
+            applied
+        };
         Ok(outcomes
             .iter()
             .map(|o| {

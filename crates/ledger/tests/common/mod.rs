@@ -187,6 +187,7 @@ pub async fn record(
                 decision,
                 attempt,
             }],
+            std::time::Duration::from_secs(60),
             at(now),
         )
         .await
