@@ -8,8 +8,9 @@
 //! most `r * L + burst` sends are admitted.
 //!
 //! Provider feedback moves the effective rate ([`on_throttled`], [`on_success`]: AIMD, and a
-//! `Retry-After` pauses the whole bucket); an operator's change of rate or burst goes through
-//! [`reconfigured`]. Lanes share the bucket with reserves: while both new and recovery work
+//! `Retry-After` pauses the whole bucket); a 429 for a send that was spending the bucket's
+//! burst shrinks the burst instead (the provider's own burst is smaller than ours, its rate
+//! may not be); an operator's change of rate or burst goes through [`reconfigured`]. Lanes share the bucket with reserves: while both new and recovery work
 //! (retries, redrives) are waiting, each class keeps its reserved share of the rate; while only
 //! one is waiting it gets the whole rate.
 //!
@@ -49,6 +50,9 @@ const PROBE_ABOVE: f64 = 1.05;
 /// AIMD moves the rate at most once per this much time, whatever the number of replicas
 /// reporting: a burst of 429s from one overload halves the rate once, not once per send.
 const FEEDBACK_SPACING: TimeDelta = TimeDelta::seconds(1);
+/// A 429 met while spending the burst shrinks it to this share (at least 1): the provider took
+/// fewer back to back than we sent.
+const BURST_DECREASE_FACTOR: f64 = 0.75;
 
 /// Why a [`BucketConfig`] was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -160,6 +164,15 @@ pub struct BucketState {
     pub throttled_rate: Option<f64>,
     pub last_decrease_at: Option<DateTime<Utc>>,
     pub last_increase_at: Option<DateTime<Utc>>,
+    /// The burst the provider was found to take back to back, when smaller than the
+    /// configured one: admission uses it instead, until an operator reconfigures the bucket.
+    pub burst_limit: Option<u32>,
+    /// When the bucket last admitted a send with its whole burst available (it had been idle
+    /// for at least `burst` intervals): the sends reserved within `burst` intervals after it
+    /// are the ones spending the burst.
+    pub burst_from: Option<DateTime<Utc>>,
+    /// When a 429 last shrank the burst: a 429 for a send reserved before it says nothing new.
+    pub burst_cut_at: Option<DateTime<Utc>>,
 }
 
 impl BucketState {
@@ -176,6 +189,9 @@ impl BucketState {
             last_decrease_at: None,
             last_increase_at: None,
             throttled_rate: None,
+            burst_limit: None,
+            burst_from: None,
+            burst_cut_at: None,
         }
     }
 }
@@ -289,7 +305,8 @@ pub fn admit(
         };
     }
 
-    let global = Gcra::new(rate, config.burst);
+    let burst = admitting_burst(config, state);
+    let global = Gcra::new(rate, burst);
     let global_tat = state.tat.map(to_ns);
     let pause = state.paused_until.map(to_ns);
     let mut slot = global.earliest(global_tat, now_ns);
@@ -303,7 +320,7 @@ pub fn admit(
             state.tat_recovery
         };
         (
-            Gcra::new(rate * (1.0 - other_reserve), config.burst),
+            Gcra::new(rate * (1.0 - other_reserve), burst),
             tat.map(to_ns),
         )
     });
@@ -323,6 +340,13 @@ pub fn admit(
         };
     }
 
+    if global_tat.is_none_or(|tat| tat <= slot) {
+        // The whole burst was there: this send starts spending it. Rounded down, as the
+        // admission time the send carries back with a 429 is the database's microseconds.
+        state.burst_from = Some(from_ns(
+            now_ns.div_euclid(STORED_RESOLUTION_NS) * STORED_RESOLUTION_NS,
+        ));
+    }
     state.tat = Some(stored(global.after(global_tat, slot)));
     if let Some((limiter, tat)) = sub {
         let next = Some(stored(limiter.after(tat, slot)));
@@ -358,6 +382,14 @@ pub fn on_throttled(
 /// new one: it may pause the bucket, but it does not lower the rate again (one decrease per
 /// round of reservations, as TCP makes one per window), so a burst of late 429s does not drive
 /// the rate far below the provider's limit.
+///
+/// A 429 that arrives while the bucket is still spending its burst (within `burst` intervals
+/// of an admission that found the whole burst available), for a send reserved since then, is
+/// read first as "burst too large": the provider took fewer back to back than we sent, at a
+/// rate it may well sustain. The burst shrinks to three quarters (at least 1; once per round:
+/// not for a send reserved before the last shrink) and the rate is left alone; the stored TATs
+/// keep their credit counted in requests, so the shrink costs no slot. Only a 429 outside a
+/// burst, or with the burst already down to 1, lowers the rate.
 pub fn on_throttled_after(
     config: &BucketConfig,
     state: &mut BucketState,
@@ -371,6 +403,19 @@ pub fn on_throttled_after(
         if until > now && state.paused_until.is_none_or(|p| p < until) {
             state.paused_until = Some(until);
         }
+    }
+    if spending_burst(config, state, reserved_at, now) {
+        let stale = matches!((reserved_at, state.burst_cut_at), (Some(r), Some(c)) if r <= c);
+        if !stale {
+            let old = admitting_burst(config, state);
+            // Truncated: 2 goes to 1, so the shrink always makes progress.
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let new = ((f64::from(old) * BURST_DECREASE_FACTOR) as u32).clamp(1, old);
+            state.burst_limit = Some(new);
+            state.burst_cut_at = Some(now);
+            reburst(config, state, old, new);
+        }
+        return *state != before;
     }
     let stale = matches!((reserved_at, state.last_decrease_at), (Some(r), Some(d)) if r <= d);
     if config.rate_per_second > 0.0 && !stale && !within_spacing(state.last_decrease_at, now) {
@@ -446,6 +491,9 @@ pub fn on_success(config: &BucketConfig, state: &mut BucketState, now: DateTime<
 pub fn reconfigured(config: &BucketConfig, state: &mut BucketState, now: DateTime<Utc>) {
     state.effective_rate = config.rate_per_second;
     state.throttled_rate = None;
+    state.burst_limit = None;
+    state.burst_from = None;
+    state.burst_cut_at = None;
     state.last_decrease_at = None;
     state.last_increase_at = None;
     let rate = config.rate_per_second;
@@ -479,6 +527,56 @@ fn admitting_rate(config: &BucketConfig, state: &BucketState) -> f64 {
     state.effective_rate.min(config.rate_per_second)
 }
 
+/// The burst the bucket admits with: the configured one, or the smaller one the provider was
+/// found to take back to back.
+fn admitting_burst(config: &BucketConfig, state: &BucketState) -> u32 {
+    state
+        .burst_limit
+        .map_or(config.burst, |b| b.clamp(1, config.burst.max(1)))
+}
+
+/// Whether a 429 arriving at `now` for a send reserved at `reserved_at` came while the bucket
+/// was still spending its burst: the send reserved no earlier than the last admission that
+/// found the whole burst available, and the answer less than `burst` intervals after it (a
+/// later answer is read as being about the rate). A burst of 1 has nothing to shrink.
+fn spending_burst(
+    config: &BucketConfig,
+    state: &BucketState,
+    reserved_at: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+) -> bool {
+    let rate = admitting_rate(config, state);
+    let burst = admitting_burst(config, state);
+    if rate <= 0.0 || burst <= 1 {
+        return false;
+    }
+    let (Some(reserved), Some(from)) = (reserved_at, state.burst_from) else {
+        return false;
+    };
+    let (reserved, from) = (to_ns(reserved), to_ns(from));
+    reserved >= from && to_ns(now) < from + i128::from(burst) * interval_ns(rate)
+}
+
+/// Moves each stored TAT earlier by the tolerance the burst lost, so the credit (or debt)
+/// counted in requests is kept: a send paced exactly at the rate stays where it was, and only
+/// the credit above the new burst is gone. Every slot admitted afterwards also conformed to the
+/// old burst, so the bound `rate * L + burst` (configured burst) holds across the change.
+fn reburst(config: &BucketConfig, state: &mut BucketState, old_burst: u32, new_burst: u32) {
+    let rate = admitting_rate(config, state);
+    if rate <= 0.0 || new_burst >= old_burst {
+        return;
+    }
+    for (tat, share) in [
+        (&mut state.tat, 1.0),
+        (&mut state.tat_new, 1.0 - config.reserve_recovery),
+        (&mut state.tat_recovery, 1.0 - config.reserve_new),
+    ] {
+        let Some(t) = *tat else { continue };
+        let shift = i128::from(old_burst - new_burst) * interval_ns(rate * share);
+        *tat = Some(stored(to_ns(t) - shift));
+    }
+}
+
 /// The rate AIMD starts from: the admitting rate, but never below the floor.
 fn current_rate(config: &BucketConfig, state: &BucketState) -> f64 {
     admitting_rate(config, state).max(config.floor_rate())
@@ -505,14 +603,15 @@ fn rescale(
         return;
     }
     let now_ns = to_ns(now);
+    let burst = admitting_burst(config, state);
     for (tat, share) in [
         (&mut state.tat, 1.0),
         (&mut state.tat_new, 1.0 - config.reserve_recovery),
         (&mut state.tat_recovery, 1.0 - config.reserve_new),
     ] {
         let Some(t) = *tat else { continue };
-        let old = Gcra::new(old_rate * share, config.burst);
-        let new = Gcra::new(new_rate * share, config.burst);
+        let old = Gcra::new(old_rate * share, burst);
+        let new = Gcra::new(new_rate * share, burst);
         // Credit in old-time units: how far the earliest slot is before now (negative: debt).
         let credit = now_ns + old.tolerance - to_ns(t);
         let Some(scaled) = credit.checked_mul(new.interval) else {
@@ -786,6 +885,9 @@ mod tests {
                 last_decrease_at: None,
                 last_increase_at: None,
                 throttled_rate: None,
+                burst_limit: None,
+                burst_from: None,
+                burst_cut_at: None,
             }
         );
     }
@@ -1174,6 +1276,203 @@ mod tests {
         assert_eq!(s.effective_rate, 30.0);
     }
 
+    /// A provider with its own token bucket (rate, burst), answering each send at its slot.
+    struct Provider {
+        interval: i128,
+        tolerance: i128,
+        tat: Option<i128>,
+    }
+
+    impl Provider {
+        fn new(rate: f64, burst: u32) -> Self {
+            let g = Gcra::new(rate, burst);
+            Self {
+                interval: g.interval,
+                tolerance: g.tolerance,
+                tat: None,
+            }
+        }
+
+        /// Whether a send arriving at `at` is accepted (false: 429).
+        fn accepts(&mut self, at: DateTime<Utc>) -> bool {
+            let at = to_ns(at);
+            let tat = self.tat.unwrap_or(at);
+            if tat - self.tolerance > at {
+                return false;
+            }
+            self.tat = Some(tat.max(at) + self.interval);
+            true
+        }
+    }
+
+    /// A backlog sent through our bucket to `provider` for `seconds`: each millisecond the
+    /// worker asks for slots until one is further than the wait, sends each at its slot, and
+    /// reports every 429 with its admission time a millisecond after the send. Returns the
+    /// sends accepted and the 429s.
+    fn drain_against(
+        config: &BucketConfig,
+        state: &mut BucketState,
+        provider: &mut Provider,
+        seconds: i64,
+    ) -> (usize, usize) {
+        let settings = waiting(500);
+        let mut pending: Vec<(DateTime<Utc>, DateTime<Utc>)> = Vec::new();
+        let (mut accepted, mut throttled) = (0, 0);
+        let mut late: Vec<(DateTime<Utc>, DateTime<Utc>)> = Vec::new();
+        for tick in 0..seconds * 1_000 {
+            let now = t0() + ms(tick);
+            late.retain(|&(answer_at, reserved_at)| {
+                if answer_at <= now {
+                    let _ = on_throttled_after(config, state, None, Some(reserved_at), now);
+                    false
+                } else {
+                    true
+                }
+            });
+            while let Admission::Admitted { send_at } =
+                admit(config, state, Lane::New, now, &settings)
+            {
+                pending.push((send_at, now));
+                if pending.len() > 10_000 {
+                    break;
+                }
+            }
+            pending.sort();
+            while pending.first().is_some_and(|&(at, _)| at <= now) {
+                let (at, reserved_at) = pending.remove(0);
+                if provider.accepts(at) {
+                    accepted += 1;
+                } else {
+                    throttled += 1;
+                    late.push((now + ms(1), reserved_at));
+                }
+            }
+        }
+        (accepted, throttled)
+    }
+
+    #[test]
+    fn a_burst_over_the_providers_shrinks_the_burst_once_and_keeps_the_rate() {
+        // Our bucket at the provider's 40/s with a burst of 50; the provider's burst is 40.
+        let c = config(40.0, 50);
+        let mut s = BucketState::fresh(&c);
+        let mut provider = Provider::new(40.0, 40);
+        let (accepted, throttled) = drain_against(&c, &mut s, &mut provider, 30);
+        assert_eq!(s.effective_rate, 40.0, "the rate is never cut");
+        assert_eq!(s.last_decrease_at, None);
+        assert_eq!(
+            s.burst_limit,
+            Some(37),
+            "shrunk once, to three quarters of 50"
+        );
+        assert_eq!(
+            throttled, 10,
+            "only the ten sends beyond the provider's burst"
+        );
+        // The floor: the provider's 40 at once plus 40/s after; within one send of it.
+        assert!(accepted >= 40 + 40 * 30 - 1 - 1, "accepted {accepted}");
+    }
+
+    #[test]
+    fn a_429_for_a_send_spending_the_burst_shrinks_it_and_later_ones_of_the_round_do_not() {
+        let c = config(40.0, 50);
+        let mut s = BucketState::fresh(&c);
+        for _ in 0..50 {
+            let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
+        }
+        assert_eq!(s.burst_from, Some(t0()));
+        let tat = s.tat;
+        assert!(on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(t0()),
+            t0() + ms(5)
+        ));
+        assert_eq!(
+            (s.burst_limit, s.burst_cut_at),
+            (Some(37), Some(t0() + ms(5)))
+        );
+        assert_eq!(s.effective_rate, 40.0);
+        assert_eq!(
+            s.tat,
+            tat.map(|t| t - ms(13 * 25)),
+            "the TAT keeps the debt counted in sends: 13 intervals of tolerance gone"
+        );
+        // The next slot is where it was: one interval after the burst.
+        assert_eq!(
+            send_at(admit(&c, &mut s, Lane::New, t0() + ms(1), &waiting(100))),
+            t0() + ms(25)
+        );
+        let after_first = s.clone();
+        assert!(!on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(t0()),
+            t0() + ms(6)
+        ));
+        assert_eq!(s, after_first, "the same round: nothing new");
+        // After the burst's time (37 intervals), a 429 is about the rate again.
+        assert!(on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(t0() + ms(1_000)),
+            t0() + ms(1_010)
+        ));
+        assert_eq!(s.effective_rate, 20.0);
+        assert_eq!(s.burst_limit, Some(37));
+    }
+
+    #[test]
+    fn a_burst_of_one_or_a_429_without_its_reservation_lowers_the_rate() {
+        let c = config(40.0, 2);
+        let mut s = BucketState::fresh(&c);
+        let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
+        assert!(on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(t0()),
+            t0() + ms(5)
+        ));
+        assert_eq!(
+            (s.burst_limit, s.effective_rate),
+            (Some(1), 40.0),
+            "2 shrinks to 1"
+        );
+        let _ = send_at(admit(&c, &mut s, Lane::New, t0() + ms(100), &waiting(0)));
+        assert!(on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(t0() + ms(100)),
+            t0() + ms(105)
+        ));
+        assert_eq!((s.burst_limit, s.effective_rate), (Some(1), 20.0));
+
+        let c = config(40.0, 50);
+        let mut s = BucketState::fresh(&c);
+        let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
+        assert!(on_throttled(&c, &mut s, None, t0() + ms(5)));
+        assert_eq!((s.burst_limit, s.effective_rate), (None, 20.0));
+    }
+
+    #[test]
+    fn reconfiguring_forgets_the_burst_found() {
+        let c = config(40.0, 50);
+        let mut s = BucketState::fresh(&c);
+        let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
+        let _ = on_throttled_after(&c, &mut s, None, Some(t0()), t0() + ms(5));
+        assert_eq!(s.burst_limit, Some(37));
+        reconfigured(&c, &mut s, t0() + ms(10));
+        assert_eq!(
+            (s.burst_limit, s.burst_from, s.burst_cut_at),
+            (None, None, None)
+        );
+    }
+
     #[test]
     fn feedback_on_a_closed_bucket_changes_nothing() {
         let closed = BucketConfig::new(0.0, 0, 0.2, 0.1).unwrap();
@@ -1483,6 +1782,75 @@ mod tests {
             let exact = 1e9 / rate;
             prop_assert!(t >= exact * (1.0 - 1e-15));
             prop_assert!(t - 1.0 < exact * (1.0 + 1e-15));
+        }
+    }
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// The adversary answers 429 at random moments, for admission times it picks (real
+        /// ones, made up ones, in the future or the past), with and without Retry-After: the
+        /// configured rate plus the configured burst still bound every second, the burst found
+        /// stays in `[1, burst]` and never grows without an operator.
+        #[test]
+        fn burst_feedback_for_any_admission_time_never_lets_more_than_rate_plus_burst_through(
+            (config, settings) in bucket(),
+            requests in requests(),
+            feedback in proptest::collection::vec((0u8..4, -3_000i64..3_000, any::<bool>()), 600),
+        ) {
+            let mut state = BucketState::fresh(&config);
+            let mut now = t0();
+            let mut admitted: Vec<DateTime<Utc>> = Vec::new();
+            let mut reserved: Vec<DateTime<Utc>> = Vec::new();
+            let mut last_limit = None;
+            for (i, &(gap_us, l)) in requests.iter().enumerate() {
+                now += TimeDelta::microseconds(i64::try_from(gap_us).unwrap());
+                let (kind, offset_ms, real) = feedback[i % feedback.len()];
+                let reserved_at = if real && !reserved.is_empty() {
+                    reserved[usize::try_from(offset_ms.unsigned_abs()).unwrap() % reserved.len()]
+                } else {
+                    now + ms(offset_ms)
+                };
+                match kind {
+                    0 => { let _ = on_throttled_after(&config, &mut state, None, Some(reserved_at), now); }
+                    1 => { let _ = on_throttled_after(&config, &mut state, Some(now + ms(300)), Some(reserved_at), now); }
+                    2 => { let _ = on_success(&config, &mut state, now); }
+                    _ => {}
+                }
+                if let Admission::Admitted { send_at } =
+                    admit(&config, &mut state, lane(l), now, &settings)
+                {
+                    admitted.push(send_at);
+                    reserved.push(now);
+                }
+                let limit = admitting_burst(&config, &state);
+                prop_assert!((1..=config.burst()).contains(&limit));
+                if let Some(last) = last_limit {
+                    prop_assert!(limit <= last, "the burst grew from {} to {}", last, limit);
+                }
+                last_limit = Some(limit);
+                prop_assert!(state.effective_rate <= config.rate_per_second());
+            }
+            let busiest = busiest_second(admitted);
+            prop_assert!(
+                busiest as f64 <= config.rate_per_second() + f64::from(config.burst()),
+                "{} in one second", busiest
+            );
+        }
+
+        /// Against a provider at our rate whose burst is smaller than ours, the bucket never
+        /// lowers its rate: only the sends beyond the provider's burst draw 429s.
+        #[test]
+        fn a_provider_with_a_smaller_burst_at_our_rate_never_costs_rate(
+            rate in 5.0f64..200.0,
+            provider_burst in 1u32..40,
+            extra in 1u32..40,
+        ) {
+            let config = BucketConfig::new(rate, provider_burst + extra, 0.2, 0.1).unwrap();
+            let mut state = BucketState::fresh(&config);
+            let mut provider = Provider::new(rate, provider_burst);
+            let (_, throttled) = drain_against(&config, &mut state, &mut provider, 5);
+            prop_assert_eq!(state.effective_rate, rate);
+            prop_assert!(throttled <= extra as usize, "{} 429s", throttled);
         }
     }
 }

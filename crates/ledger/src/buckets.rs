@@ -102,6 +102,9 @@ struct BucketRow {
     last_decrease_at: Option<DateTime<Utc>>,
     last_increase_at: Option<DateTime<Utc>>,
     throttled_rate: Option<f64>,
+    burst_limit: Option<i32>,
+    burst_from: Option<DateTime<Utc>>,
+    burst_cut_at: Option<DateTime<Utc>>,
     changed_by: String,
     changed_at: DateTime<Utc>,
     change_reason: Option<String>,
@@ -118,7 +121,8 @@ struct ChannelRateRow {
 
 const COLUMNS: &str = "provider_account, channel, rate_per_second, burst, effective_rate, \
      paused_until, reserve_new, reserve_recovery, tat, tat_new, tat_recovery, new_demand_at, \
-     recovery_demand_at, last_decrease_at, last_increase_at, throttled_rate, changed_by, changed_at, \
+     recovery_demand_at, last_decrease_at, last_increase_at, throttled_rate, burst_limit, burst_from, \
+     burst_cut_at, changed_by, changed_at, \
      change_reason, pause_cause";
 
 impl BucketRow {
@@ -144,6 +148,10 @@ impl BucketRow {
             last_decrease_at: self.last_decrease_at,
             last_increase_at: self.last_increase_at,
             throttled_rate: self.throttled_rate,
+            // A corrupt (non-positive) limit reads as none: the configured burst.
+            burst_limit: self.burst_limit.and_then(|b| u32::try_from(b).ok()),
+            burst_from: self.burst_from,
+            burst_cut_at: self.burst_cut_at,
         }
     }
 
@@ -223,7 +231,8 @@ async fn store(
         "UPDATE rate_buckets
          SET effective_rate = $3, paused_until = $4, tat = $5, tat_new = $6, tat_recovery = $7,
              new_demand_at = $8, recovery_demand_at = $9, last_decrease_at = $10,
-             last_increase_at = $11, throttled_rate = $12,
+             last_increase_at = $11, throttled_rate = $12, burst_limit = $13, burst_from = $14,
+             burst_cut_at = $15,
              pause_cause = CASE WHEN $4::timestamptz IS NULL THEN NULL ELSE pause_cause END
          WHERE provider_account = $1 AND channel = $2",
     )
@@ -239,6 +248,13 @@ async fn store(
     .bind(state.last_decrease_at)
     .bind(state.last_increase_at)
     .bind(state.throttled_rate)
+    .bind(
+        state
+            .burst_limit
+            .map(|b| i32::try_from(b).unwrap_or(i32::MAX)),
+    )
+    .bind(state.burst_from)
+    .bind(state.burst_cut_at)
     .execute(&mut *conn)
     .await?;
     Ok(())

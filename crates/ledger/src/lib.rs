@@ -67,7 +67,7 @@ pub use redrive::{
 };
 pub use reminders::{
     CreatedReminder, ImportOutcome, ImportReminder, MAX_CONTENT_BYTES, MAX_CORRELATION_ID_BYTES,
-    MAX_DESTINATION_BYTES, NewReminder, WindowOutcome,
+    MAX_DESTINATION_BYTES, NewReminder, WINDOW_BATCH, WindowOutcome,
 };
 pub use retention::{
     Blocker, DeletedDelivery, DeliveryCount, KeepReason, RetentionBatch, RetentionPlan,

@@ -18,6 +18,10 @@ use crate::contacts::{destination_aad, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher};
 use crate::{Ledger, LedgerError};
 
+/// Reminders a producer window reads and materialises at a time (its memory is bounded by
+/// this, not by the window's size).
+pub const WINDOW_BATCH: usize = 5_000;
+
 /// The largest message content accepted, in bytes of its JSON text.
 pub const MAX_CONTENT_BYTES: usize = 16 * 1024;
 
@@ -392,17 +396,38 @@ impl Ledger {
             return Ok(WindowOutcome::AlreadyRun);
         };
 
-        let reminders: Vec<WindowReminder> = sqlx::query_as(
-            "SELECT id, channels, scheduled_at, expires_at FROM reminders
+        // Streamed through a cursor, WINDOW_BATCH reminders at a time, all in this one
+        // transaction: a window may hold any number of reminders, and the producer's memory
+        // must not grow with it.
+        sqlx::query(
+            "DECLARE window_reminders NO SCROLL CURSOR FOR
+             SELECT id, channels, scheduled_at, expires_at FROM reminders
              WHERE tenant_id = $1 AND scheduled_at >= $2 AND scheduled_at < $3
                AND cancelled_at IS NULL",
         )
         .bind(tenant_id.as_uuid())
         .bind(start)
         .bind(end)
-        .fetch_all(&mut *tx)
+        .execute(&mut *tx)
         .await?;
-        let created = insert_deliveries(&mut tx, tenant_id, &reminders, now).await?;
+        let mut created = 0;
+        loop {
+            let reminders: Vec<WindowReminder> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "FETCH FORWARD {WINDOW_BATCH} FROM window_reminders"
+            )))
+            .fetch_all(&mut *tx)
+            .await?;
+            if reminders.is_empty() {
+                break;
+            }
+            created += insert_deliveries(&mut tx, tenant_id, &reminders, now).await?;
+            if reminders.len() < WINDOW_BATCH {
+                break;
+            }
+        }
+        sqlx::query("CLOSE window_reminders")
+            .execute(&mut *tx)
+            .await?;
         sqlx::query("UPDATE run_intents SET deliveries_created = $2 WHERE id = $1")
             .bind(intent)
             .bind(i32::try_from(created).unwrap_or(i32::MAX))

@@ -129,6 +129,47 @@ async fn a_window_materialises_one_scheduled_delivery_per_channel_due_at_its_sch
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_window_larger_than_one_batch_materialises_every_reminder_once(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    // Two whole batches and one more reminder, imported in one go.
+    let count = 2 * nudge_ledger::WINDOW_BATCH + 1;
+    let items: Vec<nudge_ledger::ImportReminder> = (0..count)
+        .map(|i| nudge_ledger::ImportReminder {
+            reminder: reminder(
+                tenant.id,
+                &format!("evt-{i}"),
+                &[Channel::Sms],
+                t0() + secs(1 + (i % 50) as i64),
+            ),
+            contacts: Vec::new(),
+        })
+        .collect();
+    ledger
+        .import_reminders(&items, &cipher(), t0())
+        .await
+        .unwrap();
+
+    let outcome = ledger
+        .materialise_window(tenant.id, t0(), t0() + secs(60), t0())
+        .await
+        .unwrap();
+
+    assert_eq!(
+        outcome,
+        WindowOutcome::Materialised {
+            deliveries_created: count as u64
+        }
+    );
+    let (deliveries, reminders): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT reminder_id) FROM deliveries")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((deliveries, reminders), (count as i64, count as i64));
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_replayed_window_creates_nothing(pool: PgPool) {
     let ledger = Ledger::from_pool(pool.clone());
     let tenant = tenant(&ledger).await;

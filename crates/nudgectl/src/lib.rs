@@ -413,7 +413,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let _telemetry = nudge_telemetry::init("nudgectl", &config.telemetry)
         .context("failed to initialise logging")?;
     let ledger = Ledger::connect(&nudge_config::DatabaseConfig {
-        max_connections: 2,
+        max_connections: 4,
         ..config.database.clone()
     })
     .await

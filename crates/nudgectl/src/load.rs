@@ -4,15 +4,22 @@
 //! line is skipped without being held in memory, and rejected by number). Each line is parsed
 //! here into a [`ReminderInput`] (the format shared with the intake, `nudge_ledger::input`); good lines are imported [`CHUNK_LINES`] input lines at a time,
 //! one ledger transaction per chunk (`Ledger::import_reminders`: a few multi-row statements,
-//! reminders with their encrypted destinations). A bad line is rejected on its own, never
-//! half-written, and the rest still load; a database failure stops the load at the first line
-//! of the chunk it hit, the chunks before it committed. Loading the same file again is safe:
-//! lines already loaded count as already present.
+//! reminders with their encrypted destinations). Up to [`CHUNKS_IN_FLIGHT`] chunks are written
+//! at once, each on its own connection, while the next lines are read and parsed; their lines
+//! are reported in input order. A chunk that shares a (tenant, event id) or a (tenant,
+//! subscriber) with a chunk still being written waits for it, so the first occurrence of an
+//! event still wins and the later destination of a subscriber is still the one kept, as when
+//! the chunks went one at a time. A bad line is rejected on its own, never half-written, and
+//! the rest still load; a database failure stops the load at the first line of the chunk it
+//! hit: the chunks before it committed, and chunks after it already being written may have
+//! committed too (their lines are reported). Loading the same file again is safe: lines
+//! already loaded count as already present.
 //!
 //! Must never: print a destination, subscriber reference or content. Rejections name the line
 //! and the field; the only values they quote are tenant names, event ids and timestamps.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasher, RandomState};
 use std::io::Write;
 use std::path::Path;
 
@@ -20,9 +27,12 @@ use anyhow::Context;
 use chrono::Utc;
 use nudge_domain::TenantId;
 use nudge_ledger::input::{InputError, ReminderInput, TenantField};
-use nudge_ledger::{AuditEntry, DestinationCipher, ImportOutcome, ImportReminder, Ledger};
+use nudge_ledger::{
+    AuditEntry, DestinationCipher, ImportOutcome, ImportReminder, Ledger, LedgerError,
+};
 use serde::Serialize;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader};
+use tokio::task::JoinHandle;
 
 /// A progress line goes to the error stream after every this many input lines.
 const PROGRESS_EVERY: u64 = 1000;
@@ -30,9 +40,13 @@ const PROGRESS_EVERY: u64 = 1000;
 /// The longest input line accepted, in bytes (without its line end).
 pub const MAX_LINE_BYTES: usize = 64 * 1024;
 
-/// Input lines per ledger transaction. Divides [`PROGRESS_EVERY`], so progress lines report
-/// committed work.
+/// Input lines per ledger transaction. Divides [`PROGRESS_EVERY`]; progress lines count the
+/// work committed so far (the chunks still being written come in later lines).
 pub const CHUNK_LINES: u64 = 500;
+
+/// Chunks being written at once, each its own transaction on its own connection (the
+/// connection pool has room for them and a tenant lookup).
+pub const CHUNKS_IN_FLIGHT: usize = 3;
 
 /// What the operator asked for, besides the input.
 #[derive(Debug)]
@@ -89,6 +103,9 @@ pub(crate) async fn load(
         tenants: HashMap::new(),
         loaded_per_tenant: BTreeMap::new(),
         pending: Vec::new(),
+        in_flight: VecDeque::new(),
+        failed: None,
+        hasher: RandomState::new(),
         summary: LoadSummary {
             file: name,
             dry_run: options.dry_run,
@@ -196,6 +213,20 @@ struct Loader<'a> {
     summary: LoadSummary,
     /// Lines read since the last chunk was written, in order.
     pending: Vec<(u64, Pending)>,
+    /// Chunks handed to the ledger and not reported yet, in input order.
+    in_flight: VecDeque<Chunk>,
+    /// The first chunk whose write failed: the load stops there.
+    failed: Option<anyhow::Error>,
+    hasher: RandomState,
+}
+
+/// A chunk of lines, being written (or with nothing to write), to be reported in order.
+struct Chunk {
+    lines: Vec<(u64, Pending)>,
+    /// Hashes of the chunk's (tenant, event id) and (tenant, subscriber) pairs: a later chunk
+    /// sharing one waits for this one.
+    keys: HashSet<u64>,
+    write: Option<JoinHandle<Result<Vec<ImportOutcome>, LedgerError>>>,
 }
 
 /// A line read and checked, waiting for its chunk to be written.
@@ -290,7 +321,7 @@ impl Loader<'_> {
                 Ok(Line::End) => break,
                 Ok(kind) => kind,
                 Err(e) => {
-                    if let Some(stopped) = self.flush(err).await? {
+                    if let Some(stopped) = self.finish(err).await? {
                         return Ok(Some(stopped));
                     }
                     self.summary.stopped_at_line = Some(line_no + 1);
@@ -314,16 +345,23 @@ impl Loader<'_> {
                 _ => match self.check_line(line).await {
                     Ok(pending) => self.pending.push((line_no, pending)),
                     Err(e) => {
+                        // The chunks already handed over finish first: they may have failed
+                        // earlier in the input.
+                        self.drain(err).await?;
+                        if let Some(stopped) = self.failed.take() {
+                            return Ok(Some(stopped));
+                        }
                         let first = self.pending.first().map_or(line_no, |(n, _)| *n);
                         self.summary.stopped_at_line = Some(first);
                         return Ok(Some(stopped_at(e, first)));
                     }
                 },
             }
-            if line_no.is_multiple_of(CHUNK_LINES)
-                && let Some(stopped) = self.flush(err).await?
-            {
-                return Ok(Some(stopped));
+            if line_no.is_multiple_of(CHUNK_LINES) {
+                self.submit(err).await?;
+                if self.failed.is_some() {
+                    return self.finish(err).await;
+                }
             }
             if line_no.is_multiple_of(PROGRESS_EVERY) {
                 let s = &self.summary;
@@ -334,7 +372,7 @@ impl Loader<'_> {
                 )?;
             }
         }
-        self.flush(err).await
+        self.finish(err).await
     }
 
     /// Parses a line and resolves its tenant; `Err` only when the tenant lookup failed.
@@ -357,40 +395,111 @@ impl Loader<'_> {
         Ok(Pending::Import { tenant, item })
     }
 
-    /// Writes the pending chunk in one transaction and reports its lines in order.
-    /// `Ok(Some(error))` when the database failed: nothing of the chunk was written.
-    async fn flush(&mut self, err: &mut impl Write) -> anyhow::Result<Option<anyhow::Error>> {
+    /// Hands the pending lines to the ledger as one chunk (its own transaction, written in
+    /// the background), after the chunks it must follow, and reports the chunks that are done.
+    async fn submit(&mut self, err: &mut impl Write) -> anyhow::Result<()> {
         if self.pending.is_empty() {
-            return Ok(None);
+            return Ok(());
         }
-        let items: Vec<ImportReminder> = self
-            .pending
+        let lines = std::mem::take(&mut self.pending);
+        let items: Vec<ImportReminder> = lines
             .iter()
             .filter_map(|(_, p)| match p {
                 Pending::Import { item, .. } => Some(item.clone()),
                 _ => None,
             })
             .collect();
-        let mut outcomes = if items.is_empty() {
-            Vec::new()
-        } else {
-            match self
-                .ledger
-                .import_reminders(&items, self.cipher, Utc::now())
-                .await
-            {
-                Ok(outcomes) => outcomes,
-                Err(e) => {
-                    let first = self.pending[0].0;
-                    self.summary.stopped_at_line = Some(first);
-                    self.pending.clear();
-                    let e = anyhow::Error::new(e).context("failed to import");
-                    return Ok(Some(stopped_at(e, first)));
-                }
-            }
+        let keys: HashSet<u64> = items
+            .iter()
+            .flat_map(|i| {
+                let tenant = i.reminder.tenant_id().as_uuid();
+                [
+                    self.hasher
+                        .hash_one((tenant, 0u8, i.reminder.event_id().as_str())),
+                    self.hasher
+                        .hash_one((tenant, 1u8, i.reminder.subscriber_ref().as_str())),
+                ]
+            })
+            .collect();
+        // Wait for room, and for every earlier chunk that shares a key with this one.
+        while self.in_flight.len() >= CHUNKS_IN_FLIGHT
+            || self.in_flight.iter().any(|c| !c.keys.is_disjoint(&keys))
+        {
+            self.complete_oldest(err).await?;
         }
-        .into_iter();
-        for (line_no, pending) in std::mem::take(&mut self.pending) {
+        let write = (!items.is_empty() && self.failed.is_none()).then(|| {
+            let ledger = self.ledger.clone();
+            let cipher = self.cipher.clone();
+            tokio::spawn(async move { ledger.import_reminders(&items, &cipher, Utc::now()).await })
+        });
+        self.in_flight.push_back(Chunk { lines, keys, write });
+        // Chunks already written (or with nothing to write) are reported at once.
+        while self
+            .in_flight
+            .front()
+            .is_some_and(|c| c.write.as_ref().is_none_or(JoinHandle::is_finished))
+        {
+            self.complete_oldest(err).await?;
+        }
+        Ok(())
+    }
+
+    /// Hands over the last lines and waits for every chunk: `Ok(Some(error))` when one failed.
+    async fn finish(&mut self, err: &mut impl Write) -> anyhow::Result<Option<anyhow::Error>> {
+        if self.failed.is_none() {
+            self.submit(err).await?;
+        } else {
+            self.pending.clear();
+        }
+        self.drain(err).await?;
+        Ok(self.failed.take())
+    }
+
+    /// Waits for every chunk handed over, reporting each in order.
+    async fn drain(&mut self, err: &mut impl Write) -> anyhow::Result<()> {
+        while !self.in_flight.is_empty() {
+            self.complete_oldest(err).await?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the oldest chunk and reports its lines in order. A chunk whose write failed
+    /// wrote nothing: the first such chunk is where the load stopped.
+    async fn complete_oldest(&mut self, err: &mut impl Write) -> anyhow::Result<()> {
+        let Some(chunk) = self.in_flight.pop_front() else {
+            return Ok(());
+        };
+        let written = match chunk.write {
+            None if self.failed.is_some() => return Ok(()),
+            None => Ok(Vec::new()),
+            Some(write) => match write.await {
+                Ok(result) => result.map_err(|e| anyhow::Error::new(e).context("failed to import")),
+                Err(e) => Err(anyhow::Error::new(e).context("an import task failed")),
+            },
+        };
+        let outcomes = match written {
+            Ok(outcomes) => outcomes,
+            Err(e) => {
+                if self.failed.is_none() {
+                    let first = chunk.lines.first().map_or(0, |(n, _)| *n);
+                    self.summary.stopped_at_line = Some(first);
+                    self.failed = Some(stopped_at(e, first));
+                }
+                return Ok(());
+            }
+        };
+        self.report(chunk.lines, outcomes, err)
+    }
+
+    /// Reports a written chunk's lines in order.
+    fn report(
+        &mut self,
+        lines: Vec<(u64, Pending)>,
+        outcomes: Vec<ImportOutcome>,
+        err: &mut impl Write,
+    ) -> anyhow::Result<()> {
+        let mut outcomes = outcomes.into_iter();
+        for (line_no, pending) in lines {
             let result = match pending {
                 Pending::Rejected(reason) => Err(reason),
                 Pending::Valid => Ok(Loaded::Valid),
@@ -431,7 +540,7 @@ impl Loader<'_> {
                 }
             }
         }
-        Ok(None)
+        Ok(())
     }
 
     async fn tenant_id(&mut self, name: &str) -> anyhow::Result<Option<TenantId>> {

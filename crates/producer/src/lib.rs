@@ -6,6 +6,12 @@
 //! first at [`FIRST_WINDOW_START`]) and ends one look-ahead after the schedule's next tick,
 //! so missed ticks are caught up and no reminder falls between two windows. The run intent
 //! `(tenant, window_start)` is unique: a replayed or concurrent tick creates nothing.
+//! Tenants' windows run side by side ([`WINDOWS_AT_ONCE`] at a time, each in its own
+//! transaction, its reminders streamed in batches by the ledger), and a pass does not wait for
+//! them: a tenant whose window is still running is skipped by the next passes until it ends,
+//! so one very large window does not hold back other tenants' windows. A pass is acknowledged
+//! (`producer_acks`) once its own windows have ended; a tenant it skipped is covered by its
+//! running window, which holds the tenant row until it commits (a flag change waits for it).
 //!
 //! The relay: claims due deliveries (first attempts and retries whose `next_attempt_at` has
 //! come) in the ledger, publishes their envelopes with publisher confirms, and hands failed
@@ -18,16 +24,16 @@
 mod config;
 mod metrics;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::process::ExitCode;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
 use chrono::{DateTime, TimeZone, Utc};
 use nudge_broker::{Broker, OutgoingMessage, Publisher};
-use nudge_domain::Channel;
+use nudge_domain::{Channel, TenantId};
 use nudge_ledger::{DueDelivery, Ledger, LedgerTime, Schedule, WindowOutcome};
 use nudge_proto::Envelope;
 use tokio_util::sync::CancellationToken;
@@ -91,6 +97,56 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Waits for a pass's windows, counts and logs what each did, then acknowledges the pass.
+async fn finish_pass(pass: Pass, ledger: Ledger, instance: String, metrics: Arc<ProducerMetrics>) {
+    let now = pass.now;
+    let outcomes = match pass.outcomes().await {
+        Ok(outcomes) => outcomes,
+        Err(e) => {
+            error!(error.cause_chain = %format!("{e:#}"), "clock tick failed; retrying");
+            return;
+        }
+    };
+    // Every flag committed before `now` was read by this pass (each window locks its tenant
+    // row; a tenant skipped has a window running that holds it): say so, for `nudgectl tenant
+    // pause` to wait on.
+    if let Err(e) = ledger.ack_producer_pass(&instance, now).await {
+        warn!(error.cause_chain = %format!("{:#}", anyhow::Error::from(e)),
+              "failed to acknowledge the schedule pass");
+    }
+    for (schedule, outcome) in outcomes {
+        let (label, created) = match &outcome {
+            Ok(WindowOutcome::Materialised {
+                deliveries_created: 0,
+            }) => (Some("empty"), 0),
+            Ok(WindowOutcome::Materialised { deliveries_created }) => {
+                (Some("materialised"), *deliveries_created)
+            }
+            Ok(WindowOutcome::Paused) => (Some("paused"), 0),
+            Ok(WindowOutcome::AlreadyRun) => (None, 0),
+            Err(_) => (Some("bad_schedule"), 0),
+        };
+        if let Some(label) = label {
+            metrics.window(label, created);
+        }
+        match outcome {
+            // Most windows of a quiet tenant are empty: not worth a line
+            // per tick in production logs.
+            Ok(WindowOutcome::Materialised {
+                deliveries_created: 0,
+            }) => debug!(tenant_id = %schedule.tenant_id, "empty window"),
+            Ok(WindowOutcome::Materialised { deliveries_created }) => info!(
+                tenant_id = %schedule.tenant_id, deliveries_created,
+                "window materialised"),
+            Ok(WindowOutcome::Paused) => {
+                debug!(tenant_id = %schedule.tenant_id, "tenant paused: window held")
+            }
+            Ok(WindowOutcome::AlreadyRun) => {}
+            Err(bad) => warn!(error.cause_chain = ?bad, "schedule skipped"),
+        }
+    }
+}
+
 /// A schedule's cron expression could not be used.
 #[derive(Debug, thiserror::Error)]
 #[error("invalid cron expression for tenant {tenant_id}: {reason}")]
@@ -98,6 +154,12 @@ pub struct BadSchedule {
     pub tenant_id: uuid::Uuid,
     pub reason: String,
 }
+
+/// Tenants' windows materialised at the same time, each on its own connection.
+pub const WINDOWS_AT_ONCE: usize = 2;
+
+/// What one tenant's window did in a pass.
+pub type WindowResult = (Schedule, Result<WindowOutcome, BadSchedule>);
 
 /// The clock: advances every tenant's windows.
 #[derive(Debug)]
@@ -107,6 +169,66 @@ pub struct Clock {
     /// This process's name in `producer_acks`.
     instance: String,
     metrics: Arc<ProducerMetrics>,
+    /// Tenants whose window is being materialised: passes skip them until it ends.
+    running: Arc<Mutex<HashSet<TenantId>>>,
+    permits: Arc<tokio::sync::Semaphore>,
+}
+
+/// The windows one pass started, running in the background.
+#[derive(Debug)]
+pub struct Pass {
+    now: DateTime<Utc>,
+    windows: Vec<(Schedule, WindowRun)>,
+}
+
+#[derive(Debug)]
+enum WindowRun {
+    Done(Result<WindowOutcome, BadSchedule>),
+    Running(tokio::task::JoinHandle<Result<WindowOutcome, nudge_ledger::LedgerError>>),
+}
+
+impl Pass {
+    /// Waits for the pass's windows; what each did, in schedule order. A window that failed
+    /// is an error (the others still ran; the next pass retries it).
+    pub async fn outcomes(self) -> anyhow::Result<Vec<WindowResult>> {
+        let mut outcomes = Vec::with_capacity(self.windows.len());
+        let mut failed = None;
+        for (schedule, run) in self.windows {
+            let outcome = match run {
+                WindowRun::Done(outcome) => outcome,
+                WindowRun::Running(handle) => match handle.await {
+                    Ok(Ok(outcome)) => Ok(outcome),
+                    Ok(Err(e)) => {
+                        failed.get_or_insert(anyhow::Error::new(e));
+                        continue;
+                    }
+                    Err(e) => {
+                        failed.get_or_insert(anyhow::Error::new(e));
+                        continue;
+                    }
+                },
+            };
+            outcomes.push((schedule, outcome));
+        }
+        match failed {
+            Some(e) => Err(e.context("a window failed")),
+            None => Ok(outcomes),
+        }
+    }
+}
+
+/// Takes a tenant out of the running set when its window task ends, however it ends.
+struct RunningGuard {
+    running: Arc<Mutex<HashSet<TenantId>>>,
+    tenant: TenantId,
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        if let Ok(mut running) = self.running.lock() {
+            running.remove(&self.tenant);
+        }
+    }
 }
 
 impl Clock {
@@ -120,6 +242,8 @@ impl Clock {
             parsed: HashMap::new(),
             instance: format!("{host}:{}", std::process::id()),
             metrics: Arc::new(ProducerMetrics::new()),
+            running: Arc::new(Mutex::new(HashSet::new())),
+            permits: Arc::new(tokio::sync::Semaphore::new(WINDOWS_AT_ONCE)),
         }
     }
 
@@ -129,20 +253,33 @@ impl Clock {
         self
     }
 
-    /// One pass over every schedule at `now`. Returns what each tenant's window did.
-    pub async fn tick(
-        &mut self,
-        now: DateTime<Utc>,
-    ) -> anyhow::Result<Vec<(Schedule, Result<WindowOutcome, BadSchedule>)>> {
+    /// One pass over every schedule at `now`, waiting for its windows. Returns what each
+    /// tenant's window did (a tenant whose earlier window is still running is left out).
+    pub async fn tick(&mut self, now: DateTime<Utc>) -> anyhow::Result<Vec<WindowResult>> {
+        self.start_pass(now).await?.outcomes().await
+    }
+
+    /// Starts a pass over every schedule at `now`: each tenant's window that is due runs in
+    /// the background ([`WINDOWS_AT_ONCE`] at a time); a tenant whose earlier window is still
+    /// running is skipped.
+    pub async fn start_pass(&mut self, now: DateTime<Utc>) -> anyhow::Result<Pass> {
         let schedules = self
             .ledger
             .schedules()
             .await
             .context("failed to read schedules")?;
-        let mut outcomes = Vec::with_capacity(schedules.len());
+        let mut windows = Vec::with_capacity(schedules.len());
         for schedule in schedules {
-            let outcome = match self.window_end(&schedule, now) {
-                Err(bad) => Err(bad),
+            if self
+                .running
+                .lock()
+                .map_err(|_| anyhow::anyhow!("the running windows' lock is poisoned"))?
+                .contains(&schedule.tenant_id)
+            {
+                continue;
+            }
+            let run = match self.window_end(&schedule, now) {
+                Err(bad) => WindowRun::Done(Err(bad)),
                 Ok(end) => {
                     let start = self
                         .ledger
@@ -150,23 +287,53 @@ impl Clock {
                         .await?
                         .unwrap_or_else(first_window_start);
                     if start >= end {
-                        Ok(WindowOutcome::AlreadyRun)
+                        WindowRun::Done(Ok(WindowOutcome::AlreadyRun))
                     } else {
-                        let span = tracing::info_span!("window run",
-                            tenant_id = %schedule.tenant_id,
-                            window_start = %start,
-                            window_end = %end);
-                        Ok(self
-                            .ledger
-                            .materialise_window(schedule.tenant_id, start, end, now)
-                            .instrument(span)
-                            .await?)
+                        WindowRun::Running(self.spawn_window(
+                            schedule.tenant_id,
+                            start,
+                            end,
+                            now,
+                        )?)
                     }
                 }
             };
-            outcomes.push((schedule, outcome));
+            windows.push((schedule, run));
         }
-        Ok(outcomes)
+        Ok(Pass { now, windows })
+    }
+
+    fn spawn_window(
+        &self,
+        tenant_id: TenantId,
+        start: DateTime<Utc>,
+        end: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> anyhow::Result<tokio::task::JoinHandle<Result<WindowOutcome, nudge_ledger::LedgerError>>>
+    {
+        self.running
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the running windows' lock is poisoned"))?
+            .insert(tenant_id);
+        let guard = RunningGuard {
+            running: self.running.clone(),
+            tenant: tenant_id,
+        };
+        let ledger = self.ledger.clone();
+        let permits = self.permits.clone();
+        let span = tracing::info_span!("window run",
+            tenant_id = %tenant_id,
+            window_start = %start,
+            window_end = %end);
+        Ok(tokio::spawn(
+            async move {
+                let _guard = guard;
+                // Never closed, so the permit always comes.
+                let _permit = permits.acquire_owned().await.ok();
+                ledger.materialise_window(tenant_id, start, end, now).await
+            }
+            .instrument(span),
+        ))
     }
 
     /// Where the window materialised at `now` ends: one look-ahead after the next tick.
@@ -208,45 +375,15 @@ impl Clock {
                     }
                 }
             };
-            match self.tick(now).await {
-                Ok(outcomes) => {
-                    // Every flag committed before `now` was read by this pass (each window
-                    // locks its tenant row): say so, for `nudgectl tenant pause` to wait on.
-                    if let Err(e) = self.ledger.ack_producer_pass(&self.instance, now).await {
-                        warn!(error.cause_chain = %format!("{:#}", anyhow::Error::from(e)),
-                              "failed to acknowledge the schedule pass");
-                    }
-                    for (schedule, outcome) in outcomes {
-                        let (label, created) = match &outcome {
-                            Ok(WindowOutcome::Materialised {
-                                deliveries_created: 0,
-                            }) => (Some("empty"), 0),
-                            Ok(WindowOutcome::Materialised { deliveries_created }) => {
-                                (Some("materialised"), *deliveries_created)
-                            }
-                            Ok(WindowOutcome::Paused) => (Some("paused"), 0),
-                            Ok(WindowOutcome::AlreadyRun) => (None, 0),
-                            Err(_) => (Some("bad_schedule"), 0),
-                        };
-                        if let Some(label) = label {
-                            self.metrics.window(label, created);
-                        }
-                        match outcome {
-                            // Most windows of a quiet tenant are empty: not worth a line
-                            // per tick in production logs.
-                            Ok(WindowOutcome::Materialised {
-                                deliveries_created: 0,
-                            }) => debug!(tenant_id = %schedule.tenant_id, "empty window"),
-                            Ok(WindowOutcome::Materialised { deliveries_created }) => info!(
-                                tenant_id = %schedule.tenant_id, deliveries_created,
-                                "window materialised"),
-                            Ok(WindowOutcome::Paused) => {
-                                debug!(tenant_id = %schedule.tenant_id, "tenant paused: window held")
-                            }
-                            Ok(WindowOutcome::AlreadyRun) => {}
-                            Err(bad) => warn!(error.cause_chain = ?bad, "schedule skipped"),
-                        }
-                    }
+            match self.start_pass(now).await {
+                Ok(pass) => {
+                    // Its windows finish in the background: the next pass does not wait.
+                    tokio::spawn(finish_pass(
+                        pass,
+                        self.ledger.clone(),
+                        self.instance.clone(),
+                        self.metrics.clone(),
+                    ));
                 }
                 Err(e) => {
                     error!(error.cause_chain = %format!("{e:#}"), "clock tick failed; retrying")

@@ -4,9 +4,11 @@
 //!   `nudgectl reminders load` calls per line), several at once: reminder, encrypted
 //!   destination and encrypted content, and the delivery created in the same transaction
 //!   because the reminder is already due. Or through `nudgectl reminders load` itself, timed.
-//! - The scale cases' large volumes are bulk SQL (`generate_series`), shaped exactly like what
-//!   the ledger writes (the idempotency key is checked against the domain's): reminders
-//!   without content or contacts, which are never sent during the benchmark.
+//! - The scale cases' large volumes are bulk SQL (`generate_series`), shaped like what the
+//!   intake and the producer write (the idempotency key is checked against the domain's):
+//!   keyed subscriber references (64 hex digits), sealed-size content and a contact per
+//!   subscriber (random bytes in place of ciphertext: these are never sent during the
+//!   benchmark), and `scheduled` deliveries under a run intent.
 
 use std::io::Write;
 use std::time::Instant;
@@ -142,13 +144,22 @@ pub async fn bulk_materialised(
         let end = (start + BULK_BATCH).min(count);
         sqlx::query(
             "WITH r AS (
-                 INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels,
+                 INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref,
+                                        subscriber_ref_keyed, channels, content_ciphertext,
                                         scheduled_at, expires_at, created_at)
-                 SELECT gen_random_uuid(), $1, 'future-' || i, 'future-sub-' || i, ARRAY['sms'],
+                 SELECT gen_random_uuid(), $1, 'future-' || i,
+                        encode(sha256(('future-sub-' || i)::bytea), 'hex'), true, ARRAY['sms'],
+                        decode(repeat(md5(i::text), 3), 'hex'),
                         $2 + i * $3 * interval '1 millisecond',
                         $2 + i * $3 * interval '1 millisecond' + interval '1 day', $4
                  FROM generate_series($5::bigint, $6::bigint) AS i
-                 RETURNING id, tenant_id, scheduled_at, expires_at)
+                 RETURNING id, tenant_id, subscriber_ref, scheduled_at, expires_at),
+             c AS (
+                 INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
+                                       destination_ciphertext, updated_at)
+                 SELECT r.tenant_id, r.subscriber_ref, true, 'sms',
+                        decode(md5(r.id::text) || md5(r.subscriber_ref), 'hex'), $4
+                 FROM r)
              INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
                                      scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
              SELECT gen_random_uuid(), r.id, r.tenant_id, 'sms', 'scheduled',
@@ -195,12 +206,22 @@ pub async fn bulk_unmaterialised(
     while start < count {
         let end = (start + BULK_BATCH).min(count);
         sqlx::query(
-            "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels,
-                                    scheduled_at, expires_at, created_at)
-             SELECT gen_random_uuid(), $1, 'window-' || i, 'window-sub-' || i, ARRAY['sms'],
-                    $2 + (i % 60) * interval '1 second',
-                    $2 + (i % 60) * interval '1 second' + interval '1 day', $3
-             FROM generate_series($4::bigint, $5::bigint) AS i",
+            "WITH r AS (
+                 INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref,
+                                        subscriber_ref_keyed, channels, content_ciphertext,
+                                        scheduled_at, expires_at, created_at)
+                 SELECT gen_random_uuid(), $1, 'window-' || i,
+                        encode(sha256(('window-sub-' || i)::bytea), 'hex'), true, ARRAY['sms'],
+                        decode(repeat(md5(i::text), 3), 'hex'),
+                        $2 + (i % 60) * interval '1 second',
+                        $2 + (i % 60) * interval '1 second' + interval '1 day', $3
+                 FROM generate_series($4::bigint, $5::bigint) AS i
+                 RETURNING tenant_id, subscriber_ref)
+             INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
+                                   destination_ciphertext, updated_at)
+             SELECT r.tenant_id, r.subscriber_ref, true, 'sms',
+                    decode(md5(r.subscriber_ref) || md5(r.tenant_id::text), 'hex'), $3
+             FROM r",
         )
         .bind(tenant.as_uuid())
         .bind(from)
@@ -234,7 +255,7 @@ async fn check_key_format(ledger: &Ledger, tenant: TenantId) -> anyhow::Result<(
 
 /// Planner statistics as a long-running ledger has them (autovacuum would analyse soon).
 async fn analyze(ledger: &Ledger) -> anyhow::Result<()> {
-    for table in ["reminders", "deliveries", "run_intents"] {
+    for table in ["reminders", "deliveries", "contacts", "run_intents"] {
         sqlx::query(sqlx::AssertSqlSafe(format!("VACUUM ANALYZE {table}")))
             .execute(ledger.pool())
             .await?;

@@ -6,7 +6,8 @@
 //! starts (not timed with the deliveries). Cases: one and two `nudge-sms` workers, each
 //! without a rate bucket and with one far above the load (100,000/s), so admission runs but
 //! never waits. `nudge-producer` and `nudge-janitor` run with their default configuration.
-//! The first case's runs load their reminders with `nudgectl reminders load` and time it.
+//! Each run also times `nudgectl reminders load` of a file of `--load-lines` reminders due now
+//! (100,000 by default) into a fresh database of its own.
 //! `--scale` adds the scale cases: the one-worker bucket case with a large ledger of future
 //! reminders, and one producer window in which a large number of reminders fall due.
 //!
@@ -53,6 +54,9 @@ struct Args {
     #[arg(long, default_value_t = nudge_config::AmqpConfig::default().prefetch,
           value_parser = clap::value_parser!(u16).range(1..))]
     prefetch: u16,
+    /// Lines of the file `nudgectl reminders load` is timed on, once per run.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(100..=10_000_000))]
+    load_lines: u32,
     /// Also run the scale cases (about ten more minutes at the default sizes).
     #[arg(long)]
     scale: bool,
@@ -105,6 +109,7 @@ pub struct Results {
     deliveries: u32,
     runs: u32,
     prefetch: u16,
+    load_lines: u32,
     statements_loaded: bool,
     cases: Vec<(String, Vec<RunSample>)>,
     load: Vec<LoadSample>,
@@ -139,6 +144,21 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
     let mut loads = Vec::new();
     // Runs interleave the cases, so a slow minute on a shared machine spreads over all.
     for run in 0..args.runs {
+        {
+            let env = TestEnv::start("throughput-load").await?;
+            env.ledger
+                .create_tenant("bench-clinic", &scale::bench_operator()?)
+                .await?;
+            env.ledger.pool().close().await;
+            let load = load::nudgectl_load(&env, "bench-clinic", args.load_lines as usize)?;
+            eprintln!(
+                "run {}: nudgectl reminders load of {} lines: {:.0} reminders/s",
+                run + 1,
+                args.load_lines,
+                load.per_second
+            );
+            loads.push(load);
+        }
         for (index, (name, shape)) in CASES.iter().enumerate() {
             let mut env = TestEnv::start("throughput-bench").await?;
             env.ledger.pool().close().await;
@@ -146,19 +166,8 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
             let tenant = ledger
                 .create_tenant("bench-clinic", &scale::bench_operator()?)
                 .await?;
-            if index == 0 {
-                ledger.pool().close().await;
-                let load = load::nudgectl_load(&env, "bench-clinic", n)?;
-                eprintln!(
-                    "run {}: nudgectl reminders load: {:.0} reminders/s",
-                    run + 1,
-                    load.per_second
-                );
-                loads.push(load);
-            } else {
-                load::due_now(&ledger, &env.cipher, tenant.id, n, "due").await?;
-                ledger.pool().close().await;
-            }
+            load::due_now(&ledger, &env.cipher, tenant.id, n, "due").await?;
+            ledger.pool().close().await;
             let sample = run::measure(
                 &mut env,
                 tenant.id,
@@ -200,6 +209,7 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
     Ok(Results {
         deliveries: args.deliveries,
         runs: args.runs,
+        load_lines: args.load_lines,
         prefetch: args.prefetch,
         statements_loaded,
         cases,

@@ -204,10 +204,11 @@ pub fn write(results: &Results, dir: &Path) -> anyhow::Result<()> {
     let scale_note = if results.large_ledger.is_some() {
         "The large ledger's future reminders (spread over the next seven days, starting ten \
          minutes ahead) and the window's reminders were written with bulk SQL \
-         (`generate_series`): reminders and `scheduled` deliveries with a run intent covering \
-         them, keys checked against the domain's; no content or contacts, as none of them is \
-         sent. Its due reminders were imported like the other cases', one tenant per run in \
-         the same ledger."
+         (`generate_series`) as the intake and producer shape them: keyed subscriber \
+         references, content and a contact per subscriber (random bytes in place of \
+         ciphertext, as none of them is sent), and for the large ledger `scheduled` deliveries \
+         with a run intent covering them, keys checked against the domain's. Its due reminders \
+         were imported like the other cases', one tenant per run in the same ledger."
     } else {
         "Scale cases not run (`--scale`)."
     };
