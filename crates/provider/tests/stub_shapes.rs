@@ -198,8 +198,11 @@ async fn a_hung_twilio_send_times_out_at_the_adapter_and_its_callback_still_come
         format!("{base}/accounts/sms-twilio"),
     );
     cfg.kind = ProviderKind::Twilio;
-    cfg.timeout_ms = 300;
-    cfg.connect_timeout_ms = 100;
+    // The stub hangs: the answer never comes, so the whole timeout passes. The connect timeout
+    // is generous because a loaded machine can take longer than 100 ms to accept on loopback,
+    // which would make the send fail before it left instead of after.
+    cfg.timeout_ms = 1_500;
+    cfg.connect_timeout_ms = 1_000;
     cfg.twilio = Some(TwilioKeys {
         account_sid: SID.into(),
         auth_token: Secret::new(TOKEN),
