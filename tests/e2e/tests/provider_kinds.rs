@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use base64::Engine as _;
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 use nudge_config::Secret;
 use nudge_domain::{Channel, DeliveryState, OutcomeClass, TenantId};
 use nudge_e2e::{TestEnv, WorkerOptions, free_port};
@@ -145,10 +145,16 @@ async fn run(env: &mut TestEnv, tenant: TenantId, kind: &Kind) {
     .await;
     assert_eq!(attempts.len(), 2);
     assert_eq!(attempts[0].reason.as_deref(), Some(e.throttled));
+    // A 429 while the bucket spends its burst shrinks the burst; otherwise it cuts the rate.
     let bucket = env.ledger.rate_buckets().await.unwrap().remove(0);
+    let burst_cut: Option<DateTime<Utc>> =
+        sqlx::query_scalar("SELECT burst_cut_at FROM rate_buckets")
+            .fetch_one(env.ledger.pool())
+            .await
+            .unwrap();
     assert!(
-        bucket.effective_rate < bucket.rate_per_second,
-        "the 429 fed the bucket"
+        bucket.effective_rate < bucket.rate_per_second || burst_cut.is_some(),
+        "the 429 fed the bucket: {bucket:?}"
     );
 
     // An invalid contact: dead-lettered once, the contact flagged.
