@@ -130,6 +130,12 @@ impl<P: Provider> DynProvider for P {
     }
 }
 
+/// A configuration error for `key` (relative to the provider section), as an adapter's
+/// constructor reports it.
+pub(crate) fn invalid_key(key: &str, message: impl Into<String>) -> ProviderError {
+    ProviderError::Config(nudge_config::ConfigError::invalid(key, message))
+}
+
 /// Why a provider account could not be built. Never carries a configured value.
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {

@@ -258,9 +258,7 @@ impl std::fmt::Debug for ApnsProvider {
     }
 }
 
-fn invalid(key: &str, message: impl Into<String>) -> ProviderError {
-    ProviderError::Config(ConfigError::invalid(key, message))
-}
+use crate::invalid_key as invalid;
 
 impl ApnsProvider {
     /// Builds the account from its validated configuration (errors name keys relative to the

@@ -197,9 +197,7 @@ impl std::fmt::Debug for FcmProvider {
     }
 }
 
-fn invalid(key: &str, message: impl Into<String>) -> ProviderError {
-    ProviderError::Config(ConfigError::invalid(key, message))
-}
+use crate::invalid_key as invalid;
 
 impl FcmProvider {
     /// Builds the account from its validated configuration (errors name keys relative to the
