@@ -25,7 +25,7 @@
 //! | `database.acquire_timeout_ms` | `5000` | > 0 |
 //! | `amqp.url` (secret) | `"amqp://guest:guest@127.0.0.1:5672/%2f"` | `amqp://` or `amqps://` URL; used when `amqp.urls` is empty |
 //! | `amqp.urls` (secrets) | `[]` | up to 16 `amqp://` or `amqps://` URLs, the nodes of a cluster: when not empty they replace `amqp.url`; connect to the first that answers, fail over to the next in turn; environment form `NUDGE_AMQP__URLS='["amqp://…","amqp://…"]'` |
-//! | `amqp.prefetch` | `128` | >= 1 |
+//! | `amqp.prefetch` | `96` | >= 1 |
 //! | `amqp.connect_timeout_ms` | `10000` | > 0 |
 //! | `amqp.namespace` | `""` | empty, or `[a-z0-9-]{1,40}` then `.`: prefix of exchange and queue names |
 //! | `amqp.delivery_limit` | `5` | >= 1: redeliveries before the broker dead-letters a message |

@@ -3,7 +3,8 @@
 //!
 //! Keys (defaults in brackets):
 //! - `retention.enabled` (`true`): whether the janitor runs retention at all.
-//! - `retention.interval_s` (`3600`): how often a run starts (60..=604800).
+//! - `retention.interval_s` (`3600`): how often a run starts (60..=604800): this long after
+//!   the last finished run began, on the ledger's record, not at each start-up.
 //! - `retention.batch_size` (`500`): deliveries (or rows of another table) per batch,
 //!   each batch its own short transaction (1..=10000).
 //! - `retention.pause_ms` (`200`): pause between batches, so live traffic keeps the database

@@ -145,7 +145,7 @@ impl Default for AmqpConfig {
         Self {
             url: Secret::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
             urls: Vec::new(),
-            prefetch: 128,
+            prefetch: 96,
             connect_timeout_ms: 10_000,
             namespace: String::new(),
             delivery_limit: 5,

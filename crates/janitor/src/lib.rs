@@ -21,7 +21,8 @@
 //!   tenant that is not paused, missing a delivery on a channel that is not draining, is
 //!   materialised and logged as a bug.
 //!
-//! - Retention ([`retention`], `[retention]`): every `retention.interval_s`, unless a drain, an
+//! - Retention ([`retention`], `[retention]`): `retention.interval_s` after the last finished
+//!   run began (the ledger's record, not this process's start), unless a drain, an
 //!   active redrive, an ownership change or a foreign schema blocks it (logged by name), a run
 //!   counts what the policy lets go, records it, then deletes it in bounded batches through
 //!   the database's retention functions.

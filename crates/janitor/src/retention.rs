@@ -184,7 +184,10 @@ pub async fn retention_once(
 }
 
 /// Runs retention every `interval` until shutdown, logging what each run did or why it did not
-/// run.
+/// run. The schedule is the ledger's, not the process's: a run starts `interval` after the last
+/// finished run began (whichever janitor ran it), so a restarted or rescheduled janitor does
+/// not count the whole ledger again before its time. After a run that did not finish (skipped,
+/// stopped, failed) this janitor tries again `interval` later; one starting meanwhile, at once.
 pub async fn retention_loop(
     ledger: Ledger,
     settings: RetentionSettings,
@@ -201,16 +204,36 @@ pub async fn retention_loop(
     }
     let runner = format!("janitor-{}", std::process::id());
     loop {
+        match ledger.retention_due_in(interval).await {
+            Ok(wait) if !wait.is_zero() => {
+                info!(
+                    next_run_in_s = wait.as_secs(),
+                    "retention: the last finished run is recent; waiting for the next"
+                );
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(wait) => {}
+                }
+                continue;
+            }
+            Ok(_) => {}
+            // The run itself reports the database's trouble, if it lasts.
+            Err(e) => warn!(error.cause_chain = ?e, "failed to read when retention last ran"),
+        }
         match retention_once(&ledger, &settings, &runner, LedgerTime::Database, &shutdown).await {
             Ok(RetentionOutcome::Refused(blockers)) => {
                 warn!(reasons = %describe(&blockers), "retention run skipped");
             }
             Ok(RetentionOutcome::Ran(summary)) => match summary.state {
-                RunState::Finished => info!(
-                    run_id = summary.id,
-                    deleted = ?summary.deleted,
-                    "retention run finished; deleted counts agree with the plan"
-                ),
+                RunState::Finished => {
+                    info!(
+                        run_id = summary.id,
+                        deleted = ?summary.deleted,
+                        "retention run finished; deleted counts agree with the plan"
+                    );
+                    // The next one is due an interval after this one began.
+                    continue;
+                }
                 RunState::Stopped => info!(
                     run_id = summary.id,
                     deleted = ?summary.deleted,

@@ -197,6 +197,12 @@ async fn a_shutdown_stops_a_run_between_batches_and_the_next_run_finishes_it(poo
     let janitor = as_janitor(&pool).await;
     let shutdown = CancellationToken::new();
     shutdown.cancel();
+    let hour = Duration::from_secs(3_600);
+    assert_eq!(
+        janitor.retention_due_in(hour).await.unwrap(),
+        Duration::ZERO,
+        "no run has finished: one is due at once"
+    );
 
     let first = retention_once(
         &janitor,
@@ -217,6 +223,11 @@ async fn a_shutdown_stops_a_run_between_batches_and_the_next_run_finishes_it(poo
         "one batch, then stop"
     );
     assert_eq!(count(&pool, "delivered").await, 6);
+    assert_eq!(
+        janitor.retention_due_in(hour).await.unwrap(),
+        Duration::ZERO,
+        "a stopped run does not put the next one off"
+    );
 
     let second = retention_once(
         &janitor,
@@ -234,6 +245,13 @@ async fn a_shutdown_stops_a_run_between_batches_and_the_next_run_finishes_it(poo
     assert_eq!(second.planned[&RetentionTable::Deliveries], 6);
     assert_eq!(second.deleted, second.planned);
     assert_eq!(count(&pool, "delivered").await, 0);
+    // The next run is due an interval after the finished one began, whichever process asks
+    // (a restarted janitor waits too). Tolerance: the minute this test may take.
+    let due = janitor.retention_due_in(hour).await.unwrap();
+    assert!(
+        due > hour - Duration::from_secs(60) && due <= hour,
+        "next run due in {due:?}"
+    );
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -367,4 +385,50 @@ async fn a_drain_a_redrive_an_ownership_change_a_foreign_schema_or_another_run_b
     };
     assert_eq!(summary.state, RunState::Finished);
     assert_eq!(count(&pool, "delivered").await, 0);
+}
+
+/// A recorded run `ago` before the database's now, in `state`.
+async fn recorded_run(pool: &PgPool, ago: Duration, state: &str) {
+    sqlx::query(
+        "INSERT INTO retention_runs (started_at, runner, delivered_s, expired_s, cancelled_s,
+             dead_lettered_s, reminders_s, contacts_s, audit_s, planned, state, finished_at)
+         VALUES (now() - make_interval(secs => $1), 'j', 604800, 604800, 604800, 604800,
+             604800, 604800, 31536000, '{}', $2, now() - make_interval(secs => $1) + interval '1 s')",
+    )
+    .bind(ago.as_secs_f64())
+    .bind(state)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_next_run_is_due_an_interval_after_the_last_finished_run_began_and_unfinished_runs_put_none_off(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let hour = Duration::from_secs(3_600);
+    assert_eq!(ledger.retention_due_in(hour).await.unwrap(), Duration::ZERO);
+
+    recorded_run(&pool, Duration::from_secs(2 * 3_600), "finished").await;
+    assert_eq!(
+        ledger.retention_due_in(hour).await.unwrap(),
+        Duration::ZERO,
+        "the last finished run is older than the interval"
+    );
+    recorded_run(&pool, Duration::from_secs(120), "stopped").await;
+    recorded_run(&pool, Duration::from_secs(60), "mismatch").await;
+    assert_eq!(
+        ledger.retention_due_in(hour).await.unwrap(),
+        Duration::ZERO,
+        "stopped and mismatched runs put no run off"
+    );
+
+    recorded_run(&pool, Duration::from_secs(600), "finished").await;
+    // 50 minutes left; tolerance: the minute this test may take.
+    let due = ledger.retention_due_in(hour).await.unwrap();
+    assert!(
+        due > Duration::from_secs(49 * 60) && due <= Duration::from_secs(50 * 60),
+        "next run due in {due:?}"
+    );
 }

@@ -1,7 +1,9 @@
 //! `nudgectl` configuration.
 //!
 //! Keys (see `nudge-config` for each key's default and rule):
-//! - `database.url`, `database.max_connections`, `database.acquire_timeout_ms`
+//! - `database.url`, `database.acquire_timeout_ms` (`database.max_connections` is read but
+//!   not used: `nudgectl` opens `CHUNKS_IN_FLIGHT` + 2 connections, 8 today, what
+//!   `reminders load` writes with)
 //! - `telemetry.log_format`, `telemetry.log_filter` (default here: `warn`, so operator output
 //!   is not mixed with logs), `telemetry.otlp_endpoint`, `telemetry.metrics_addr`
 //! - `crypto.destination_key` (secret): the key the workers decrypt destinations and content

@@ -413,7 +413,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let _telemetry = nudge_telemetry::init("nudgectl", &config.telemetry)
         .context("failed to initialise logging")?;
     let ledger = Ledger::connect(&nudge_config::DatabaseConfig {
-        max_connections: 4,
+        // `reminders load` writes CHUNKS_IN_FLIGHT chunks at once, each on its own connection,
+        // besides a tenant lookup.
+        max_connections: u32::try_from(load::CHUNKS_IN_FLIGHT)
+            .unwrap_or(u32::MAX)
+            .saturating_add(2),
         ..config.database.clone()
     })
     .await

@@ -45,8 +45,11 @@ pub const MAX_LINE_BYTES: usize = 64 * 1024;
 pub const CHUNK_LINES: u64 = 500;
 
 /// Chunks being written at once, each its own transaction on its own connection (the
-/// connection pool has room for them and a tenant lookup).
-pub const CHUNKS_IN_FLIGHT: usize = 3;
+/// connection pool has room for them and a tenant lookup). Each chunk's transaction
+/// alternates between the database and this process (sealing, encoding, reading answers):
+/// with 3 at once both sides were mostly idle (7,500 reminders/s on 2 cores); with 6,
+/// 13,400/s (100,000 lines, release build).
+pub const CHUNKS_IN_FLIGHT: usize = 6;
 
 /// What the operator asked for, besides the input.
 #[derive(Debug)]

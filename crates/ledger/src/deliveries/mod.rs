@@ -336,8 +336,12 @@ const DELIVERY_COLUMNS: &str = "id, reminder_id, tenant_id, channel, state, idem
 impl Ledger {
     /// Deliveries of `channel` published or being sent: what the relay has in flight.
     pub async fn in_flight(&self, channel: Channel) -> Result<u64, LedgerError> {
+        // One count per state, so each reads its partial index (`queued_idx`, `lease_idx`):
+        // an `IN` over both made PostgreSQL scan the whole table, 56 ms a pass with a million
+        // deliveries scheduled for later, against 0.06 ms this way.
         let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM deliveries WHERE channel = $1 AND state IN ('queued', 'sending')",
+            "SELECT (SELECT count(*) FROM deliveries WHERE state = 'queued' AND channel = $1)
+                  + (SELECT count(*) FROM deliveries WHERE state = 'sending' AND channel = $1)",
         )
         .bind(channel.as_str())
         .fetch_one(&self.pool)

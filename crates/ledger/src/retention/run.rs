@@ -3,6 +3,7 @@
 //! (the protocol is the parent module's).
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, RetentionPolicy};
@@ -169,6 +170,23 @@ impl Ledger {
                 .fetch_one(&self.pool)
                 .await?,
         )
+    }
+
+    /// How long until a retention run is due: `interval` after the start of the last run that
+    /// finished, compared with the database's clock (the instant a run records: the janitor's
+    /// runs record the database's), zero when that time has passed or no run has finished yet.
+    /// A run that stopped or disagreed with its plan does not count: it puts no run off.
+    pub async fn retention_due_in(&self, interval: Duration) -> Result<Duration, LedgerError> {
+        let seconds: Option<f64> = sqlx::query_scalar(
+            "SELECT extract(epoch FROM max(started_at) + make_interval(secs => $1) - now())::float8
+             FROM retention_runs WHERE state = 'finished'",
+        )
+        .bind(interval.as_secs_f64())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(seconds.filter(|s| *s > 0.0).map_or(Duration::ZERO, |s| {
+            Duration::from_secs_f64(s.min(interval.as_secs_f64()))
+        }))
     }
 
     /// Why a run must not start now; empty when it may.

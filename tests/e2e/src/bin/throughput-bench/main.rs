@@ -114,6 +114,8 @@ pub struct Results {
     cases: Vec<(String, Vec<RunSample>)>,
     load: Vec<LoadSample>,
     large_ledger: Option<(u32, Vec<RunSample>)>,
+    /// How long the large ledger's retention run took (before the timed runs).
+    large_ledger_retention_s: Option<f64>,
     window: Option<WindowSample>,
     seconds: f64,
 }
@@ -186,12 +188,12 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
             cases[index].1.push(sample);
         }
     }
-    let (large_ledger, window) = if args.scale {
+    let (large_ledger, large_ledger_retention_s, window) = if args.scale {
         eprintln!(
             "scale: {} future reminders in the ledger",
             args.ledger_reminders
         );
-        let large = scale::large_ledger(
+        let (large, retention_s) = scale::large_ledger(
             n,
             args.runs as usize,
             args.ledger_reminders as usize,
@@ -202,9 +204,13 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
         .await?;
         eprintln!("scale: one window of {} reminders", args.window_reminders);
         let window = scale::large_window(args.window_reminders as usize).await?;
-        (Some((args.ledger_reminders, large)), Some(window))
+        (
+            Some((args.ledger_reminders, large)),
+            Some(retention_s),
+            Some(window),
+        )
     } else {
-        (None, None)
+        (None, None, None)
     };
     Ok(Results {
         deliveries: args.deliveries,
@@ -215,6 +221,7 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
         cases,
         load: loads,
         large_ledger,
+        large_ledger_retention_s,
         window,
         seconds: clock.elapsed().as_secs_f64(),
     })
