@@ -1,4 +1,4 @@
-//! The table against the targets, the per-case figures, and the files under
+//! The table against the benchmark's targets, the per-case figures, and the files under
 //! `bench/results/`.
 
 use std::fmt::Write as _;
