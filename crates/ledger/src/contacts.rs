@@ -6,7 +6,7 @@
 use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, SubscriberRef, TenantId};
 
-use crate::crypto::{Destination, DestinationCipher};
+use crate::crypto::{Destination, DestinationCipher, DestinationDigest};
 use crate::{Ledger, LedgerError};
 
 /// A destination's associated data: its row's identity, with the subscriber reference in
@@ -15,13 +15,26 @@ pub(crate) fn destination_aad(tenant_id: TenantId, stored_ref: &str, channel: Ch
     format!("destination:{tenant_id}:{channel}:{stored_ref}").into_bytes()
 }
 
-/// Inserts or replaces sealed destinations `(tenant, stored subscriber ref, channel,
-/// ciphertext)` in one statement; a replaced destination loses its provider flags (invalid,
-/// opted out). The caller gives each key once, sealed under
-/// [`destination_aad`] of that key.
+/// A destination ready to store: its row's key, its ciphertext (sealed under
+/// [`destination_aad`] of that key) and its keyed digest.
+pub(crate) struct SealedContact {
+    pub tenant_id: uuid::Uuid,
+    pub stored_ref: String,
+    pub channel: Channel,
+    pub ciphertext: Vec<u8>,
+    pub digest: DestinationDigest,
+}
+
+/// Stores sealed destinations in one statement. A contact that already holds the same
+/// destination (the same digest) keeps its ciphertext and its provider flags: only its
+/// `updated_at` moves, which keeps it from retention while it is posted. A contact given
+/// another destination takes it and loses its flags (invalid, opted out): they describe the
+/// destination they were learnt from. A contact stored before digests were (no digest) takes
+/// the new destination and its digest but keeps its flags: whether the destination changed is
+/// unknown, and an opt-out is never cleared on a guess. The caller gives each key once.
 pub(crate) async fn upsert_contacts(
     conn: &mut sqlx::PgConnection,
-    sealed: &[(uuid::Uuid, String, Channel, Vec<u8>)],
+    sealed: &[SealedContact],
     now: DateTime<Utc>,
 ) -> Result<(), LedgerError> {
     if sealed.is_empty() {
@@ -29,20 +42,52 @@ pub(crate) async fn upsert_contacts(
     }
     sqlx::query(
         "INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
-                               destination_ciphertext, updated_at)
-         SELECT c.tenant_id, c.subscriber_ref, true, c.channel, c.ciphertext, $5
-         FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bytea[])
-              AS c(tenant_id, subscriber_ref, channel, ciphertext)
+                               destination_ciphertext, destination_digest, updated_at)
+         SELECT c.tenant_id, c.subscriber_ref, true, c.channel, c.ciphertext, c.digest, $6
+         FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::bytea[])
+              AS c(tenant_id, subscriber_ref, channel, ciphertext, digest)
          ON CONFLICT (tenant_id, subscriber_ref, channel)
-         DO UPDATE SET destination_ciphertext = EXCLUDED.destination_ciphertext,
-                       updated_at = EXCLUDED.updated_at,
-                       -- The flags describe the destination they were learnt from.
-                       invalid_at = NULL, opted_out_at = NULL",
+         DO UPDATE SET
+             destination_ciphertext = CASE
+                 WHEN contacts.destination_digest IS NOT DISTINCT FROM EXCLUDED.destination_digest
+                 THEN contacts.destination_ciphertext
+                 ELSE EXCLUDED.destination_ciphertext END,
+             destination_digest = EXCLUDED.destination_digest,
+             updated_at = EXCLUDED.updated_at,
+             invalid_at = CASE
+                 WHEN contacts.destination_digest IS DISTINCT FROM EXCLUDED.destination_digest
+                  AND contacts.destination_digest IS NOT NULL
+                 THEN NULL ELSE contacts.invalid_at END,
+             opted_out_at = CASE
+                 WHEN contacts.destination_digest IS DISTINCT FROM EXCLUDED.destination_digest
+                  AND contacts.destination_digest IS NOT NULL
+                 THEN NULL ELSE contacts.opted_out_at END",
     )
-    .bind(sealed.iter().map(|c| c.0).collect::<Vec<_>>())
-    .bind(sealed.iter().map(|c| c.1.as_str()).collect::<Vec<_>>())
-    .bind(sealed.iter().map(|c| c.2.as_str()).collect::<Vec<_>>())
-    .bind(sealed.iter().map(|c| c.3.as_slice()).collect::<Vec<_>>())
+    .bind(sealed.iter().map(|c| c.tenant_id).collect::<Vec<_>>())
+    .bind(
+        sealed
+            .iter()
+            .map(|c| c.stored_ref.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        sealed
+            .iter()
+            .map(|c| c.channel.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        sealed
+            .iter()
+            .map(|c| c.ciphertext.as_slice())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        sealed
+            .iter()
+            .map(|c| c.digest.as_bytes())
+            .collect::<Vec<_>>(),
+    )
     .bind(now)
     .execute(&mut *conn)
     .await
@@ -55,9 +100,30 @@ pub(crate) async fn upsert_contacts(
     Ok(())
 }
 
+/// Seals one destination for its row: ciphertext and digest.
+pub(crate) fn seal_contact(
+    cipher: &DestinationCipher,
+    tenant_id: TenantId,
+    stored_ref: String,
+    channel: Channel,
+    destination: &Destination,
+) -> Result<SealedContact, LedgerError> {
+    let ciphertext = cipher.seal(
+        destination.expose().as_bytes(),
+        &destination_aad(tenant_id, &stored_ref, channel),
+    )?;
+    Ok(SealedContact {
+        tenant_id: tenant_id.as_uuid(),
+        digest: cipher.destination_digest(tenant_id, channel, destination)?,
+        stored_ref,
+        channel,
+        ciphertext,
+    })
+}
+
 impl Ledger {
-    /// Stores (or replaces) a subscriber's destination for one channel, encrypted. Needs the
-    /// cipher's subscriber key.
+    /// Stores (or replaces) a subscriber's destination for one channel, encrypted (see
+    /// [`upsert_contacts`] for what happens to its flags). Needs the cipher's subscriber key.
     pub async fn upsert_contact(
         &self,
         tenant_id: TenantId,
@@ -68,21 +134,14 @@ impl Ledger {
         now: DateTime<Utc>,
     ) -> Result<(), LedgerError> {
         let stored_ref = cipher.stored_ref(tenant_id, subscriber_ref)?;
-        let sealed = cipher.seal(
-            destination.expose().as_bytes(),
-            &destination_aad(tenant_id, &stored_ref, channel),
-        )?;
+        let sealed = seal_contact(cipher, tenant_id, stored_ref, channel, destination)?;
         let mut conn = self.pool.acquire().await?;
-        upsert_contacts(
-            &mut conn,
-            &[(tenant_id.as_uuid(), stored_ref, channel, sealed)],
-            now,
-        )
-        .await
-        .map_err(|e| match e {
-            LedgerError::InvalidInput(_) => LedgerError::UnknownTenant(tenant_id.as_uuid()),
-            other => other,
-        })
+        upsert_contacts(&mut conn, &[sealed], now)
+            .await
+            .map_err(|e| match e {
+                LedgerError::InvalidInput(_) => LedgerError::UnknownTenant(tenant_id.as_uuid()),
+                other => other,
+            })
     }
 }
 

@@ -13,7 +13,7 @@
 use chacha20poly1305::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
 use chacha20poly1305::{XChaCha20Poly1305, XNonce};
 use hmac::{Hmac, Mac};
-use nudge_domain::{SubscriberRef, TenantId};
+use nudge_domain::{Channel, SubscriberRef, TenantId};
 use sha2::Sha256;
 
 use crate::LedgerError;
@@ -124,6 +124,27 @@ impl DestinationCipher {
         Ok(mac.finalize().into_bytes().to_vec())
     }
 
+    /// The keyed digest of a destination (HMAC-SHA256 under the subscriber key over the
+    /// tenant, the channel and the destination's normal form, see [`Destination::normal_form`]):
+    /// stored beside its ciphertext, it tells whether a post brings the destination a contact
+    /// already holds without opening it, and names the destination a send used. Keyed, so a
+    /// digest cannot be tested against guessed numbers without the key.
+    pub fn destination_digest(
+        &self,
+        tenant_id: TenantId,
+        channel: Channel,
+        destination: &Destination,
+    ) -> Result<DestinationDigest, LedgerError> {
+        let key = self.subscriber_key()?;
+        let mut mac = key.mac.clone();
+        mac.update(b"nudge destination v1\0");
+        mac.update(tenant_id.as_uuid().as_bytes());
+        mac.update(channel.as_str().as_bytes());
+        mac.update(b"\0");
+        mac.update(destination.normal_form(channel).as_bytes());
+        Ok(DestinationDigest(mac.finalize().into_bytes().to_vec()))
+    }
+
     /// Returns `nonce || ciphertext`.
     pub(crate) fn seal(&self, plaintext: &[u8], aad: &[u8]) -> Result<Vec<u8>, LedgerError> {
         let nonce = XChaCha20Poly1305::generate_nonce(&mut OsRng);
@@ -177,6 +198,42 @@ impl Destination {
     }
 }
 
+impl Destination {
+    /// The form two spellings of one destination share: for SMS the number's `+` and digits
+    /// (spaces, dashes, dots and brackets dropped), for email the address trimmed and
+    /// lower-cased, for push the token trimmed.
+    pub fn normal_form(&self, channel: Channel) -> String {
+        let value = self.0.trim();
+        match channel {
+            Channel::Sms => value
+                .chars()
+                .filter(|c| c.is_ascii_digit() || *c == '+')
+                .collect(),
+            Channel::Email => value.to_lowercase(),
+            Channel::Push => value.to_owned(),
+        }
+    }
+}
+
+/// The keyed digest of a destination ([`DestinationCipher::destination_digest`]): 32 bytes,
+/// stored in `contacts.destination_digest` and stamped on a delivery by its fence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DestinationDigest(Vec<u8>);
+
+impl DestinationDigest {
+    /// Its length in bytes.
+    pub(crate) const LEN: usize = 32;
+
+    /// A digest as the ledger stored it; `None` for anything but [`Self::LEN`] bytes.
+    pub(crate) fn from_stored(bytes: Vec<u8>) -> Option<Self> {
+        (bytes.len() == Self::LEN).then_some(Self(bytes))
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 impl std::fmt::Debug for Destination {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Destination(<redacted>)")
@@ -189,6 +246,51 @@ mod tests {
 
     fn cipher() -> DestinationCipher {
         DestinationCipher::new(&[7u8; 32])
+    }
+
+    #[test]
+    fn two_spellings_of_one_destination_share_a_digest_and_two_destinations_do_not() {
+        let writer = cipher().with_subscriber_key(SubscriberKey::new(&[9u8; 32]));
+        let tenant = TenantId::from_uuid(uuid::Uuid::from_u128(1));
+        let digest = |channel, value: &str| {
+            writer
+                .destination_digest(tenant, channel, &Destination::new(value))
+                .unwrap()
+        };
+        assert_eq!(
+            digest(Channel::Sms, "+1 (555) 010-0100"),
+            digest(Channel::Sms, "+15550100100")
+        );
+        assert_eq!(
+            digest(Channel::Email, " Pat@Example.org"),
+            digest(Channel::Email, "pat@example.org")
+        );
+        assert_ne!(
+            digest(Channel::Sms, "+15550100100"),
+            digest(Channel::Sms, "+15550100101")
+        );
+        // The same text on another channel, or of another tenant, is another destination.
+        assert_ne!(
+            digest(Channel::Email, "pat@example.org"),
+            digest(Channel::Push, "pat@example.org")
+        );
+        let other = TenantId::from_uuid(uuid::Uuid::from_u128(2));
+        assert_ne!(
+            digest(Channel::Sms, "+15550100100"),
+            writer
+                .destination_digest(other, Channel::Sms, &Destination::new("+15550100100"))
+                .unwrap()
+        );
+        assert_eq!(digest(Channel::Sms, "+15550100100").as_bytes().len(), 32);
+    }
+
+    #[test]
+    fn a_destination_digest_needs_the_subscriber_key() {
+        let tenant = TenantId::from_uuid(uuid::Uuid::from_u128(1));
+        assert!(matches!(
+            cipher().destination_digest(tenant, Channel::Sms, &Destination::new("+15550100100")),
+            Err(LedgerError::SubscriberKeyMissing)
+        ));
     }
 
     #[test]

@@ -78,4 +78,16 @@ impl LedgerError {
             reason: reason.to_string(),
         }
     }
+
+    /// The database refused the statement's data: a constraint (SQLSTATE class 23) or a
+    /// value out of its type's range (class 22). Trying the same rows again fails the same
+    /// way; trying them apart finds the one at fault.
+    pub fn is_data_refused(&self) -> bool {
+        match self {
+            LedgerError::Database(sqlx::Error::Database(db)) => db
+                .code()
+                .is_some_and(|code| code.starts_with("23") || code.starts_with("22")),
+            _ => false,
+        }
+    }
 }

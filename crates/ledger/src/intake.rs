@@ -13,7 +13,7 @@ use nudge_domain::{Channel, DeliveryState, EventId, ReminderId, SubscriberRef, T
 use rand::RngExt;
 
 use crate::audit::{self, Operator};
-use crate::contacts::{destination_aad, upsert_contacts};
+use crate::contacts::{seal_contact, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher};
 use crate::deliveries::LedgerTime;
 use crate::{Ledger, LedgerError};
@@ -368,13 +368,13 @@ impl Ledger {
                     "a destination is larger than 1024 bytes",
                 ));
             }
-            let aad = destination_aad(tenant_id, &stored_ref, *channel);
-            sealed.push((
-                tenant_id.as_uuid(),
+            sealed.push(seal_contact(
+                cipher,
+                tenant_id,
                 stored_ref.clone(),
                 *channel,
-                cipher.seal(destination.expose().as_bytes(), &aad)?,
-            ));
+                destination,
+            )?);
         }
         let mut conn = self.pool.acquire().await?;
         upsert_contacts(&mut conn, &sealed, now)

@@ -5,7 +5,8 @@
 //! names its delivery by the key it carried (reminder and channel, the delivery's unique pair)
 //! and only if that delivery went through the same provider account; then, for the newly
 //! inserted only, a delivery held `ambiguous` is settled `delivered` or `dead_lettered` by what
-//! the receipt shows, and a bounce or opt-out flags the contact. A receipt never moves a
+//! the receipt shows, and a bounce or opt-out flags the contact while it still holds the
+//! destination that delivery was sent to. A receipt never moves a
 //! delivery in any other state: one already delivered stays delivered, one being retried is
 //! left to its own send.
 
@@ -104,6 +105,9 @@ const RECORD: &str = "WITH input AS (
              JOIN reminders r ON r.id = d.reminder_id
         WHERE e.contact_flag IS NOT NULL AND c.tenant_id = r.tenant_id
           AND c.subscriber_ref = r.subscriber_ref AND c.channel = d.channel
+          -- Only while the contact holds the destination the send used (stamped by its
+          -- fence): a late bounce or STOP for an old number never flags the one stored since.
+          AND c.destination_digest IS NOT DISTINCT FROM d.destination_digest
         RETURNING 1)
     SELECT e.provider_account, e.event_key, e.delivery_id IS NOT NULL AS matched,
            EXISTS (SELECT 1 FROM settled s WHERE s.id = e.delivery_id) AS settled

@@ -14,7 +14,7 @@ use nudge_domain::{
 };
 use sqlx::PgConnection;
 
-use crate::contacts::{destination_aad, upsert_contacts};
+use crate::contacts::{seal_contact, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher};
 use crate::{Ledger, LedgerError};
 
@@ -713,7 +713,10 @@ async fn import_in(
                 }
             }
         };
-        if !matches!(outcome, ImportOutcome::EventConflict) {
+        // Only a reminder created now brings its destinations: a repeated post (a client's
+        // retry of an old event, perhaps with a number the patient has since replaced)
+        // changes nothing at all, and a conflicting one is refused.
+        if matches!(outcome, ImportOutcome::Created { .. }) {
             for (channel, destination) in &row.item.contacts {
                 contacts.insert(
                     (
@@ -730,9 +733,13 @@ async fn import_in(
 
     let mut sealed = Vec::with_capacity(contacts.len());
     for ((tenant_id, stored_ref, channel), destination) in contacts {
-        let aad = destination_aad(TenantId::from_uuid(tenant_id), &stored_ref, channel);
-        let ciphertext = cipher.seal(destination.expose().as_bytes(), &aad)?;
-        sealed.push((tenant_id, stored_ref, channel, ciphertext));
+        sealed.push(seal_contact(
+            cipher,
+            TenantId::from_uuid(tenant_id),
+            stored_ref,
+            channel,
+            destination,
+        )?);
     }
     upsert_contacts(tx, &sealed, now).await?;
 

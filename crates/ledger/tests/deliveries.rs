@@ -10,7 +10,9 @@ use nudge_domain::{
     AttemptContext, Channel, DeliveryState, FixedJitter, IdempotencySupport, Lane, OutcomeClass,
     RetryPolicy, SendOutcome, decide,
 };
-use nudge_ledger::{AttemptRecord, DueDelivery, LeaseOutcome, LeasedDelivery, Ledger, Recorded};
+use nudge_ledger::{
+    AttemptRecord, DueDelivery, LeaseOutcome, LeasedDelivery, Ledger, LedgerTime, Recorded,
+};
 use sqlx::PgPool;
 
 /// Publishes (claims and commits) everything due at `now`.
@@ -750,5 +752,177 @@ async fn status_counts_each_channel_and_the_age_of_its_oldest_eligible_work(pool
     assert_eq!(
         push.scheduled + push.queued + push.sending + push.dead_lettered,
         0
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_batch_holding_an_old_copy_before_the_republished_one_leases_the_newest(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "e", &[Channel::Sms], t0()).await;
+    let first = publish_due(&ledger, t0()).await.remove(0);
+    let held = lease_waiting(&ledger, &first, t0()).await;
+    give_back_unthrottled(&ledger, &held, t0()).await;
+    let second = publish_due(&ledger, t0() + secs(1)).await.remove(0);
+    assert_eq!(second.generation, first.generation + 1);
+    let settings = settings();
+    let cipher = cipher();
+    let routes = routes(IdempotencySupport::Honoured);
+    let batch = batch_of(
+        Channel::Sms,
+        "worker-1",
+        &routes,
+        &settings,
+        &cipher,
+        at(t0() + secs(1)),
+    );
+
+    // The broker delivered the stale copy first, then the republished one.
+    let result = ledger
+        .lease_batch(
+            &batch,
+            &[(first.id, first.generation), (second.id, second.generation)],
+        )
+        .await
+        .unwrap();
+
+    assert!(
+        matches!(result.outcomes[0], LeaseOutcome::Stale { .. }),
+        "{:?}",
+        result.outcomes[0]
+    );
+    assert!(
+        matches!(result.outcomes[1], LeaseOutcome::Leased { .. }),
+        "the newest copy is the one tried: {:?}",
+        result.outcomes[1]
+    );
+    assert_eq!(
+        ledger.delivery(second.id).await.unwrap().unwrap().state,
+        DeliveryState::Sending
+    );
+}
+
+/// The lease finds its candidates with the transaction's clock and waits for its buckets'
+/// locks after: a delivery that expires during that wait must not come back fenced.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_delivery_that_expires_while_the_lease_waits_for_its_bucket_is_not_fenced(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    let db_now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+        .fetch_one(ledger.pool())
+        .await
+        .unwrap();
+    let reminder = nudge_ledger::NewReminder::new(
+        tenant.id,
+        nudge_domain::EventId::parse("short-lived").unwrap(),
+        nudge_domain::SubscriberRef::parse("patient-0001").unwrap(),
+        &[Channel::Sms],
+        db_now - secs(1),
+        db_now + chrono::Duration::milliseconds(1_500),
+    )
+    .unwrap();
+    let created = ledger
+        .create_reminder(&reminder, &cipher(), db_now)
+        .await
+        .unwrap();
+    ledger
+        .materialise_reminder(tenant.id, created.id, db_now)
+        .await
+        .unwrap();
+    ledger
+        .ensure_bucket(&account("main"), Channel::Sms, 100.0, 100, db_now)
+        .await
+        .unwrap();
+    let due = ledger
+        .claim_due(Channel::Sms, 10, LedgerTime::Database)
+        .await
+        .unwrap()
+        .remove(0);
+
+    // Another worker holds the bucket's lock while the delivery's expiry passes.
+    let mut holder = ledger.pool().begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM rate_buckets FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let leasing = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            let settings = settings();
+            let cipher = cipher();
+            let routes = routes(IdempotencySupport::NotHonoured);
+            let batch = batch_of(
+                Channel::Sms,
+                "worker-1",
+                &routes,
+                &settings,
+                &cipher,
+                LedgerTime::Database,
+            );
+            ledger
+                .lease_batch(&batch, &[(due.id, due.generation)])
+                .await
+                .unwrap()
+                .outcomes
+                .remove(0)
+        })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(ledger.pool())
+        .await
+        .unwrap();
+        let expired: bool = sqlx::query_scalar(
+            "SELECT clock_timestamp() > expires_at FROM deliveries WHERE id = $1",
+        )
+        .bind(due.id.as_uuid())
+        .fetch_one(ledger.pool())
+        .await
+        .unwrap();
+        if waiting > 0 && expired {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lease never waited for the bucket past the expiry"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    holder.commit().await.unwrap();
+
+    let outcome = leasing.await.unwrap();
+    let started: Option<DateTime<Utc>> =
+        sqlx::query_scalar("SELECT send_started_at FROM deliveries WHERE id = $1")
+            .bind(due.id.as_uuid())
+            .fetch_one(ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!(started, None, "an expired delivery's send never starts");
+    let LeaseOutcome::Leased {
+        lease,
+        slot: nudge_ledger::SendSlot::At { reserved_at, .. },
+        ..
+    } = outcome
+    else {
+        panic!("expected a lease left to its fence, got {outcome:?}");
+    };
+    let fenced = ledger
+        .fence(
+            &lease,
+            reserved_at,
+            LEASE,
+            std::time::Duration::from_secs(10),
+            LedgerTime::Database,
+        )
+        .await
+        .unwrap();
+    assert_eq!(fenced, Err(nudge_ledger::FenceRefused::Expired));
+    assert_eq!(
+        ledger.delivery(due.id).await.unwrap().unwrap().state,
+        DeliveryState::Expired
     );
 }

@@ -347,3 +347,164 @@ async fn a_delivered_receipt_settles_an_ambiguous_delivery_and_leaves_others_alo
     );
     assert_eq!(flags(&ledger).await, (None, None));
 }
+
+/// Posts a reminder with its subscriber's SMS destination, as the intake does, and
+/// materialises it.
+async fn post(
+    ledger: &Ledger,
+    tenant: nudge_domain::TenantId,
+    event: &str,
+    destination: &str,
+    scheduled_at: DateTime<Utc>,
+) -> nudge_ledger::CreatedReminder {
+    let created = ledger
+        .import_reminder(
+            &reminder(tenant, event, &[Channel::Sms], scheduled_at),
+            &[(Channel::Sms, Destination::new(destination))],
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+    if created.created {
+        ledger
+            .materialise_reminder(tenant, created.id, t0())
+            .await
+            .unwrap();
+    }
+    created
+}
+
+/// What the next lease of a new reminder of the subscriber sees: the destination stored and
+/// the contact's flag.
+async fn stored(
+    ledger: &Ledger,
+    tenant: nudge_domain::TenantId,
+    event: &str,
+    now: DateTime<Utc>,
+) -> (String, Option<ContactFlag>) {
+    owed(ledger, tenant, event, &[Channel::Sms], now).await;
+    let due = claim_all(ledger, now).await.remove(0);
+    match lease(ledger, &due, now).await {
+        LeaseOutcome::Leased { material, .. } => {
+            let material = material.unwrap();
+            (
+                material.destination.unwrap().expose().to_owned(),
+                material.contact_flag,
+            )
+        }
+        other => panic!("expected a lease, got {other:?}"),
+    }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_repeated_post_changes_nothing_neither_the_destination_nor_the_opt_out(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    assert!(
+        post(&ledger, tenant.id, "first", "+15550100", t0())
+            .await
+            .created
+    );
+    let (first, _) = leased_now(&ledger, t0()).await;
+    answer(&ledger, &first, Verdict::ContactOptedOut, 400).await;
+    assert_eq!(flags(&ledger).await, (None, Some(t0() + secs(1))));
+
+    // The clinic's app retries the old event, with the number it had then.
+    let again = post(&ledger, tenant.id, "first", "+15550199", t0()).await;
+    assert!(!again.created, "the same event is a duplicate");
+
+    assert_eq!(flags(&ledger).await, (None, Some(t0() + secs(1))));
+    assert_eq!(
+        stored(&ledger, tenant.id, "second", t0() + secs(10)).await,
+        ("+15550100".to_owned(), Some(ContactFlag::OptedOut))
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_next_appointment_to_the_same_number_keeps_the_patient_s_stop(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    post(&ledger, tenant.id, "first", "+15550100", t0()).await;
+    let (first, _) = leased_now(&ledger, t0()).await;
+    answer(&ledger, &first, Verdict::ContactOptedOut, 400).await;
+
+    // A new event, the same number written another way.
+    let next = post(&ledger, tenant.id, "next", "+1 555-0100", t0() + secs(5)).await;
+    assert!(next.created);
+
+    assert_eq!(flags(&ledger).await, (None, Some(t0() + secs(1))));
+    let due = claim_all(&ledger, t0() + secs(5)).await.remove(0);
+    match lease(&ledger, &due, t0() + secs(5)).await {
+        LeaseOutcome::Leased { material, .. } => {
+            assert_eq!(material.unwrap().contact_flag, Some(ContactFlag::OptedOut));
+        }
+        other => panic!("expected a lease, got {other:?}"),
+    }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_new_appointment_with_a_new_number_clears_the_old_number_s_flag(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    post(&ledger, tenant.id, "first", "+15550100", t0()).await;
+    let (first, _) = leased_now(&ledger, t0()).await;
+    answer(&ledger, &first, Verdict::ContactInvalid, 400).await;
+    assert_eq!(flags(&ledger).await, (Some(t0() + secs(1)), None));
+
+    post(&ledger, tenant.id, "next", "+15550199", t0() + secs(5)).await;
+
+    assert_eq!(flags(&ledger).await, (None, None));
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_answer_about_the_number_replaced_since_flags_nothing(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    contact(&ledger, tenant.id, "+15550100").await;
+    owed(&ledger, tenant.id, "first", &[Channel::Sms], t0()).await;
+    let (first, _) = leased_now(&ledger, t0()).await;
+    // While the send to the old number is under way, the patient's new number is stored.
+    contact(&ledger, tenant.id, "+15550199").await;
+
+    assert_eq!(
+        answer(&ledger, &first, Verdict::ContactOptedOut, 400).await,
+        Recorded::Applied
+    );
+
+    assert_eq!(
+        ledger.delivery(first.id).await.unwrap().unwrap().state,
+        DeliveryState::DeadLettered,
+        "the delivery itself still settles by its answer"
+    );
+    assert_eq!(flags(&ledger).await, (None, None));
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_late_bounce_for_the_number_replaced_since_flags_nothing(pool: PgPool) {
+    use nudge_ledger::ReceiptOutcome;
+    let ledger = Ledger::from_pool(pool);
+    let tenant = tenant(&ledger).await;
+    contact(&ledger, tenant.id, "+15550100").await;
+    owed(&ledger, tenant.id, "first", &[Channel::Sms], t0()).await;
+    let (first, _) = leased_now(&ledger, t0()).await;
+    answer(&ledger, &first, Verdict::MaybeSent, 502).await;
+    contact(&ledger, tenant.id, "+15550199").await;
+
+    let r = receipt(
+        &first.idempotency_key,
+        "SM1:undelivered",
+        ReceiptOutcome::Failed,
+        Some(ContactFlag::Invalid),
+    );
+    ledger
+        .record_receipts(std::slice::from_ref(&r), at(t0() + secs(5)))
+        .await
+        .unwrap();
+
+    assert_eq!(
+        ledger.delivery(first.id).await.unwrap().unwrap().state,
+        DeliveryState::DeadLettered
+    );
+    assert_eq!(flags(&ledger).await, (None, None));
+}

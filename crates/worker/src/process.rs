@@ -708,6 +708,7 @@ impl Worker {
             }
             Err(NotRecorded::LeaseEnded) => Processed::Dropped("record_failed"),
             Err(NotRecorded::Stopped) => Processed::Dropped("recorder_stopped"),
+            Err(NotRecorded::Refused) => Processed::Dropped("record_refused"),
         }
     }
 

@@ -5,14 +5,16 @@
 //! group, not once per send. A finished send's outcome is the most valuable thing a worker
 //! holds (a 2xx with the provider's message id): when the write fails (PostgreSQL restarting,
 //! a connection cut), the recorder keeps the outcomes and tries again, backing off, until each
-//! one's lease would end; only then does it give up on it and leave it to the reaper.
+//! one's lease would end; only then does it give up on it and leave it to the reaper. A group
+//! the ledger refuses for its data (a constraint broken by one outcome) is written one
+//! outcome at a time instead, so one bad row never costs the others their outcome.
 
 use std::time::Duration;
 
 use nudge_domain::Decision;
 use nudge_ledger::{AttemptRecord, LeasedDelivery, Ledger, LedgerTime, OutcomeToRecord, Recorded};
 use tokio::sync::{mpsc, oneshot};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::clock::LedgerClock;
 
@@ -31,6 +33,10 @@ pub enum NotRecorded {
     /// The worker is stopping and the recorder is gone.
     #[error("the recorder stopped")]
     Stopped,
+    /// The ledger refused the outcome's data, even without the answer's details: the
+    /// reaper decides.
+    #[error("the ledger refused the outcome")]
+    Refused,
 }
 
 struct Job {
@@ -100,8 +106,50 @@ async fn run(
     }
 }
 
-/// Writes a group, retrying while the ledger fails; replies to every job.
+/// Writes a group, retrying while the ledger fails; replies to every job. When the ledger
+/// refuses the group's data (one outcome breaks a constraint: the whole statement fails, and
+/// would fail again until every lease in it lapsed), the outcomes are written one at a time,
+/// so one bad row never holds the others; one refused on its own is written once more
+/// without the answer's details (its state and attempt are what matter).
 async fn write(ledger: &Ledger, clock: &LedgerClock, suspend_for: Duration, group: &mut Vec<Job>) {
+    if !write_retrying(ledger, clock, suspend_for, group).await {
+        return;
+    }
+    warn!(
+        outcomes = group.len(),
+        "the ledger refused a group of outcomes; writing them one at a time"
+    );
+    for job in std::mem::take(group) {
+        let mut alone = vec![job];
+        if !write_retrying(ledger, clock, suspend_for, &mut alone).await {
+            continue;
+        }
+        let Some(mut job) = alone.pop() else {
+            continue;
+        };
+        warn!(delivery_id = %job.lease.id,
+              "the ledger refused an outcome; recording it without the answer's details");
+        job.decision.facts.http_status = None;
+        job.decision.facts.retry_after_seen = None;
+        alone.push(job);
+        if write_retrying(ledger, clock, suspend_for, &mut alone).await {
+            for job in alone {
+                error!(delivery_id = %job.lease.id,
+                       "the ledger refused an outcome even without the answer's details; the reaper settles it");
+                let _ = job.reply.send(Err(NotRecorded::Refused));
+            }
+        }
+    }
+}
+
+/// Writes a group, retrying while the ledger fails, and replies to every job; or returns
+/// `true` without replying, the group untouched, when the ledger refused its data.
+async fn write_retrying(
+    ledger: &Ledger,
+    clock: &LedgerClock,
+    suspend_for: Duration,
+    group: &mut Vec<Job>,
+) -> bool {
     let mut delay = RETRY_FIRST;
     let mut failures = 0u32;
     loop {
@@ -128,7 +176,12 @@ async fn write(ledger: &Ledger, clock: &LedgerClock, suspend_for: Duration, grou
                 for (job, recorded) in group.drain(..).zip(recorded) {
                     let _ = job.reply.send(Ok(recorded));
                 }
-                return;
+                return false;
+            }
+            Err(e) if e.is_data_refused() => {
+                warn!(error.cause_chain = ?e, outcomes = group.len(),
+                      "the ledger refused the outcomes' data");
+                return true;
             }
             Err(e) => {
                 failures += 1;
@@ -150,7 +203,7 @@ async fn write(ledger: &Ledger, clock: &LedgerClock, suspend_for: Duration, grou
                 }
                 *group = keep;
                 if group.is_empty() {
-                    return;
+                    return false;
                 }
                 // Not cut short at shutdown on purpose: the outcomes still held are worth
                 // writing while the worker's shutdown grace lasts, and every wait here is

@@ -437,3 +437,102 @@ async fn an_outcome_is_held_through_a_ledger_outage_and_recorded_when_it_returns
     assert_eq!(ledger.attempts(due.id).await.unwrap().len(), 1);
     assert_eq!(setup.stub.stats().total.requests, 1, "sent once");
 }
+
+/// One outcome the ledger's constraints refuse (a provider status past 599, which no adapter
+/// should let through) in a group of good ones: the group is written apart, every outcome is
+/// applied, the refused one without the status, and within seconds, not at the leases' end.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_outcome_the_ledger_refuses_costs_the_rest_of_its_group_nothing(pool: PgPool) {
+    use nudge_domain::{
+        AttemptContext, FixedJitter, IdempotencySupport, ProviderAnswer, SendOutcome, Verdict,
+    };
+    let setup = setup(pool).await;
+    let ledger = &setup.ledger;
+    let mut due = Vec::new();
+    for i in 0..40 {
+        due.push(due_now(ledger, &format!("g{i}")).await);
+    }
+    let routes = nudge_ledger::WorkerRoutes {
+        default: account("sms-main"),
+        accounts: vec![(account("sms-main"), IdempotencySupport::Honoured)],
+    };
+    let admission = AdmissionSettings::default();
+    let cipher = DestinationCipher::new(&KEY);
+    let lease_for = Duration::from_secs(20);
+    let batch = nudge_ledger::LeaseBatch {
+        channel: Channel::Sms,
+        owner: "recorder-test",
+        lease_for,
+        routes: &routes,
+        admission: &admission,
+        cipher: &cipher,
+        at: LedgerTime::Database,
+    };
+    let messages: Vec<_> = due.iter().map(|d| (d.id, d.generation)).collect();
+    let leases: Vec<nudge_ledger::LeasedDelivery> = ledger
+        .lease_batch(&batch, &messages)
+        .await
+        .unwrap()
+        .outcomes
+        .into_iter()
+        .map(|o| match o {
+            nudge_ledger::LeaseOutcome::Leased { lease, .. } => lease,
+            other => panic!("expected a lease, got {other:?}"),
+        })
+        .collect();
+
+    let clock = Arc::new(LedgerClock::new(Arc::new(Utc::now)));
+    let recorder = Recorder::spawn(ledger.clone(), clock, admission.max_pause);
+    let started = std::time::Instant::now();
+    let now = db_now(ledger).await;
+    let answers = leases.into_iter().enumerate().map(|(i, lease)| {
+        let recorder = recorder.clone();
+        // Three of the forty answered with a status the table refuses.
+        let status = if i % 13 == 5 { 799 } else { 200 };
+        async move {
+            let outcome =
+                SendOutcome::Answered(ProviderAnswer::new(Verdict::Accepted, Some(status)));
+            let decision = nudge_domain::decide(
+                &AttemptContext {
+                    attempt_number: lease.attempt_number,
+                    expires_at: lease.expires_at,
+                    idempotency: IdempotencySupport::Honoured,
+                },
+                &outcome,
+                now,
+                &RetryPolicy::default(),
+                &mut FixedJitter::new(1_000),
+            );
+            let attempt = nudge_ledger::AttemptRecord {
+                started_at: now,
+                finished_at: now,
+                worker: "recorder-test".into(),
+                correlation_id: None,
+            };
+            (
+                status,
+                lease.id,
+                recorder.record(lease, decision, attempt).await,
+            )
+        }
+    });
+    let results = futures_util::future::join_all(answers).await;
+    let took = started.elapsed();
+
+    assert_eq!(results.iter().filter(|r| r.0 == 799).count(), 3);
+    for (status, id, recorded) in &results {
+        assert_eq!(
+            recorded,
+            &Ok(nudge_ledger::Recorded::Applied),
+            "status {status}"
+        );
+        let record = ledger.delivery(*id).await.unwrap().unwrap();
+        assert_eq!(record.state, DeliveryState::Delivered, "status {status}");
+        let attempts = ledger.attempts(*id).await.unwrap();
+        assert_eq!(attempts.len(), 1);
+        let expected = (*status == 200).then_some(200);
+        assert_eq!(attempts[0].http_status, expected, "status {status}");
+    }
+    // Well inside the leases (20 s): the bad rows were found at once, not waited out.
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+}

@@ -34,7 +34,7 @@ use super::{LeasedDelivery, LedgerTime, millis, parse, to_i64, to_u64};
 use crate::buckets::{BucketReading, SlotRequest, admit_slots};
 use crate::contacts::destination_aad;
 use crate::reminders::content_aad;
-use crate::{Destination, DestinationCipher, Ledger, LedgerError};
+use crate::{Destination, DestinationCipher, DestinationDigest, Ledger, LedgerError};
 
 /// The provider accounts a worker can send through.
 #[derive(Debug, Clone)]
@@ -156,6 +156,7 @@ struct CandidateRow {
     subscriber_ref: String,
     content_ciphertext: Option<Vec<u8>>,
     destination_ciphertext: Option<Vec<u8>>,
+    destination_digest: Option<Vec<u8>>,
     contact_invalid: bool,
     contact_opted_out: bool,
     db_now: DateTime<Utc>,
@@ -168,6 +169,9 @@ struct AppliedRow {
     attempt_base: i32,
     lease_expires_at: Option<DateTime<Utc>>,
     lease_idempotent: Option<bool>,
+    /// Whether the statement stamped the send start (a `now` plan whose delivery had not
+    /// expired by then).
+    started: bool,
 }
 
 /// What the lease transaction does with one locked candidate.
@@ -225,6 +229,10 @@ impl CandidateRow {
             provider_account: ProviderAccount::parse(&self.account)
                 .map_err(|e| corrupt(e.to_string()))?,
             idempotency: IdempotencySupport::from(applied.lease_idempotent == Some(true)),
+            destination_digest: self
+                .destination_digest
+                .clone()
+                .and_then(DestinationDigest::from_stored),
         })
     }
 
@@ -319,7 +327,8 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
     SELECT d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
            d.idempotency_key, d.scheduled_at, d.expires_at, a.account, a.bucketed,
            r.subscriber_ref, r.content_ciphertext,
-           c.destination_ciphertext, COALESCE(c.invalid, false) AS contact_invalid,
+           c.destination_ciphertext, c.destination_digest,
+           COALESCE(c.invalid, false) AS contact_invalid,
            COALESCE(c.opted_out, false) AS contact_opted_out,
            COALESCE($5, now()) AS db_now
     FROM input i
@@ -333,7 +342,8 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
         FOR UPDATE) d
     JOIN reminders r ON r.id = d.reminder_id
     LEFT JOIN LATERAL (
-        SELECT c0.destination_ciphertext, c0.invalid_at IS NOT NULL AS invalid,
+        SELECT c0.destination_ciphertext, c0.destination_digest,
+               c0.invalid_at IS NOT NULL AS invalid,
                c0.opted_out_at IS NOT NULL AS opted_out
         FROM contacts c0
         WHERE c0.tenant_id = d.tenant_id AND c0.subscriber_ref = r.subscriber_ref
@@ -351,10 +361,14 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
 
 /// One UPDATE for every locked candidate: `now` leases and fences (the slot has come, or the
 /// account has no bucket), `wait` leases for a slot ahead, `defer` gives it back due when its
-/// bucket opens (no lease, no attempt, its lane kept).
+/// bucket opens (no lease, no attempt, its lane kept). The candidates were found with the
+/// transaction's clock, before the waits for the buckets' locks: a `now` delivery whose expiry
+/// has come by this statement's clock is leased unstamped (`started` false), and the fence
+/// that must then come before its send settles it expired. The fence stamps the digest of the
+/// destination the send will use.
 const APPLY_LEASES: &str = "WITH plan AS (
-        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::timestamptz[])
-            AS p(id, action, account, until))
+        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::timestamptz[], $9::bytea[])
+            AS p(id, action, account, until, digest))
     UPDATE deliveries d
     SET state = CASE WHEN p.action = 'defer' THEN 'retry_wait' ELSE 'sending' END,
         next_attempt_at = CASE WHEN p.action = 'defer' THEN p.until ELSE d.next_attempt_at END,
@@ -370,11 +384,17 @@ const APPLY_LEASES: &str = "WITH plan AS (
                                ELSE COALESCE($7, clock_timestamp()) END,
         provider_account = CASE WHEN p.action = 'defer' THEN d.provider_account ELSE p.account END,
         lease_idempotent = CASE WHEN p.action = 'defer' THEN NULL ELSE p.account = ANY($8::text[]) END,
-        send_started_at = CASE WHEN p.action = 'now' THEN COALESCE($7, clock_timestamp()) END,
+        send_started_at = CASE WHEN p.action = 'now'
+                                    AND d.expires_at > COALESCE($7, clock_timestamp())
+                               THEN COALESCE($7, clock_timestamp()) END,
+        destination_digest = CASE WHEN p.action = 'now'
+                                       AND d.expires_at > COALESCE($7, clock_timestamp())
+                                  THEN p.digest ELSE d.destination_digest END,
         updated_at = COALESCE($7, clock_timestamp())
     FROM plan p
     WHERE d.id = p.id
-    RETURNING d.id, d.attempt_count, d.attempt_base, d.lease_expires_at, d.lease_idempotent";
+    RETURNING d.id, d.attempt_count, d.attempt_base, d.lease_expires_at, d.lease_idempotent,
+              d.send_started_at IS NOT NULL AS started";
 
 const EXPLAIN_UNLEASED: &str = "WITH input AS (
         SELECT * FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation)),
@@ -414,8 +434,9 @@ const STAMP_AND_RELEASE: &str = "WITH started AS (
         UPDATE deliveries d
         SET send_started_at = COALESCE($7, clock_timestamp()),
             lease_expires_at = COALESCE($7, clock_timestamp()) + $4 * interval '1 millisecond',
+            destination_digest = s.digest,
             updated_at = COALESCE($7, clock_timestamp())
-        FROM unnest($1::uuid[], $2::bigint[]) AS s(id, generation), reminders r
+        FROM unnest($1::uuid[], $2::bigint[], $9::bytea[]) AS s(id, generation, digest), reminders r
         WHERE d.id = s.id AND d.generation = s.generation AND d.lease_owner = $3
           AND d.lease_expires_at IS NOT NULL AND d.send_started_at IS NULL
           AND d.lease_expires_at > COALESCE($7, clock_timestamp())
@@ -439,6 +460,7 @@ const STAMP_AND_RELEASE: &str = "WITH started AS (
 /// `the_fence_refuses_exactly_the_buckets_the_drain_model_leaves_out` holds them together.
 const FENCE: &str = "UPDATE deliveries d
     SET send_started_at = COALESCE($6, clock_timestamp()),
+        destination_digest = $7,
         lease_expires_at = COALESCE($6, clock_timestamp()) + $5 * interval '1 millisecond',
         updated_at = COALESCE($6, clock_timestamp())
     FROM reminders r
@@ -464,13 +486,25 @@ impl Ledger {
         messages: &[(DeliveryId, u64)],
     ) -> Result<LeaseResult, LedgerError> {
         // A delivery twice in one batch (a republished copy arriving with its original) is
-        // leased once: the later copies are stale.
-        let mut seen = std::collections::HashSet::with_capacity(messages.len());
-        let (ids, generations): (Vec<uuid::Uuid>, Vec<i64>) = messages
-            .iter()
-            .filter(|(id, _)| seen.insert(id.as_uuid()))
-            .map(|(id, g)| (id.as_uuid(), to_i64(*g)))
-            .unzip();
+        // tried once, with the newest generation among its copies: an older copy is stale
+        // whatever order the broker delivered them in.
+        let mut newest: HashMap<uuid::Uuid, u64> = HashMap::with_capacity(messages.len());
+        let mut order = Vec::with_capacity(messages.len());
+        for (id, generation) in messages {
+            match newest.entry(id.as_uuid()) {
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(*generation);
+                    order.push(id.as_uuid());
+                }
+                std::collections::hash_map::Entry::Occupied(mut e) => {
+                    if *generation > *e.get() {
+                        e.insert(*generation);
+                    }
+                }
+            }
+        }
+        let (ids, generations): (Vec<uuid::Uuid>, Vec<i64>) =
+            order.iter().map(|id| (*id, to_i64(newest[id]))).unzip();
         let configured: Vec<&str> = batch
             .routes
             .accounts
@@ -565,6 +599,14 @@ impl Ledger {
             let actions: Vec<&str> = plans.iter().map(Plan::action).collect();
             let accounts: Vec<&str> = rows.iter().map(|r| r.account.as_str()).collect();
             let untils: Vec<Option<DateTime<Utc>>> = plans.iter().map(Plan::until).collect();
+            let digests: Vec<Option<&[u8]>> = rows
+                .iter()
+                .map(|r| {
+                    r.destination_digest
+                        .as_deref()
+                        .filter(|d| d.len() == DestinationDigest::LEN)
+                })
+                .collect();
             let applied: Vec<AppliedRow> = sqlx::query_as(APPLY_LEASES)
                 .bind(&plan_ids)
                 .bind(&actions)
@@ -574,6 +616,7 @@ impl Ledger {
                 .bind(millis(batch.lease_for))
                 .bind(batch.at.bind())
                 .bind(&honoured)
+                .bind(&digests)
                 .fetch_all(&mut *tx)
                 .await?;
             let applied: HashMap<uuid::Uuid, AppliedRow> =
@@ -589,11 +632,24 @@ impl Ledger {
                         account: ProviderAccount::parse(&row.account)
                             .map_err(|e| LedgerError::corrupt("deliveries", e))?,
                     },
-                    Plan::Now => LeaseOutcome::Leased {
+                    Plan::Now if applied.started => LeaseOutcome::Leased {
                         lease: row.lease(batch.owner, applied)?,
                         material: row.material(batch.cipher),
                         slot: SendSlot::Now,
                     },
+                    // Expired while the lease waited for its buckets' locks: leased unstamped,
+                    // so the fence settles it and nothing is sent.
+                    Plan::Now => {
+                        let decided_at = leased_at.unwrap_or(row.db_now);
+                        LeaseOutcome::Leased {
+                            lease: row.lease(batch.owner, applied)?,
+                            material: row.material(batch.cipher),
+                            slot: SendSlot::At {
+                                send_at: decided_at,
+                                reserved_at: decided_at,
+                            },
+                        }
+                    }
                     Plan::Wait {
                         send_at,
                         reserved_at,
@@ -615,13 +671,19 @@ impl Ledger {
             Some(at) => at,
             None => self.clock(batch.at).await?,
         };
+        // Each outcome goes to the copy it was decided for (the newest generation); every
+        // other copy is stale.
         let outcomes = messages
             .iter()
             .map(|(id, generation)| {
-                by_id.remove(&id.as_uuid()).unwrap_or(LeaseOutcome::Stale {
-                    state: DeliveryState::Sending,
-                    generation: *generation,
-                })
+                let tried = newest.get(&id.as_uuid()) == Some(generation);
+                tried
+                    .then(|| by_id.remove(&id.as_uuid()))
+                    .flatten()
+                    .unwrap_or(LeaseOutcome::Stale {
+                        state: DeliveryState::Sending,
+                        generation: *generation,
+                    })
             })
             .collect();
         Ok(LeaseResult {
@@ -681,6 +743,12 @@ impl Ledger {
             .bind(reserved_at)
             .bind(millis(lease_for))
             .bind(at.bind())
+            .bind(
+                lease
+                    .destination_digest
+                    .as_ref()
+                    .map(DestinationDigest::as_bytes),
+            )
             .fetch_optional(&self.pool)
             .await?;
         if let Some(until) = fenced {
@@ -885,13 +953,19 @@ async fn stamp_or_release(
     leases: Vec<(LeasedDelivery, Admission)>,
     decided_at: DateTime<Utc>,
 ) -> Result<Vec<(LeasedDelivery, Slotted)>, LedgerError> {
-    let mut stamp = (Vec::new(), Vec::new());
+    let mut stamp = (Vec::new(), Vec::new(), Vec::new());
     let mut release = (Vec::new(), Vec::new(), Vec::new());
     for (lease, admission) in &leases {
         match admission {
             Admission::Admitted { send_at } if *send_at <= decided_at => {
                 stamp.0.push(lease.id.as_uuid());
                 stamp.1.push(to_i64(lease.generation));
+                stamp.2.push(
+                    lease
+                        .destination_digest
+                        .as_ref()
+                        .map(DestinationDigest::as_bytes),
+                );
             }
             Admission::Admitted { .. } => {}
             Admission::Deferred { until, .. } => {
@@ -913,6 +987,7 @@ async fn stamp_or_release(
             .bind(&release.1)
             .bind(batch.at.bind())
             .bind(&release.2)
+            .bind(&stamp.2)
             .fetch_all(&mut *conn)
             .await?
     };

@@ -104,6 +104,10 @@ pub struct LeasedDelivery {
     /// The provider account the send goes through (the tenant's routing, or the default).
     pub provider_account: ProviderAccount,
     pub idempotency: IdempotencySupport,
+    /// The digest of the destination the lease's material holds (none for a contact stored
+    /// before digests were, or without a contact): the fence stamps it on the delivery, so
+    /// the answer or a later receipt flags the contact only while it still holds it.
+    pub destination_digest: Option<crate::DestinationDigest>,
 }
 
 /// Facts about one attempt that the decision does not carry. Times are the database's clock

@@ -144,7 +144,7 @@ const APPLY: &str = "WITH input AS (
         -- looking each outcome's delivery up by its key.
         WHERE d.id = i.id AND d.lease_owner = i.owner AND d.lease_expires_at IS NOT NULL
           AND d.generation = i.generation
-        RETURNING d.id, d.provider_account, d.reminder_id, d.channel,
+        RETURNING d.id, d.provider_account, d.reminder_id, d.channel, d.destination_digest,
             -- A redriven delivery's attempts carry its redrive's incident; any other attempt
             -- made while its channel drains, the drain's.
             COALESCE(
@@ -156,7 +156,9 @@ const APPLY: &str = "WITH input AS (
                 (SELECT cc.drain_incident FROM channel_controls cc
                  WHERE cc.channel = d.channel AND cc.draining)) AS incident),
     -- What the answer said about the contact, flagged with the outcome that showed it (only
-    -- for outcomes applied; a flag already set keeps its first time).
+    -- for outcomes applied; a flag already set keeps its first time), and only while the
+    -- contact holds the destination the send used (its fence stamped the digest): a number
+    -- stored since is never flagged for the old one.
     flagged AS (
         UPDATE contacts c
         SET invalid_at = CASE WHEN i.contact_flag = 'invalid'
@@ -168,6 +170,7 @@ const APPLY: &str = "WITH input AS (
         FROM input i JOIN applied a ON a.id = i.id JOIN reminders r ON r.id = a.reminder_id
         WHERE i.contact_flag IS NOT NULL AND c.tenant_id = r.tenant_id
           AND c.subscriber_ref = r.subscriber_ref AND c.channel = a.channel
+          AND c.destination_digest IS NOT DISTINCT FROM a.destination_digest
         RETURNING 1)
     INSERT INTO attempts (delivery_id, attempt_number, generation, lane, started_at,
         finished_at, outcome_class, http_status, retry_after_seen, retry_after_valid,
