@@ -2,7 +2,8 @@
 # Makes sure PostgreSQL (127.0.0.1:5432) and RabbitMQ (127.0.0.1:5672) answer: uses them when
 # they already do, otherwise installs them from Debian's packages if missing and starts them.
 # Also installs `promtool` (Debian's `prometheus` package; nothing is started) for the alert
-# rule tests. Fails loudly, naming the service, when one cannot be brought up.
+# rule tests, and `faketime` (Debian's package) for the tests of an operator whose clock is
+# wrong. Fails loudly, naming the service, when one cannot be brought up.
 set -euo pipefail
 
 PG_HOST=127.0.0.1 PG_PORT=5432 AMQP_PORT=5672
@@ -84,6 +85,14 @@ ensure_promtool() {
   command -v promtool >/dev/null || { log "promtool missing after installing prometheus"; return 1; }
 }
 
+# nudgectl's tests run it under a wrong clock (faketime) to prove that what it writes and
+# reads is dated by the database.
+ensure_faketime() {
+  command -v faketime >/dev/null || apt_install faketime
+  command -v faketime >/dev/null || { log "faketime missing after installing it"; return 1; }
+}
+
 ensure_postgres
 ensure_rabbitmq
 ensure_promtool
+ensure_faketime

@@ -23,10 +23,11 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use chrono::Utc;
 use clap::{Parser, Subcommand};
 use nudge_domain::{Channel, DeliveryId, ProviderAccount};
-use nudge_ledger::{ChannelStatus, DestinationCipher, Ledger, Operator, Tenant, TraceId};
+use nudge_ledger::{
+    ChannelStatus, DestinationCipher, Ledger, LedgerTime, Operator, Tenant, TraceId,
+};
 
 pub use config::CtlConfig;
 pub use operations::{DrainCommand, OwnerCommand};
@@ -519,7 +520,12 @@ pub async fn execute(
     out: &mut impl Write,
     err: &mut impl Write,
 ) -> anyhow::Result<()> {
-    let now = Utc::now();
+    // Every time condition of a read (due, expired, ages) is the database's, as for the
+    // processes; this machine's clock may be anything.
+    let now = ledger
+        .clock(LedgerTime::Database)
+        .await
+        .context("failed to read the database's clock")?;
     match command {
         Command::Migrate => {
             ledger
@@ -531,7 +537,7 @@ pub async fn execute(
         }
         Command::Tenant(TenantCommand::Create { name }) => {
             let tenant = ledger
-                .create_tenant(&name, &operator(actor, None)?)
+                .create_tenant(&name, &operator(ledger, actor, None).await?)
                 .await
                 .context("failed to create tenant")?;
             writeln!(out, "{}", tenant.id)?;
@@ -596,7 +602,11 @@ pub async fn execute(
             };
             let tenant = find_tenant(ledger, &name).await?;
             let secret = ledger
-                .rotate_signing_secret(tenant.id, cipher, &operator(actor, Some(&reason))?)
+                .rotate_signing_secret(
+                    tenant.id,
+                    cipher,
+                    &operator(ledger, actor, Some(&reason)).await?,
+                )
                 .await
                 .context("failed to rotate the signing secret")?;
             writeln!(out, "{}", secret.expose())?;
@@ -609,7 +619,7 @@ pub async fn execute(
         Command::Tenant(TenantCommand::Secret(SecretCommand::Retire { name, reason })) => {
             let tenant = find_tenant(ledger, &name).await?;
             let retired = ledger
-                .retire_signing_secret(tenant.id, &operator(actor, Some(&reason))?)
+                .retire_signing_secret(tenant.id, &operator(ledger, actor, Some(&reason)).await?)
                 .await
                 .context("failed to retire the signing secret")?;
             writeln!(
@@ -768,7 +778,8 @@ async fn set_paused(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     require_reason(reason)?;
-    let by = operator(actor, Some(reason))?
+    let by = operator(ledger, actor, Some(reason))
+        .await?
         .with_incident(incident)
         .context("invalid --incident")?;
     let tenant = find_tenant(ledger, name).await?;
@@ -797,7 +808,7 @@ async fn route(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     require_reason(reason)?;
-    let by = operator(actor, Some(reason))?;
+    let by = operator(ledger, actor, Some(reason)).await?;
     let tenant = find_tenant(ledger, name).await?;
     ledger
         .set_tenant_channel_account(tenant.id, channel, account.as_ref(), &by)
@@ -813,10 +824,20 @@ async fn route(
     Ok(())
 }
 
-/// Who makes a change, and why, stamped now: the ledger writes the change's audit row from it
-/// in the change's own transaction.
-pub(crate) fn operator(actor: &str, reason: Option<&str>) -> anyhow::Result<Operator> {
-    Operator::new(actor, reason, Utc::now())
+/// Who makes a change, and why, stamped with the database's clock (never this machine's: a
+/// skewed or set-back clock would date the audit row, and the change's own timestamps, where
+/// retention may delete them): the ledger writes the change's audit row from it in the
+/// change's own transaction.
+pub(crate) async fn operator(
+    ledger: &Ledger,
+    actor: &str,
+    reason: Option<&str>,
+) -> anyhow::Result<Operator> {
+    let now = ledger
+        .clock(LedgerTime::Database)
+        .await
+        .context("failed to read the database's clock")?;
+    Operator::new(actor, reason, now)
         .context("the change cannot be audited: --actor (NUDGE_ACTOR) must name who acts")
 }
 

@@ -99,8 +99,10 @@ pub(crate) async fn load(
             .with_context(|| format!("failed to open {}", file.display()))?;
         (Box::new(BufReader::new(opened)), file.display().to_string())
     };
+    let clock = DatabaseClock::read(ledger).await?;
     let mut loader = Loader {
         ledger,
+        clock,
         cipher,
         dry_run: options.dry_run,
         tenants: HashMap::new(),
@@ -119,6 +121,7 @@ pub(crate) async fn load(
     let Loader {
         summary,
         loaded_per_tenant,
+        clock: loader_clock,
         ..
     } = loader;
 
@@ -127,7 +130,7 @@ pub(crate) async fn load(
     if !options.dry_run {
         let audit = ledger
             .record_audit(&AuditEntry {
-                at: Utc::now(),
+                at: loader_clock.now(),
                 actor: actor.to_owned(),
                 action: "reminders_load".into(),
                 target: None,
@@ -206,8 +209,36 @@ fn write_summary(summary: &LoadSummary, json: bool, out: &mut impl Write) -> any
     Ok(())
 }
 
+/// The database's clock, read once and carried forward by this machine's monotonic clock:
+/// the reminders, contacts and audit row a load writes are dated by the database, whatever
+/// this machine's wall clock says, without a round trip per chunk.
+#[derive(Debug, Clone, Copy)]
+struct DatabaseClock {
+    at: chrono::DateTime<Utc>,
+    read: std::time::Instant,
+}
+
+impl DatabaseClock {
+    async fn read(ledger: &Ledger) -> anyhow::Result<Self> {
+        let at = ledger
+            .clock(nudge_ledger::LedgerTime::Database)
+            .await
+            .context("failed to read the database's clock")?;
+        Ok(Self {
+            at,
+            read: std::time::Instant::now(),
+        })
+    }
+
+    fn now(&self) -> chrono::DateTime<Utc> {
+        self.at
+            + chrono::Duration::from_std(self.read.elapsed()).unwrap_or(chrono::Duration::zero())
+    }
+}
+
 struct Loader<'a> {
     ledger: &'a Ledger,
+    clock: DatabaseClock,
     cipher: &'a DestinationCipher,
     dry_run: bool,
     /// Tenant ids by name, including names that are not tenants (`None`).
@@ -433,7 +464,8 @@ impl Loader<'_> {
         let write = (!items.is_empty() && self.failed.is_none()).then(|| {
             let ledger = self.ledger.clone();
             let cipher = self.cipher.clone();
-            tokio::spawn(async move { ledger.import_reminders(&items, &cipher, Utc::now()).await })
+            let now = self.clock.now();
+            tokio::spawn(async move { ledger.import_reminders(&items, &cipher, now).await })
         });
         self.in_flight.push_back(Chunk { lines, keys, write });
         // Chunks already written (or with nothing to write) are reported at once.

@@ -125,7 +125,8 @@ pub async fn drain(
         } => (channel, false, reason, incident),
     };
     require_reason(&reason)?;
-    let by = operator(actor, Some(&reason))?
+    let by = operator(ledger, actor, Some(&reason))
+        .await?
         .with_incident(incident.as_deref())
         .context("invalid --incident")?;
     let change = ledger
@@ -168,7 +169,8 @@ pub async fn owner(
             incident,
         } => {
             require_reason(&reason)?;
-            let by = operator(actor, Some(&reason))?
+            let by = operator(ledger, actor, Some(&reason))
+                .await?
                 .with_incident(incident.as_deref())
                 .context("invalid --incident")?;
             let change = ledger
@@ -241,7 +243,8 @@ pub async fn rollback(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     require_reason(reason)?;
-    let by = operator(actor, Some(reason))?
+    let by = operator(ledger, actor, Some(reason))
+        .await?
         .with_incident(incident)
         .context("invalid --incident")?;
     let controls = ledger

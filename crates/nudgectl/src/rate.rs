@@ -101,7 +101,7 @@ pub(crate) async fn set(
              at {rate}/s"
         );
     }
-    let by = crate::operator(actor, Some(reason))?;
+    let by = crate::operator(ledger, actor, Some(reason)).await?;
     let now = by.at();
     let previous = ledger
         .rate_buckets()
@@ -254,7 +254,7 @@ pub(crate) async fn resume(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     crate::require_reason(reason)?;
-    let by = crate::operator(actor, Some(reason))?;
+    let by = crate::operator(ledger, actor, Some(reason)).await?;
     let Some(bucket) = ledger
         .resume_bucket(account, channel, &by)
         .await

@@ -188,7 +188,8 @@ pub async fn plan_or_execute(
     let reason = args.reason.as_deref().unwrap_or_default();
     require_reason(reason)?;
     let rate = rate_for(ledger, channel, args.rate).await?;
-    let by = operator(actor, Some(reason))?
+    let by = operator(ledger, actor, Some(reason))
+        .await?
         .with_incident(args.incident.as_deref())
         .context("invalid --incident")?;
     let filter = RedriveFilter {
@@ -454,7 +455,8 @@ async fn change(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     require_reason(reason)?;
-    let by = operator(actor, Some(reason))?
+    let by = operator(ledger, actor, Some(reason))
+        .await?
         .with_incident(incident.as_deref())
         .context("invalid --incident")?;
     let (done, verb) = match change {

@@ -105,7 +105,7 @@ pub(crate) async fn set(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     crate::require_reason(reason)?;
-    let by = crate::operator(actor, Some(reason))?;
+    let by = crate::operator(ledger, actor, Some(reason)).await?;
     let Some(next_tick) = cron.next_after(by.at()) else {
         bail!("the cron expression \"{cron}\" never fires after now; expected {EXAMPLES}");
     };

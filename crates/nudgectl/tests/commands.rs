@@ -546,3 +546,123 @@ async fn a_route_needs_exactly_one_of_an_account_or_default_and_a_reason(pool: P
         "only the create"
     );
 }
+
+/// Runs the real binary with its clock `offset` away from the truth (faketime, installed by
+/// `scripts/services.sh`), against the test's database.
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+fn nudgectl_with_clock(pool: &PgPool, offset: &str, args: &[&str]) -> std::process::Output {
+    let skewed = Process::new("faketime")
+        .args(["-f", offset, "date", "+%Y"])
+        .output()
+        .expect("faketime is installed (scripts/services.sh)");
+    let real = Process::new("date").arg("+%Y").output().unwrap();
+    assert_ne!(
+        skewed.stdout, real.stdout,
+        "faketime must move the clock of the processes it runs"
+    );
+    Process::new("faketime")
+        .args(["-f", offset, env!("CARGO_BIN_EXE_nudgectl")])
+        .args(args)
+        .env(
+            "NUDGE_DATABASE__URL",
+            sqlx::ConnectOptions::to_url_lossy(&*pool.connect_options()).to_string(),
+        )
+        .env_remove("NUDGE_CONFIG")
+        .env("NUDGE_ACTOR", "ops@clinic")
+        .output()
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+#[allow(clippy::unwrap_used)]
+async fn an_operator_whose_clock_is_years_behind_dates_the_change_and_its_audit_row_by_the_database(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool.clone());
+    create_tenant(&ledger, "clinic-a").await;
+    let before: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+
+    let out = nudgectl_with_clock(
+        &pool,
+        "-1000d",
+        &[
+            "tenant",
+            "pause",
+            "clinic-a",
+            "--reason",
+            "provider incident",
+            "--ack-timeout",
+            "0s",
+        ],
+    );
+
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let audit = ledger.recent_audit(1).await.unwrap();
+    assert_eq!(audit[0].action, "intake_pause");
+    assert!(
+        before <= audit[0].at && audit[0].at <= after,
+        "the audit row is dated {} by the operator's clock, not between {before} and {after}",
+        audit[0].at
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+#[allow(clippy::unwrap_used)]
+async fn status_counts_what_is_due_by_the_database_s_clock_not_the_operator_s(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    create_tenant(&ledger, "clinic-a").await;
+    let tenant = ledger.tenant_by_name("clinic-a").await.unwrap().unwrap();
+    let now = ledger
+        .clock(nudge_ledger::LedgerTime::Database)
+        .await
+        .unwrap();
+    let cipher = nudge_ledger::DestinationCipher::new(&[1; 32])
+        .with_subscriber_key(nudge_ledger::SubscriberKey::new(&[2; 32]));
+    let created = ledger
+        .create_reminder(
+            &nudge_ledger::NewReminder::new(
+                tenant.id,
+                nudge_domain::EventId::parse("due-now").unwrap(),
+                nudge_domain::SubscriberRef::parse("patient-1").unwrap(),
+                &[Channel::Sms],
+                now - chrono::Duration::seconds(5),
+                now + chrono::Duration::hours(1),
+            )
+            .unwrap(),
+            &cipher,
+            now,
+        )
+        .await
+        .unwrap();
+    ledger
+        .materialise_reminder(tenant.id, created.id, now)
+        .await
+        .unwrap();
+
+    let out = nudgectl_with_clock(&pool, "-1000d", &["status", "--json"]);
+
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let sms = status
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["channel"] == "sms")
+        .unwrap();
+    assert_eq!(sms["due"], 1, "{sms}");
+}
