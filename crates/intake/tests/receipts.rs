@@ -401,3 +401,29 @@ async fn a_signed_sendgrid_bounce_settles_the_ambiguous_delivery_failed_and_flag
             .unwrap();
     assert!(invalid.is_some());
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_sendgrid_timestamp_at_either_end_of_the_integers_is_refused_as_stale(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let lease = ambiguous(&ledger, "email-sendgrid", Channel::Email).await;
+    let app = app(&ledger);
+    let body = serde_json::json!([
+        {"email": "x@example.org", "event": "delivered", "sg_event_id": "e1", "sg_message_id": "m1.filter", "nudge_key": lease.idempotency_key.as_str()}
+    ])
+    .to_string();
+    // Signed with the right key: only the freshness check stands between them and the ledger,
+    // and its arithmetic must neither overflow nor wrap into "fresh".
+    for timestamp in [i64::MIN, i64::MIN + 1, i64::MAX] {
+        let r = app
+            .clone()
+            .oneshot(sendgrid_request(&body, timestamp, Some(&signing_key())))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::FORBIDDEN, "timestamp {timestamp}");
+    }
+    assert_eq!(events(&ledger).await, 0);
+    assert_eq!(
+        ledger.delivery(lease.id).await.unwrap().unwrap().state,
+        DeliveryState::Ambiguous
+    );
+}
