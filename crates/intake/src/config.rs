@@ -12,13 +12,17 @@
 //!   may be from the intake's clock, either way.
 //! - `intake.header_read_timeout_ms` (default 5000): how long a client may take to send a
 //!   request's headers before the connection is closed.
-//! - `intake.body_read_timeout_ms` (default 10000): how long a client may take to send a body
-//!   (408 past it).
+//! - `intake.body_read_timeout_ms` (default 10000): how long a client may take to send a whole
+//!   body, counted from its headers, however it is cut into frames (408 past it).
 //! - `intake.request_timeout_ms` (default 30000): the longest a request may take in all (408).
 //! - `intake.max_schedule_ahead_days` (default 400, 1..=3650): the furthest ahead a reminder
 //!   may be scheduled.
 //! - `intake.max_connections` (default 1024): connections served at once; more wait to be
 //!   accepted.
+//! - `intake.max_body_reads` (default 64, 1..=10000): request bodies read at once. A body is
+//!   read whole before its signature is checked, so this and `body_limit_bytes` bound the
+//!   memory unauthenticated clients can hold (64 x 1 MiB by default); a request that finds no
+//!   room within `body_read_timeout_ms` is answered 408 without a byte of it read.
 //! - `receipts.*`: the providers whose delivery receipts are taken, and how each is verified
 //!   (see [`crate::receipts`]).
 
@@ -67,6 +71,7 @@ pub struct IntakeSection {
     pub request_timeout_ms: u64,
     pub max_schedule_ahead_days: u32,
     pub max_connections: usize,
+    pub max_body_reads: usize,
 }
 
 impl Default for IntakeSection {
@@ -81,6 +86,7 @@ impl Default for IntakeSection {
             request_timeout_ms: 30_000,
             max_schedule_ahead_days: 400,
             max_connections: 1024,
+            max_body_reads: 64,
         }
     }
 }
@@ -165,6 +171,7 @@ impl Validate for IntakeConfig {
             3_650,
         )?;
         within("intake.max_connections", i.max_connections, 1, 100_000)?;
+        within("intake.max_body_reads", i.max_body_reads, 1, 10_000)?;
         self.receipts.build()?;
         Ok(())
     }

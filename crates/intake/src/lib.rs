@@ -160,13 +160,70 @@ async fn observe(
     response
 }
 
+/// What [`read_whole_body`] needs: one deadline for the whole body, its limit, and the room
+/// for bodies being read at once.
+struct BodyReading {
+    timeout: Duration,
+    limit: usize,
+    permits: Arc<Semaphore>,
+}
+
+/// Reads a request's body whole before the router sees it, under one deadline from its
+/// headers' arrival (a timeout per frame would let a client that sends a byte now and then
+/// hold its buffer for ever) and within the number of bodies read at once: every body is
+/// read before its signature can be checked, so these two bound what unauthenticated
+/// clients can make the intake hold (`max_body_reads` x `body_limit` bytes).
+async fn read_whole_body(
+    State(reading): State<Arc<BodyReading>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    use http_body_util::BodyExt;
+    let deadline = tokio::time::Instant::now() + reading.timeout;
+    let (parts, body) = request.into_parts();
+    if axum::body::HttpBody::size_hint(&body).exact() == Some(0) {
+        return next.run(Request::from_parts(parts, body)).await;
+    }
+    let declared = parts
+        .headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > reading.limit as u64) {
+        return error::ApiError::TooLarge.into_response();
+    }
+    let Ok(Ok(permit)) =
+        tokio::time::timeout_at(deadline, reading.permits.clone().acquire_owned()).await
+    else {
+        return error::ApiError::Timeout.into_response();
+    };
+    let limited = http_body_util::Limited::new(body, reading.limit);
+    let bytes = match tokio::time::timeout_at(deadline, limited.collect()).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            return error::ApiError::TooLarge.into_response();
+        }
+        // Past the deadline, or the client went away mid-body.
+        Ok(Err(_)) | Err(_) => return error::ApiError::Timeout.into_response(),
+    };
+    drop(permit);
+    next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+        .await
+}
+
 /// How [`serve`] treats connections.
 #[derive(Debug, Clone, Copy)]
 pub struct ServeSettings {
     /// A client that has not sent its headers within this long is disconnected.
     pub header_read_timeout: Duration,
-    /// A body that has not arrived within this long is answered 408.
+    /// A body that has not arrived whole within this long of its headers is answered 408,
+    /// however it is cut into frames.
     pub body_read_timeout: Duration,
+    /// The largest body read (`intake.body_limit_bytes`): a longer one is answered 413.
+    pub body_limit: usize,
+    /// Bodies read at once (none is authenticated before it is whole); a request that finds
+    /// no room within its body's time is answered 408 without a byte of it being held.
+    pub max_body_reads: usize,
     pub max_connections: usize,
     /// How long requests in flight may finish after shutdown.
     pub grace: Duration,
@@ -180,8 +237,14 @@ pub async fn serve(
     settings: ServeSettings,
     shutdown: CancellationToken,
 ) {
-    let router = router.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
-        settings.body_read_timeout,
+    let reading = Arc::new(BodyReading {
+        timeout: settings.body_read_timeout,
+        limit: settings.body_limit,
+        permits: Arc::new(Semaphore::new(settings.max_body_reads.max(1))),
+    });
+    let router = router.layer(axum::middleware::from_fn_with_state(
+        reading,
+        read_whole_body,
     ));
     let permits = Arc::new(Semaphore::new(settings.max_connections.max(1)));
     let connections = TaskTracker::new();
@@ -325,6 +388,8 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
         ServeSettings {
             header_read_timeout: Duration::from_millis(section.header_read_timeout_ms),
             body_read_timeout: Duration::from_millis(section.body_read_timeout_ms),
+            body_limit: section.body_limit_bytes,
+            max_body_reads: section.max_body_reads,
             max_connections: section.max_connections,
             grace: Duration::from_secs(10),
         },
