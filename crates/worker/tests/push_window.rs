@@ -66,12 +66,10 @@ struct Setup {
     pool: PgPool,
     stub: StubState,
     base: String,
-    tokens: HangingTokens,
-    token_base: String,
     private_pem: String,
 }
 
-async fn setup(pool: PgPool, hang: Duration) -> Setup {
+async fn setup(pool: PgPool) -> Setup {
     let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_RSA_SHA256).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -89,9 +87,21 @@ async fn setup(pool: PgPool, hang: Duration) -> Setup {
         stub.clone(),
         std::future::pending(),
     ));
+    Setup {
+        ledger: Ledger::from_pool(pool.clone()),
+        pool,
+        stub,
+        base,
+        private_pem: key.serialize_pem(),
+    }
+}
+
+/// Starts the hanging token endpoint in front of the stub's, recovering `hang` from now;
+/// returns its base URL and its state.
+async fn hanging_tokens(setup: &Setup, hang: Duration) -> (String, HangingTokens) {
     let tokens = HangingTokens {
         recovers_at: Instant::now() + hang,
-        upstream: format!("{base}/accounts/{ACCOUNT}/token"),
+        upstream: format!("{}/accounts/{ACCOUNT}/token", setup.base),
         client: reqwest::Client::new(),
         asked: Arc::default(),
     };
@@ -104,20 +114,12 @@ async fn setup(pool: PgPool, hang: Duration) -> Setup {
         )
         .with_state(tokens.clone());
     tokio::spawn(async move { axum::serve(listener, app).await });
-    Setup {
-        ledger: Ledger::from_pool(pool.clone()),
-        pool,
-        stub,
-        base,
-        tokens,
-        token_base,
-        private_pem: key.serialize_pem(),
-    }
+    (token_base, tokens)
 }
 
 /// A push worker on the FCM account, leasing for `lease_for`, whose requests time out after
 /// `timeout_ms`.
-fn worker(setup: &Setup, lease_for: Duration, timeout_ms: u64) -> Worker {
+fn worker(setup: &Setup, token_base: &str, lease_for: Duration, timeout_ms: u64) -> Worker {
     let mut keys = FcmKeys::new(
         "nudge-test",
         "nudge@nudge-test.iam.gserviceaccount.com",
@@ -125,7 +127,7 @@ fn worker(setup: &Setup, lease_for: Duration, timeout_ms: u64) -> Worker {
     );
     // The assertion's audience is the token URI: the stub checks it ends with the account's
     // token route, which the hanging endpoint keeps.
-    keys.token_uri = format!("{}/accounts/{ACCOUNT}/token", setup.token_base);
+    keys.token_uri = format!("{token_base}/accounts/{ACCOUNT}/token");
     let mut cfg = HttpProviderConfig::new(
         ACCOUNT,
         Channel::Push,
@@ -247,16 +249,19 @@ async fn a_hanging_token_endpoint_starts_no_push_after_its_lease_or_expiry(pool:
     // than that, so the held fetch gets its token when the endpoint recovers. Every lease is
     // 3 s; half the pushes expire after 2.5 s. Without a bound, all 64 go out at ~4 s: after
     // their leases (the reaper would hold them `ambiguous`), half after their expiry too.
-    let setup = setup(pool, Duration::from_secs(4)).await;
-    let worker = worker(&setup, Duration::from_secs(3), 10_000);
+    let setup = setup(pool).await;
     let deliveries = published(&setup.ledger, PUSHES, |i| {
         if i % 2 == 0 {
+            // From publishing: the leases come a moment later, so these end first.
             chrono::Duration::milliseconds(2_500)
         } else {
             chrono::Duration::hours(1)
         }
     })
     .await;
+    // The hang starts with the sends, so every lease (3 s) ends inside it.
+    let (token_base, tokens) = hanging_tokens(&setup, Duration::from_secs(4)).await;
+    let worker = worker(&setup, &token_base, Duration::from_secs(3), 10_000);
     let payloads: Vec<Vec<u8>> = deliveries.iter().map(envelope).collect();
     let inbound: Vec<Inbound<'_>> = payloads
         .iter()
@@ -324,7 +329,7 @@ async fn a_hanging_token_endpoint_starts_no_push_after_its_lease_or_expiry(pool:
         assert_ne!(record.state, DeliveryState::Sending);
     }
     assert_eq!(
-        setup.tokens.asked.load(Ordering::SeqCst),
+        tokens.asked.load(Ordering::SeqCst),
         1,
         "one fetch serves every push waiting for a token"
     );
