@@ -246,6 +246,9 @@ pub struct AdmissionSettings {
     /// The longest one provider answer may pause the whole bucket, whatever its `Retry-After`
     /// says (the delivery that got the answer follows its own retry ceiling).
     pub max_pause: Duration,
+    /// How close to its lease's end (counting the request's own timeout) or its expiry a
+    /// send may still start: the time left to record its outcome while the lease is held.
+    pub send_margin: Duration,
 }
 
 impl Default for AdmissionSettings {
@@ -255,6 +258,7 @@ impl Default for AdmissionSettings {
             closed_recheck: Duration::from_secs(10),
             demand_window: Duration::from_secs(1),
             max_pause: Duration::from_secs(60),
+            send_margin: Duration::from_secs(1),
         }
     }
 }
@@ -1590,6 +1594,7 @@ mod tests {
                         closed_recheck: Duration::from_secs(10),
                         demand_window: Duration::from_millis(window_ms),
                         max_pause: Duration::from_secs(60),
+                        send_margin: Duration::from_secs(1),
                     },
                 )
             })

@@ -134,7 +134,7 @@ pub fn decide(
             DeliveryState::Ambiguous
         }
         OutcomeClass::Retryable => {
-            if ctx.attempt_number >= policy.max_attempts() {
+            if ctx.attempt_number >= policy.max_attempts() && !is_account_fault(outcome) {
                 facts.reason = Some(format!("attempts_exhausted: {cause}"));
                 DeliveryState::DeadLettered
             } else {
@@ -174,6 +174,15 @@ pub fn decide(
         facts,
         effects,
     }
+}
+
+/// Whether the outcome is a refusal of the account itself (its credentials, or an answer read
+/// as its misconfiguration): it says nothing about this delivery, so it never spends the
+/// delivery's attempt budget. It cannot exhaust the budget here, and the ledger does not count
+/// it toward the next attempts' budget either (`attempt_base` moves with it); the account's
+/// suspension, not the attempt limit, is what stops such sends. Expiry still ends the delivery.
+pub fn is_account_fault(outcome: &SendOutcome) -> bool {
+    matches!(outcome, SendOutcome::Answered(answer) if answer.verdict == Verdict::AuthFailure)
 }
 
 /// An answer's cause in the attempt's reason: its verdict, then the provider's code when it
@@ -276,6 +285,26 @@ mod tests {
         assert_eq!(d.facts.http_status, Some(202));
         assert_eq!(d.facts.outcome_class, OutcomeClass::Delivered);
         assert_eq!(d.facts.reason, None);
+    }
+
+    #[test]
+    fn an_auth_failure_on_the_last_allowed_attempt_retries_rather_than_spend_the_budget() {
+        let refused = SendOutcome::Answered(
+            ProviderAnswer::new(Verdict::AuthFailure, Some(401)).with_code(Some("20003")),
+        );
+        let d = run(&ctx(8), &refused);
+        assert_eq!(d.next_state, DeliveryState::RetryWait);
+        assert_eq!(d.facts.reason.as_deref(), Some("auth_failure: 20003"));
+        assert_eq!(d.effects.bucket, Some(BucketSignal::Suspend));
+        // Any other retryable answer on that attempt still exhausts it.
+        let d = run(&ctx(8), &response(503, None));
+        assert_eq!(d.next_state, DeliveryState::DeadLettered);
+        // And expiry still wins over an account's fault.
+        let c = AttemptContext {
+            expires_at: now() + TimeDelta::milliseconds(1),
+            ..ctx(8)
+        };
+        assert_eq!(run(&c, &refused).next_state, DeliveryState::Expired);
     }
 
     #[test]
@@ -917,7 +946,7 @@ mod tests {
         fn exhausted_attempts_on_a_retryable_outcome_dead_letter((ctx, outcome, now, policy, j) in scenario()) {
             let ctx = AttemptContext { attempt_number: ctx.attempt_number.max(policy.max_attempts()), ..ctx };
             let d = decide(&ctx, &outcome, now, &policy, &mut FixedJitter::new(j));
-            if classify(&outcome, ctx.idempotency) == OutcomeClass::Retryable {
+            if classify(&outcome, ctx.idempotency) == OutcomeClass::Retryable && !is_account_fault(&outcome) {
                 prop_assert_eq!(d.next_state, DeliveryState::DeadLettered);
                 let reason = d.facts.reason.unwrap_or_default();
                 prop_assert!(reason.starts_with("attempts_exhausted"), "{}", reason);

@@ -36,7 +36,9 @@ pub use answer::{
 pub use classify::{
     IdempotencySupport, OutcomeClass, SendOutcome, classify, classify_verdict, response_class,
 };
-pub use decide::{AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide};
+pub use decide::{
+    AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide, is_account_fault,
+};
 pub use ids::{
     Channel, DeliveryId, EventId, IdError, IdempotencyKey, ProviderAccount, ReminderId,
     SubscriberRef, TenantId,

@@ -260,11 +260,12 @@ async fn store(
     Ok(())
 }
 
-/// Suspends a bucket for `suspend_for` (the provider refused the account's credentials),
-/// inside the caller's transaction: paused for every replica, its rate untouched, the cause
-/// stored for `nudgectl status`. An account without a bucket is not paused (there is no
-/// shared row to pause): its deliveries each find the refusal themselves. Returns the pause's
-/// end when it changed.
+/// Suspends an account for `suspend_for` (the provider refused its credentials), inside the
+/// caller's transaction: its bucket paused for every replica, its rate untouched, the cause
+/// stored for `nudgectl status`. An account without a bucket (not rate-limited) is suspended
+/// all the same, in `account_suspensions`, which admission reads for such accounts: either way
+/// its other deliveries are given back unsent until the end. Returns the suspension's end when
+/// it changed.
 pub(crate) async fn suspend(
     conn: &mut sqlx::PgConnection,
     account: &ProviderAccount,
@@ -272,8 +273,12 @@ pub(crate) async fn suspend(
     suspend_for: std::time::Duration,
     at: LedgerTime,
 ) -> Result<Option<DateTime<Utc>>, LedgerError> {
+    let cause = format!(
+        "provider refused the account's credentials: suspended for admission.max_pause_s ({} s)",
+        suspend_for.as_secs()
+    );
     let Some((row, now)) = lock_now(conn, account, channel, at).await? else {
-        return Ok(None);
+        return suspend_without_bucket(conn, account, channel, suspend_for, &cause, at).await;
     };
     let mut state = row.state();
     let until = now + chrono::Duration::from_std(suspend_for).unwrap_or(chrono::Duration::MAX);
@@ -286,13 +291,60 @@ pub(crate) async fn suspend(
     )
     .bind(account.as_str())
     .bind(channel.as_str())
-    .bind(format!(
-        "provider refused the account's credentials: suspended for admission.max_pause_s ({} s)",
-        suspend_for.as_secs()
-    ))
+    .bind(cause)
     .execute(&mut *conn)
     .await?;
     Ok(state.paused_until)
+}
+
+/// [`suspend`] for an account without a bucket: until `now + suspend_for`, a later suspension
+/// already stored kept.
+async fn suspend_without_bucket(
+    conn: &mut sqlx::PgConnection,
+    account: &ProviderAccount,
+    channel: Channel,
+    suspend_for: std::time::Duration,
+    cause: &str,
+    at: LedgerTime,
+) -> Result<Option<DateTime<Utc>>, LedgerError> {
+    let until: Option<DateTime<Utc>> = sqlx::query_scalar(
+        "INSERT INTO account_suspensions AS s
+             (provider_account, channel, suspended_until, cause, suspended_at)
+         VALUES ($1, $2, COALESCE($4, clock_timestamp()) + make_interval(secs => $3), $5,
+                 COALESCE($4, clock_timestamp()))
+         ON CONFLICT (provider_account, channel) DO UPDATE
+         SET suspended_until = EXCLUDED.suspended_until, cause = EXCLUDED.cause,
+             suspended_at = EXCLUDED.suspended_at
+         WHERE s.suspended_until < EXCLUDED.suspended_until
+         RETURNING suspended_until",
+    )
+    .bind(account.as_str())
+    .bind(channel.as_str())
+    .bind(suspend_for.as_secs_f64())
+    .bind(at.bind())
+    .bind(cause)
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(until)
+}
+
+/// When the suspension of an account without a bucket ends, if it has not yet.
+async fn suspended_until(
+    conn: &mut sqlx::PgConnection,
+    account: &ProviderAccount,
+    channel: Channel,
+    at: LedgerTime,
+) -> Result<Option<DateTime<Utc>>, LedgerError> {
+    Ok(sqlx::query_scalar(
+        "SELECT suspended_until FROM account_suspensions
+         WHERE provider_account = $1 AND channel = $2
+           AND suspended_until > COALESCE($3, clock_timestamp())",
+    )
+    .bind(account.as_str())
+    .bind(channel.as_str())
+    .bind(at.bind())
+    .fetch_optional(&mut *conn)
+    .await?)
 }
 
 impl Ledger {
@@ -562,7 +614,8 @@ impl Ledger {
 /// Takes a send slot for each request, in one round of the buckets' locks: each bucket is
 /// locked once (in account order, so concurrent rounds cannot deadlock), the domain admits its
 /// requests in order at the database time read under the lock, and the state is written back.
-/// A request on an account without a bucket is admitted at once.
+/// A request on an account without a bucket is admitted at once, unless the account is
+/// suspended ([`suspend`]): then it is deferred to the suspension's end.
 pub(crate) async fn admit_slots(
     conn: &mut sqlx::PgConnection,
     channel: Channel,
@@ -578,6 +631,16 @@ pub(crate) async fn admit_slots(
     let mut decided_at = None;
     for account in accounts {
         let Some((row, now)) = lock_now(conn, account, channel, at).await? else {
+            if let Some(until) = suspended_until(conn, account, channel, at).await? {
+                for (i, request) in requests.iter().enumerate() {
+                    if request.account == account {
+                        admissions[i] = Some(Admission::Deferred {
+                            until,
+                            reason: nudge_domain::DeferReason::Paused,
+                        });
+                    }
+                }
+            }
             continue;
         };
         decided_at = Some(decided_at.map_or(now, |d: DateTime<Utc>| d.max(now)));

@@ -23,6 +23,10 @@ pub mod reason {
     pub const RESET_AFTER_SEND: &str = "reset_after_send";
     /// Writing the request body failed part-way: it may have been sent.
     pub const BODY_ERROR: &str = "body_error";
+    /// The answer's status is outside HTTP's classes (600-999, which the `http` crate accepts):
+    /// something answered that is not following HTTP, after the request arrived, so whether
+    /// the provider acted on it is unknown. Its status is not recorded.
+    pub const STATUS_OUT_OF_RANGE: &str = "status_out_of_range";
 }
 
 /// What a `Retry-After` header that is not valid UTF-8 is reported as; it parses as malformed.
@@ -47,6 +51,8 @@ pub struct HttpProvider {
     endpoint: Url,
     auth: Option<HeaderValue>,
     client: reqwest::Client,
+    /// The longest one request runs (`timeout_ms`).
+    timeout: std::time::Duration,
 }
 
 impl std::fmt::Debug for HttpProvider {
@@ -84,6 +90,7 @@ impl HttpProvider {
             endpoint,
             auth: cfg.auth_header(),
             client,
+            timeout: std::time::Duration::from_millis(cfg.timeout_ms),
         })
     }
 
@@ -129,6 +136,9 @@ impl HttpProvider {
             to: req.destination,
             content: req.content,
         };
+        if let Err(outcome) = req.open(self.timeout) {
+            return outcome;
+        }
         let response = self
             .client
             .post(self.endpoint.clone())
@@ -142,6 +152,9 @@ impl HttpProvider {
         };
 
         let status = response.status();
+        if let Some(outcome) = transport::out_of_range(status.as_u16()) {
+            return outcome;
+        }
         let retry_after = response.headers().get(header::RETRY_AFTER).map(|v| {
             match std::str::from_utf8(v.as_bytes()) {
                 Ok(s) => s.to_owned(),

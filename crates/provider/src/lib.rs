@@ -25,6 +25,7 @@ mod push;
 pub mod sendgrid;
 pub mod transport;
 pub mod twilio;
+mod window;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -36,10 +37,12 @@ use url::Url;
 pub use config::{ApnsKeys, FcmKeys, HttpProviderConfig, ProviderKind};
 pub use dispatch::build;
 pub use http::{HttpProvider, NON_UTF8_RETRY_AFTER, reason};
+pub use window::{SEND_DEADLINE_PASSED, SendWindow};
 
 /// When the message stops being worth sending, and the sender's view of the database's clock
-/// at the send: adapters whose provider can drop a message that waited too long (Twilio's
-/// `ValidityPeriod`, APNs' `apns-expiration`, FCM's `ttl`) derive it from these.
+/// as the request is built ([`SendWindow::open`]): adapters whose provider can drop a message
+/// that waited too long (Twilio's `ValidityPeriod`, APNs' `apns-expiration`, FCM's `ttl`)
+/// derive it from these.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Expiry {
     pub expires_at: DateTime<Utc>,
@@ -66,8 +69,22 @@ pub struct SendRequest<'a> {
     pub correlation_id: &'a str,
     /// W3C trace context of the attempt's provider span, sent as `traceparent` when set.
     pub traceparent: Option<&'a str>,
-    /// The delivery's expiry, for providers that can be told it (None: not told).
-    pub expiry: Option<Expiry>,
+    /// When the request may still start, and the delivery's expiry (None: no bound, and the
+    /// provider is not told an expiry). Adapters call [`SendRequest::open`] as the last step
+    /// before the request leaves.
+    pub window: Option<&'a SendWindow>,
+}
+
+impl SendRequest<'_> {
+    /// The last step before a request that may run for `request_timeout` leaves: the expiry as
+    /// of now (None without a window), or the outcome of an attempt whose window has closed
+    /// (nothing may be sent).
+    pub fn open(
+        &self,
+        request_timeout: std::time::Duration,
+    ) -> Result<Option<Expiry>, SendOutcome> {
+        self.window.map(|w| w.open(request_timeout)).transpose()
+    }
 }
 
 impl std::fmt::Debug for SendRequest<'_> {
@@ -79,7 +96,7 @@ impl std::fmt::Debug for SendRequest<'_> {
             .field("content", &self.content.map(|_| "<redacted>"))
             .field("correlation_id", &self.correlation_id)
             .field("traceparent", &self.traceparent)
-            .field("expiry", &self.expiry)
+            .field("window", &self.window)
             .finish()
     }
 }
@@ -97,6 +114,11 @@ pub trait Provider: Send + Sync {
     fn endpoint(&self) -> &Url;
 
     /// Sends once and reports what happened. Never fails: every failure is an outcome.
+    ///
+    /// The request's window is opened ([`SendRequest::open`]) as the last step before the
+    /// request leaves; a request whose window refuses is never started. The caller may stop
+    /// polling the future at the window's deadline while the window has not been opened (the
+    /// adapter was still waiting, e.g. for a token): nothing was sent.
     fn send<'a>(&'a self, req: SendRequest<'a>) -> impl Future<Output = SendOutcome> + Send + 'a;
 }
 

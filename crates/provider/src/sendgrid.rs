@@ -117,6 +117,8 @@ pub struct SendgridProvider {
     from_name: Option<String>,
     subject: String,
     client: reqwest::Client,
+    /// The longest one request runs (`timeout_ms`).
+    timeout: std::time::Duration,
 }
 
 impl std::fmt::Debug for SendgridProvider {
@@ -168,6 +170,7 @@ impl SendgridProvider {
             from_name: keys.from_name.clone(),
             subject: keys.subject.clone(),
             client,
+            timeout: std::time::Duration::from_millis(cfg.timeout_ms),
         })
     }
 
@@ -195,11 +198,15 @@ impl SendgridProvider {
     }
 
     async fn send_once(&self, req: SendRequest<'_>) -> SendOutcome {
+        let body = self.body(&req);
+        if let Err(outcome) = req.open(self.timeout) {
+            return outcome;
+        }
         let response = self
             .client
             .post(self.endpoint.clone())
             .header(header::AUTHORIZATION, self.auth.clone())
-            .json(&self.body(&req))
+            .json(&body)
             .send()
             .await;
         let response = match response {
@@ -207,6 +214,9 @@ impl SendgridProvider {
             Err(e) => return transport::logged_outcome_of_error(&self.account, e),
         };
         let status = response.status().as_u16();
+        if let Some(outcome) = crate::transport::out_of_range(status) {
+            return outcome;
+        }
         let headers = response.headers();
         let retry_after = header_text(headers, "retry-after", MAX_HEADER_LEN);
         let reset = header_text(headers, "x-ratelimit-reset", MAX_HEADER_LEN);

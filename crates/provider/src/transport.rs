@@ -98,6 +98,14 @@ pub fn outcome_of_error(e: &reqwest::Error) -> SendOutcome {
     }
 }
 
+/// The outcome of an answer whose status is not an HTTP status (outside 100-599: the `http`
+/// crate accepts up to 999, the attempt history does not): unknown after send, like a
+/// malformed answer, so an account that dedupes by key retries it and one that does not holds
+/// it ambiguous, as for a 5xx. `None` for a status in range.
+pub fn out_of_range(status: u16) -> Option<SendOutcome> {
+    (!(100..=599).contains(&status)).then(|| unknown_after_send(reason::STATUS_OUT_OF_RANGE))
+}
+
 pub fn failed_before_send(reason: &str) -> SendOutcome {
     SendOutcome::FailedBeforeSend {
         reason: reason.to_owned(),

@@ -119,7 +119,7 @@ use nudge_domain::{
 use reqwest::header::{self, HeaderValue};
 
 use crate::transport::{self, MAX_BODY_BYTES, header_text};
-use crate::{HttpProviderConfig, Provider, ProviderError, SendRequest};
+use crate::{Expiry, HttpProviderConfig, Provider, ProviderError, SendRequest};
 
 /// Twilio's longest `ValidityPeriod`, in seconds.
 pub const MAX_VALIDITY_S: u64 = 36_000;
@@ -150,6 +150,8 @@ pub struct TwilioProvider {
     sender: Sender,
     callback: Option<url::Url>,
     client: reqwest::Client,
+    /// The longest one request runs (`timeout_ms`).
+    timeout: std::time::Duration,
 }
 
 enum Sender {
@@ -215,11 +217,12 @@ impl TwilioProvider {
             sender,
             callback,
             client,
+            timeout: std::time::Duration::from_millis(cfg.timeout_ms),
         })
     }
 
     /// The form Twilio takes. PHI (`To`, `Body`) goes only into this body.
-    fn form(&self, req: &SendRequest<'_>) -> String {
+    fn form(&self, req: &SendRequest<'_>, expiry: Option<Expiry>) -> String {
         let mut form = url::form_urlencoded::Serializer::new(String::new());
         form.append_pair("To", req.destination);
         match &self.sender {
@@ -233,7 +236,7 @@ impl TwilioProvider {
                 .append_pair(CALLBACK_KEY_PARAM, req.idempotency_key.as_str());
             form.append_pair("StatusCallback", url.as_str());
         }
-        if let Some(expiry) = req.expiry {
+        if let Some(expiry) = expiry {
             let validity = expiry.seconds_left().clamp(1, MAX_VALIDITY_S);
             form.append_pair("ValidityPeriod", &validity.to_string());
         }
@@ -241,13 +244,18 @@ impl TwilioProvider {
     }
 
     async fn send_once(&self, req: SendRequest<'_>) -> SendOutcome {
+        // `ValidityPeriod` counts from now, as the request is built.
+        let expiry = match req.open(self.timeout) {
+            Ok(expiry) => expiry,
+            Err(outcome) => return outcome,
+        };
         let response = self
             .client
             .post(self.endpoint.clone())
             .header(header::AUTHORIZATION, self.auth.clone())
             .header(header::ACCEPT, "application/json")
             .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
-            .body(self.form(&req))
+            .body(self.form(&req, expiry))
             .send()
             .await;
         let response = match response {
@@ -255,6 +263,9 @@ impl TwilioProvider {
             Err(e) => return transport::logged_outcome_of_error(&self.account, e),
         };
         let status = response.status().as_u16();
+        if let Some(outcome) = crate::transport::out_of_range(status) {
+            return outcome;
+        }
         let retry_after = header_text(response.headers(), "retry-after", MAX_RETRY_AFTER_LEN);
         let body = transport::read_body(response, MAX_BODY_BYTES).await;
         let answer: Answer = body

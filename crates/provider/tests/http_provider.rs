@@ -119,7 +119,7 @@ async fn send(p: &HttpProvider, key: &IdempotencyKey, content: Option<&Value>) -
         content,
         correlation_id: "corr-1",
         traceparent: None,
-        expiry: None,
+        window: None,
     })
     .await
 }
@@ -491,7 +491,7 @@ async fn a_provider_can_be_held_behind_dyn_dispatch() {
             content: None,
             correlation_id: "c",
             traceparent: None,
-            expiry: None,
+            window: None,
         })
         .await;
     assert_eq!(outcome, response(202, None, Some("m-1")));
@@ -511,7 +511,7 @@ async fn debug_output_never_shows_the_token_the_destination_or_the_content() {
         content: Some(&content),
         correlation_id: "c",
         traceparent: None,
-        expiry: None,
+        window: None,
     };
     let debug = format!("{p:?} {cfg:?} {req:?}");
     for secret in ["tok-secret", DESTINATION, "appointment"] {
@@ -525,4 +525,64 @@ fn a_bad_config_is_refused_naming_the_key() {
     cfg.timeout_ms = 0;
     let err = HttpProvider::new(&cfg).unwrap_err();
     assert!(err.to_string().contains("timeout_ms"), "{err}");
+}
+
+#[tokio::test]
+async fn a_status_outside_http_is_unknown_after_send_never_a_status_for_the_ledger() {
+    // The http crate takes 100..=999; the attempt history holds 100..=599.
+    for status in [600, 799, 999] {
+        let s = server(vec![Canned::new(status, json!({"id": "m1"}))]).await;
+        let p = provider(&s.base);
+        let outcome = send(&p, &key(), None).await;
+        assert_eq!(
+            outcome,
+            SendOutcome::UnknownAfterSend {
+                reason: "status_out_of_range".into()
+            },
+            "{status}"
+        );
+        // Like a malformed or 5xx answer: resent only where the provider dedupes by key.
+        assert_eq!(
+            nudge_domain::classify(&outcome, IdempotencySupport::Honoured),
+            nudge_domain::OutcomeClass::Retryable
+        );
+        assert_eq!(
+            nudge_domain::classify(&outcome, IdempotencySupport::NotHonoured),
+            nudge_domain::OutcomeClass::Ambiguous
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_send_whose_window_has_closed_is_never_started() {
+    let s = server(vec![Canned::new(202, json!({"id": "m1"}))]).await;
+    let p = provider(&s.base);
+    let k = key();
+    let now = chrono::Utc::now();
+    // The lease ends in 2.5 s: a 2 s request and the 1 s margin do not fit.
+    let window = nudge_provider::SendWindow::new(
+        now,
+        now + chrono::Duration::hours(1),
+        now + chrono::Duration::milliseconds(2_500),
+        Duration::from_secs(1),
+    );
+    let outcome = p
+        .send(SendRequest {
+            idempotency_key: &k,
+            channel: Channel::Sms,
+            destination: DESTINATION,
+            content: None,
+            correlation_id: "corr-1",
+            traceparent: None,
+            window: Some(&window),
+        })
+        .await;
+    assert_eq!(
+        outcome,
+        SendOutcome::FailedBeforeSend {
+            reason: nudge_provider::SEND_DEADLINE_PASSED.into()
+        }
+    );
+    assert!(!window.started());
+    assert!(s.seen.lock().unwrap().is_empty(), "nothing was sent");
 }

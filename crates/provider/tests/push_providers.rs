@@ -5,6 +5,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // A failed unwrap is a failed test, with its location.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use nudge_config::Secret;
@@ -13,9 +15,7 @@ use nudge_domain::{
 };
 use nudge_provider::apns::ApnsProvider;
 use nudge_provider::fcm::FcmProvider;
-use nudge_provider::{
-    ApnsKeys, Expiry, FcmKeys, HttpProviderConfig, Provider, ProviderKind, SendRequest,
-};
+use nudge_provider::{ApnsKeys, FcmKeys, HttpProviderConfig, Provider, ProviderKind, SendRequest};
 use provider_stub::{Script, Shape, ShapeConfig, Step, StubState};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -27,7 +27,6 @@ fn account(name: &str) -> ProviderAccount {
 }
 
 fn message<'a>(key: &'a IdempotencyKey, destination: &'a str) -> SendRequest<'a> {
-    let now = chrono::Utc::now();
     SendRequest {
         idempotency_key: key,
         channel: Channel::Push,
@@ -35,10 +34,7 @@ fn message<'a>(key: &'a IdempotencyKey, destination: &'a str) -> SendRequest<'a>
         content: None,
         correlation_id: "corr-1",
         traceparent: None,
-        expiry: Some(Expiry {
-            expires_at: now + chrono::TimeDelta::hours(1),
-            now,
-        }),
+        window: None,
     }
 }
 
@@ -357,6 +353,81 @@ async fn a_token_endpoint_that_cannot_be_reached_means_the_push_never_left() {
     assert_eq!(stub.state.stats().total.requests, 0);
 }
 
+/// A token endpoint of the test's own on 127.0.0.1 that holds every request until
+/// `recovers_at`, then passes it on to `upstream` (the stub's token route). Returns its URL
+/// and how many requests it was asked.
+async fn hanging_token_endpoint(
+    upstream: String,
+    recovers_at: tokio::time::Instant,
+) -> (String, Arc<AtomicUsize>) {
+    let asked = Arc::new(AtomicUsize::new(0));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!(
+        "http://{}/accounts/fcm-main/token",
+        listener.local_addr().unwrap()
+    );
+    let counted = asked.clone();
+    let client = reqwest::Client::new();
+    let app = axum::Router::new().route(
+        "/accounts/fcm-main/token",
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let (counted, client, upstream) = (counted.clone(), client.clone(), upstream.clone());
+            async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep_until(recovers_at).await;
+                let answer = client
+                    .post(upstream)
+                    .header("content-type", "application/x-www-form-urlencoded")
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap();
+                let status = answer.status().as_u16();
+                let body = answer.bytes().await.unwrap();
+                (
+                    axum::http::StatusCode::from_u16(status).unwrap(),
+                    [(axum::http::header::CONTENT_TYPE, "application/json")],
+                    body,
+                )
+            }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, asked)
+}
+
+#[tokio::test]
+async fn a_failed_token_fetch_answers_every_push_waiting_for_it_at_once() {
+    // The token endpoint hangs for 2.5 s, past the account's 1 s timeout, then recovers. The
+    // one fetch in flight fails at 1 s, and all 64 pushes waiting for it fail with it: none
+    // asks again in turn (which would hold the last for a timeout per push ahead of it and
+    // send the rest once the endpoint recovered, long after their fence).
+    let keys = rsa_keys();
+    let stub = fcm_stub(&keys.public_pem, Duration::from_secs(3600)).await;
+    let started = tokio::time::Instant::now();
+    let (token_uri, asked) = hanging_token_endpoint(
+        format!("{}/accounts/fcm-main/token", stub.base),
+        started + Duration::from_millis(2_500),
+    )
+    .await;
+    let mut cfg = fcm_config(&stub, "fcm-main", &keys.private_pem);
+    cfg.fcm.as_mut().unwrap().token_uri = token_uri;
+    let provider = fcm(&cfg);
+    let keys: Vec<IdempotencyKey> = (0..64).map(|_| new_key()).collect();
+    let outcomes =
+        futures_util::future::join_all(keys.iter().map(|k| provider.send(message(k, "tok")))).await;
+    let took = started.elapsed();
+    let unavailable = SendOutcome::FailedBeforeSend {
+        reason: "token_unavailable".into(),
+    };
+    assert!(outcomes.iter().all(|o| *o == unavailable), "{outcomes:?}");
+    assert_eq!(asked.load(Ordering::SeqCst), 1, "one fetch for all 64");
+    assert_eq!(stub.state.stats().total.requests, 0, "no push left");
+    // One timeout (1 s) and the sends' own work; 1.2 s of tolerance for a loaded machine,
+    // well below the endpoint's recovery at 2.5 s.
+    assert!(took < Duration::from_millis(2_200), "took {took:?}");
+}
+
 // ---------------------------------------------------------------- APNs
 
 struct EcKeys {
@@ -598,4 +669,142 @@ async fn without_the_stub_authority_trusted_the_tls_handshake_fails_before_sendi
         }
     );
     assert_eq!(stub.state.stats().total.requests, 0);
+}
+
+#[tokio::test]
+async fn a_status_outside_http_from_fcm_or_apns_is_unknown_after_send_without_a_status() {
+    // The http crate takes 100..=999 (HTTP/2's `:status` too); the attempt history holds
+    // 100..=599. Neither provider dedupes a resend, so the delivery is held ambiguous, as for
+    // a 5xx.
+    let unknown = SendOutcome::UnknownAfterSend {
+        reason: "status_out_of_range".into(),
+    };
+    let rsa = rsa_keys();
+    let fcm_stub = fcm_stub(&rsa.public_pem, Duration::from_secs(3600)).await;
+    let ec = ec_keys();
+    let apns_stub = apns_stub(&ec.public_pem, Duration::ZERO).await;
+    for status in [600, 799, 999] {
+        let step = every(Step::status(status).unwrap());
+        fcm_stub.state.set_script(account("fcm-main"), step.clone());
+        let provider = fcm(&fcm_config(&fcm_stub, "fcm-main", &rsa.private_pem));
+        let key = new_key();
+        assert_eq!(
+            provider.send(message(&key, "tok")).await,
+            unknown,
+            "fcm {status}"
+        );
+
+        apns_stub.state.set_script(account("apns-main"), step);
+        let provider = apns(&apns_config(&apns_stub, "apns-main", &ec.private_pem));
+        let key = new_key();
+        assert_eq!(
+            provider.send(message(&key, APNS_DEVICE)).await,
+            unknown,
+            "apns {status}"
+        );
+    }
+    assert_eq!(
+        nudge_domain::classify(&unknown, nudge_domain::IdempotencySupport::NotHonoured),
+        nudge_domain::OutcomeClass::Ambiguous
+    );
+}
+
+/// Sends `n` pushes one after the other and returns their verdicts.
+async fn verdicts<P: Provider>(provider: &P, device: &str, n: usize) -> Vec<Option<Verdict>> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let key = new_key();
+        out.push(match provider.send(message(&key, device)).await {
+            SendOutcome::Answered(a) => Some(a.verdict),
+            _ => None,
+        });
+    }
+    out
+}
+
+#[tokio::test]
+async fn bad_device_tokens_on_most_of_an_apns_accounts_answers_are_the_accounts_fault() {
+    // Sandbox tokens sent to production: every answer is 400 BadDeviceToken. With the
+    // defaults (at least 5 such answers, half of the last 50), the first four flag their
+    // contacts and every one after is the account's (alert, suspension), not its contacts'.
+    let keys = ec_keys();
+    let stub = apns_stub(&keys.public_pem, Duration::from_secs(20 * 60)).await;
+    stub.state
+        .set_script(account("apns-main"), every(Step::status(400).unwrap()));
+    let provider = apns(&apns_config(&stub, "apns-main", &keys.private_pem));
+    let mut want = vec![Some(Verdict::ContactInvalid); 4];
+    want.extend([Some(Verdict::AuthFailure); 4]);
+    assert_eq!(verdicts(&provider, APNS_DEVICE, 8).await, want);
+    let key = new_key();
+    assert_eq!(
+        provider.send(message(&key, APNS_DEVICE)).await,
+        answered(Verdict::AuthFailure, Some(400), Some("BadDeviceToken"))
+    );
+}
+
+#[tokio::test]
+async fn a_bad_device_token_among_accepted_apns_pushes_stays_the_contacts() {
+    // One answer in four is BadDeviceToken: below half of the window, each is one contact's.
+    let keys = ec_keys();
+    let stub = apns_stub(&keys.public_pem, Duration::from_secs(20 * 60)).await;
+    let provider = apns(&apns_config(&stub, "apns-main", &keys.private_pem));
+    let mut got = Vec::new();
+    for i in 0..24 {
+        let step = if i % 4 == 3 {
+            Step::status(400).unwrap()
+        } else {
+            Step::default()
+        };
+        stub.state.set_script(account("apns-main"), every(step));
+        got.extend(verdicts(&provider, APNS_DEVICE, 1).await);
+    }
+    let invalid = got
+        .iter()
+        .filter(|v| **v == Some(Verdict::ContactInvalid))
+        .count();
+    assert_eq!(invalid, 6, "{got:?}");
+    assert!(!got.contains(&Some(Verdict::AuthFailure)), "{got:?}");
+}
+
+#[tokio::test]
+async fn sender_id_mismatch_on_most_of_an_fcm_accounts_answers_is_the_accounts_fault() {
+    // Another project's credential: every answer is 403 SENDER_ID_MISMATCH. The defaults, as
+    // for APNs: the first four flag their contacts, the rest are the account's.
+    let rsa = rsa_keys();
+    let stub = fcm_stub(&rsa.public_pem, Duration::from_secs(3600)).await;
+    stub.state
+        .set_script(account("fcm-main"), every(Step::status(403).unwrap()));
+    let provider = fcm(&fcm_config(&stub, "fcm-main", &rsa.private_pem));
+    let mut want = vec![Some(Verdict::ContactInvalid); 4];
+    want.extend([Some(Verdict::AuthFailure); 4]);
+    assert_eq!(verdicts(&provider, "tok", 8).await, want);
+    let key = new_key();
+    assert_eq!(
+        provider.send(message(&key, "tok")).await,
+        answered(Verdict::AuthFailure, Some(403), Some("SENDER_ID_MISMATCH"))
+    );
+}
+
+#[tokio::test]
+async fn an_apns_410_flags_the_contact_only_with_apples_reasons_for_it() {
+    let keys = ec_keys();
+    let stub = apns_stub(&keys.public_pem, Duration::from_secs(20 * 60)).await;
+    let provider = apns(&apns_config(&stub, "apns-main", &keys.private_pem));
+    for (reason, want) in [
+        ("Unregistered", Verdict::ContactInvalid),
+        ("ExpiredToken", Verdict::ContactInvalid),
+        ("BadTopic", Verdict::Rejected),
+        ("SomethingNew", Verdict::Rejected),
+    ] {
+        let step = Step {
+            code: Some(reason.into()),
+            ..Step::status(410).unwrap()
+        };
+        stub.state.set_script(account("apns-main"), every(step));
+        assert_eq!(
+            verdicts(&provider, APNS_DEVICE, 1).await,
+            [Some(want)],
+            "410 {reason}"
+        );
+    }
 }

@@ -9,12 +9,12 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use chrono::{TimeZone, Utc};
+use chrono::{DateTime, TimeZone, Utc};
 use nudge_config::Secret;
 use nudge_domain::{Channel, IdempotencyKey, ProviderAnswer, ReminderId, SendOutcome, Verdict};
 use nudge_provider::sendgrid::SendgridKeys;
 use nudge_provider::twilio::TwilioKeys;
-use nudge_provider::{DynProvider, Expiry, HttpProviderConfig, ProviderKind, SendRequest};
+use nudge_provider::{DynProvider, HttpProviderConfig, ProviderKind, SendRequest, SendWindow};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
@@ -107,7 +107,7 @@ async fn send(
     channel: Channel,
     destination: &str,
     content: &Value,
-    expiry: Option<Expiry>,
+    window: Option<&SendWindow>,
 ) -> SendOutcome {
     p.send_boxed(SendRequest {
         idempotency_key: key,
@@ -116,9 +116,20 @@ async fn send(
         content: Some(content),
         correlation_id: "corr",
         traceparent: None,
-        expiry,
+        window,
     })
     .await
+}
+
+/// A window whose database clock reads `now`, for a delivery expiring at `expires_at` under a
+/// lease that lasts a day.
+fn window(now: DateTime<Utc>, expires_at: DateTime<Utc>) -> SendWindow {
+    SendWindow::new(
+        now,
+        expires_at,
+        now + chrono::Duration::days(1),
+        std::time::Duration::from_secs(1),
+    )
 }
 
 fn answer_of(outcome: SendOutcome) -> ProviderAnswer {
@@ -145,10 +156,11 @@ async fn twilio_gets_a_basic_auth_form_post_with_the_callback_key_and_a_capped_v
             Channel::Sms,
             "+15550100",
             &json!({"body": "See you at 9"}),
-            Some(Expiry {
-                expires_at: now + chrono::Duration::hours(2),
+            // Half a second over two hours: the whole seconds left when the request is built.
+            Some(&window(
                 now,
-            }),
+                now + chrono::Duration::milliseconds(7_200_500),
+            )),
         )
         .await,
     );
@@ -194,10 +206,7 @@ async fn twilio_gets_a_basic_auth_form_post_with_the_callback_key_and_a_capped_v
         Channel::Sms,
         "+15550100",
         &json!({"body": "x"}),
-        Some(Expiry {
-            expires_at: now + chrono::Duration::days(2),
-            now,
-        }),
+        Some(&window(now, now + chrono::Duration::days(2))),
     )
     .await;
     let seen = s.seen.lock().unwrap()[1].clone();

@@ -99,7 +99,7 @@ async fn send(p: &dyn DynProvider, channel: Channel, to: &str) -> (IdempotencyKe
             content: Some(&content),
             correlation_id: "c",
             traceparent: None,
-            expiry: None,
+            window: None,
         })
         .await;
     (key, outcome)
@@ -309,4 +309,59 @@ async fn the_sendgrid_shape_answers_what_the_adapter_maps_and_signs_its_event_ba
             .starts_with("nudge-")
     );
     assert!(!String::from_utf8_lossy(&batch.body).contains("patient@example.org"));
+}
+
+#[tokio::test]
+async fn a_status_outside_http_from_twilio_or_sendgrid_is_unknown_after_send_without_a_status() {
+    // The http crate takes 100..=999; the attempt history holds 100..=599. Neither provider
+    // dedupes a resend, so the delivery is held ambiguous, as for a 5xx.
+    let unknown = SendOutcome::UnknownAfterSend {
+        reason: "status_out_of_range".into(),
+    };
+    let (twilio_base, twilio) = stub(ShapeConfig {
+        twilio_auth_token: Some(TOKEN.into()),
+        ..ShapeConfig::new(Shape::Twilio)
+    })
+    .await;
+    let mut cfg = HttpProviderConfig::new(
+        "sms-twilio",
+        Channel::Sms,
+        format!("{twilio_base}/accounts/sms-twilio"),
+    );
+    cfg.kind = ProviderKind::Twilio;
+    cfg.twilio = Some(TwilioKeys {
+        account_sid: SID.into(),
+        auth_token: Secret::new(TOKEN),
+        from: Some("+15550001".into()),
+        messaging_service_sid: None,
+        status_callback_url: None,
+    });
+    let twilio_provider = nudge_provider::build(&cfg).unwrap();
+
+    let (sendgrid_base, sendgrid) = stub(ShapeConfig::new(Shape::Sendgrid)).await;
+    let mut cfg = HttpProviderConfig::new(
+        "email-sendgrid",
+        Channel::Email,
+        format!("{sendgrid_base}/accounts/email-sendgrid"),
+    );
+    cfg.kind = ProviderKind::Sendgrid;
+    cfg.sendgrid = Some(SendgridKeys::new("SG.key", "clinic@example.org"));
+    let sendgrid_provider = nudge_provider::build(&cfg).unwrap();
+
+    for status in [600, 799, 999] {
+        script(
+            &twilio,
+            "sms-twilio",
+            json!({"default": {"status": status}}),
+        );
+        let (_, outcome) = send(&*twilio_provider, Channel::Sms, "+15550100").await;
+        assert_eq!(outcome, unknown, "twilio {status}");
+        script(
+            &sendgrid,
+            "email-sendgrid",
+            json!({"default": {"status": status}}),
+        );
+        let (_, outcome) = send(&*sendgrid_provider, Channel::Email, "pat@example.org").await;
+        assert_eq!(outcome, unknown, "sendgrid {status}");
+    }
 }

@@ -22,6 +22,12 @@
 //!   `retry.max_retry_after_s`.
 //! - `admission.max_pause_s` is also how long an account whose credentials a provider refused
 //!   is suspended (its bucket paused, its rate kept) before one send probes again.
+//! - `admission.send_margin_ms` (default 1000, 100..=60000): no request starts unless it can be
+//!   answered (its `timeout_ms`) this long before its lease ends, nor within this long of the
+//!   delivery's expiry; a send still waiting inside its adapter then (e.g. for an access token)
+//!   is given up, never started, and recorded as failed before send (retried by the retry
+//!   policy, never ambiguous). The lease must cover `timeout_ms + admission.max_wait_ms` and
+//!   the larger of this and [`LEASE_MARGIN_MS`].
 //! - `providers`: a list (`[[providers]]` in TOML) of provider accounts, each
 //!   `kind` (`generic`, `twilio`, `sendgrid`, `fcm`, `apns`), `account`, `channel`, `base_url`,
 //!   `auth_token`, `timeout_ms`, `connect_timeout_ms`, `honours_idempotency`,
@@ -140,11 +146,12 @@ impl WorkerConfig {
     /// in flight, and a second worker send it again.
     fn check_lease_outlives_a_send(&self) -> Result<(), ConfigError> {
         let lease_ms = self.worker.lease_seconds.saturating_mul(1000);
+        let margin_ms = LEASE_MARGIN_MS.max(self.admission.send_margin_ms);
         for provider in &self.providers {
             let needed_ms = provider
                 .timeout_ms
                 .saturating_add(self.admission.max_wait_ms)
-                .saturating_add(LEASE_MARGIN_MS);
+                .saturating_add(margin_ms);
             if lease_ms < needed_ms {
                 return Err(ConfigError::invalid(
                     "worker.lease_seconds",
@@ -156,7 +163,7 @@ impl WorkerConfig {
                         needed_ms.div_ceil(1000),
                         provider.timeout_ms,
                         self.admission.max_wait_ms,
-                        LEASE_MARGIN_MS,
+                        margin_ms,
                         self.worker.lease_seconds
                     ),
                 ));
@@ -217,6 +224,7 @@ pub struct AdmissionSection {
     pub max_wait_ms: u64,
     pub closed_recheck_ms: u64,
     pub max_pause_s: u64,
+    pub send_margin_ms: u64,
 }
 
 impl Default for AdmissionSection {
@@ -225,6 +233,7 @@ impl Default for AdmissionSection {
             max_wait_ms: 1_500,
             closed_recheck_ms: 10_000,
             max_pause_s: 60,
+            send_margin_ms: 1_000,
         }
     }
 }
@@ -249,6 +258,12 @@ impl AdmissionSection {
                 "must be between 1 and 3600: no provider answer may stop an account for longer",
             ));
         }
+        if !(100..=60_000).contains(&self.send_margin_ms) {
+            return Err(ConfigError::invalid(
+                format!("{prefix}.send_margin_ms"),
+                "must be between 100 and 60000",
+            ));
+        }
         Ok(())
     }
 
@@ -257,6 +272,7 @@ impl AdmissionSection {
             max_wait: Duration::from_millis(self.max_wait_ms),
             closed_recheck: Duration::from_millis(self.closed_recheck_ms),
             max_pause: Duration::from_secs(self.max_pause_s),
+            send_margin: Duration::from_millis(self.send_margin_ms),
             ..nudge_domain::AdmissionSettings::default()
         }
     }

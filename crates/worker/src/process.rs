@@ -11,14 +11,14 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use nudge_domain::{
     AdmissionSettings, AttemptContext, AttemptFacts, BucketSignal, Channel, Decision, DeliveryId,
-    DeliveryState, OutcomeClass, ProviderAccount, RandJitter, RetryPolicy, decide,
+    DeliveryState, OutcomeClass, ProviderAccount, RandJitter, RetryPolicy, SendOutcome, decide,
 };
 use nudge_ledger::{
     AttemptRecord, DestinationCipher, Feedback, FenceRefused, LeaseBatch, LeaseOutcome,
     LeasedDelivery, Ledger, LedgerTime, Material, Recorded, SendSlot, Slotted, WorkerRoutes,
 };
 use nudge_proto::Envelope;
-use nudge_provider::{DynProvider, Expiry, SendRequest};
+use nudge_provider::{BoxSendFuture, DynProvider, SEND_DEADLINE_PASSED, SendRequest, SendWindow};
 use tracing::{Instrument, debug, error, info, warn};
 
 use crate::clock::LedgerClock;
@@ -549,21 +549,26 @@ impl Worker {
             attempt = lease.attempt_number);
         let traceparent = nudge_telemetry::traceparent_of(&request_span);
         let started_at = self.clock.now();
-        let outcome = provider
-            .send_boxed(SendRequest {
+        let window = SendWindow::new(
+            started_at,
+            lease.expires_at,
+            lease.lease_expires_at,
+            self.admission.send_margin,
+        );
+        let outcome = bounded_send(
+            provider.send_boxed(SendRequest {
                 idempotency_key: &lease.idempotency_key,
                 channel: self.channel,
                 destination: destination.expose(),
                 content: content.as_ref(),
                 correlation_id: &correlation_id,
                 traceparent: traceparent.as_deref(),
-                expiry: Some(Expiry {
-                    expires_at: lease.expires_at,
-                    now: started_at,
-                }),
-            })
-            .instrument(request_span.clone())
-            .await;
+                window: Some(&window),
+            }),
+            &window,
+        )
+        .instrument(request_span.clone())
+        .await;
         match &outcome {
             nudge_domain::SendOutcome::Response { status, .. }
             | nudge_domain::SendOutcome::Answered(nudge_domain::ProviderAnswer {
@@ -791,6 +796,29 @@ impl Worker {
             Ok(None) => {}
             Err(e) => {
                 warn!(error.cause_chain = ?e, "failed to apply provider feedback to the bucket")
+            }
+        }
+    }
+}
+
+/// A send bounded by its window, whatever the adapter does inside: an adapter that has not
+/// started its request by the window's deadline (still waiting for a token, say) is stopped
+/// there, and the attempt failed before send (nothing left, so it is retried by the retry
+/// policy and never held as maybe sent). A request that started runs to its own timeout,
+/// which the window left room for before the lease ends.
+async fn bounded_send(mut send: BoxSendFuture<'_>, window: &SendWindow) -> SendOutcome {
+    tokio::select! {
+        biased;
+        outcome = &mut send => outcome,
+        () = tokio::time::sleep_until(window.deadline()) => {
+            if window.started() {
+                send.await
+            } else {
+                drop(send);
+                info!("the send's window closed before its request started: not sent");
+                SendOutcome::FailedBeforeSend {
+                    reason: SEND_DEADLINE_PASSED.to_owned(),
+                }
             }
         }
     }

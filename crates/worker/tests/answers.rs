@@ -289,6 +289,80 @@ async fn refused_credentials_suspend_the_account_and_its_other_deliveries_go_bac
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn refused_credentials_suspend_an_account_without_a_bucket_too(pool: PgPool) {
+    // No rate configured, so no bucket: the suspension is the account's all the same.
+    let ledger = Ledger::from_pool(pool);
+    contact(&ledger, "patient-1").await;
+    let (worker, provider) = worker(&ledger, vec![answered(Verdict::AuthFailure, 401)]);
+    assert!(ledger.rate_buckets().await.unwrap().is_empty());
+
+    let first = due(&ledger, "first", "patient-1").await;
+    assert_eq!(
+        worker.process_one(&envelope(&first)).await,
+        Processed::Attempted(DeliveryState::RetryWait)
+    );
+    let mut others = Vec::new();
+    for i in 0..5 {
+        others.push(due(&ledger, &format!("other-{i}"), "patient-1").await);
+    }
+    let payloads: Vec<Vec<u8>> = others.iter().map(envelope).collect();
+    let refs: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
+    for processed in worker.process_batch(&refs).await {
+        assert_eq!(processed, Processed::Released("bucket_paused"));
+    }
+    assert_eq!(
+        provider.sent.load(Ordering::SeqCst),
+        1,
+        "one send found the refusal"
+    );
+    let now = db_now(&ledger).await;
+    for d in &others {
+        let r = record(&ledger, d).await;
+        assert_eq!(r.state, DeliveryState::RetryWait);
+        assert_eq!(r.attempt_count, 0, "no attempt burnt on a known refusal");
+        let due_in = r.next_attempt_at.unwrap() - now;
+        assert!(
+            due_in > chrono::Duration::seconds(55) && due_in <= chrono::Duration::seconds(60),
+            "due at the suspension's end (admission.max_pause_s, 60 s; 5 s tolerance for the \
+             test's own run), got {due_in}"
+        );
+    }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_attempt_refused_for_the_account_spends_none_of_the_deliverys_attempt_budget(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool.clone());
+    contact(&ledger, "patient-1").await;
+    let (mut worker, _provider) = worker(&ledger, vec![answered(Verdict::AuthFailure, 401)]);
+    // One attempt allowed: a refusal of the account must not be that one.
+    worker.policy = RetryPolicy::new(
+        Duration::from_millis(100),
+        Duration::from_millis(100),
+        1,
+        Duration::from_secs(3600),
+    )
+    .unwrap();
+    let first = due(&ledger, "first", "patient-1").await;
+    assert_eq!(
+        worker.process_one(&envelope(&first)).await,
+        Processed::Attempted(DeliveryState::RetryWait)
+    );
+    let (count, base): (i32, i32) =
+        sqlx::query_as("SELECT attempt_count, attempt_base FROM deliveries WHERE id = $1")
+            .bind(first.id.as_uuid())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(count, 1, "the attempt is in the history");
+    assert_eq!(count - base, 0, "and spent nothing of the budget");
+    let attempts = ledger.attempts(first.id).await.unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(attempts[0].attempt_number, 1);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_recipient_throttle_retries_that_delivery_and_leaves_the_bucket_alone(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
     let now = db_now(&ledger).await;

@@ -9,8 +9,9 @@
 //!    content, and whether the account has a rate bucket.
 //! 2. Messages not locked are explained in one more statement (only when there are any):
 //!    expired or cancelled deliveries are settled so, others are stale or unknown.
-//! 3. Candidates on accounts with a bucket take their slots (`buckets::admit_slots`: one lock
-//!    per bucket, the database's clock read under it).
+//! 3. Candidates on accounts with a bucket (or, without one, suspended: `account_suspensions`)
+//!    take their slots (`buckets::admit_slots`: one lock per bucket, the database's clock read
+//!    under it).
 //! 4. One UPDATE applies the plan to every candidate: leased and fenced (`send_started_at`
 //!    stamped) when the account has no bucket or the slot has come; leased unfenced when the
 //!    slot is within the admission wait (the worker waits for it, then [`Ledger::fence`]); not
@@ -351,7 +352,11 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT x.account, EXISTS (
                    SELECT 1 FROM rate_buckets b
-                   WHERE b.provider_account = x.account AND b.channel = $3) AS bucketed
+                   WHERE b.provider_account = x.account AND b.channel = $3)
+               OR EXISTS (
+                   SELECT 1 FROM account_suspensions s
+                   WHERE s.provider_account = x.account AND s.channel = $3
+                     AND s.suspended_until > COALESCE($5, now())) AS bucketed
         FROM (SELECT COALESCE(
                   (SELECT tc.provider_account FROM tenant_channels tc
                    WHERE tc.tenant_id = r.tenant_id AND tc.channel = $3),

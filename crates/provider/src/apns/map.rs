@@ -5,8 +5,9 @@
 //! | answer | verdict |
 //! |---|---|
 //! | 200 | accepted; the `apns-id` header is the message id |
-//! | 410 `Unregistered` (or `ExpiredToken`) | contact invalid: the device token is no longer active |
-//! | 400 `BadDeviceToken` | contact invalid |
+//! | 410 `Unregistered` or `ExpiredToken` | contact invalid: the device token is no longer active for the topic (Apple's two documented reasons for a 410) |
+//! | 410 with any other reason, or none | rejected (terminal, the contact left alone: only Apple's reasons flag it) |
+//! | 400 `BadDeviceToken` | contact invalid, unless most of the account's recent answers are (a sandbox token sent to production, or the reverse: see the adapter's `misconfigured_*` keys) |
 //! | 400 other (`DeviceTokenNotForTopic`, `BadTopic`, `BadExpirationDate`, ...), 404, 405, 413 | rejected (terminal; a wrong topic is ours, not the contact's) |
 //! | 403 `InvalidProviderToken`, `ExpiredProviderToken`, `MissingProviderToken`, `BadCertificate`, `Forbidden`, ... | auth failure of the account |
 //! | 429 `TooManyProviderTokenUpdates` | own fault (our token churn): alert, retry the delivery, never slow the bucket |
@@ -101,7 +102,9 @@ pub fn map_response(status: u16, headers: &HeaderMap, body: &[u8]) -> ProviderAn
     let reason = reason_of(body);
     let retry_after = retry_after(headers);
     let verdict = match (status, reason) {
-        (410, _) | (400, Some("BadDeviceToken")) => Verdict::ContactInvalid,
+        (410, Some("Unregistered" | "ExpiredToken")) | (400, Some("BadDeviceToken")) => {
+            Verdict::ContactInvalid
+        }
         (429, Some("TooManyProviderTokenUpdates")) => Verdict::OwnFault,
         (429, _) => Verdict::ThrottledRecipient,
         (403, _) => Verdict::AuthFailure,
@@ -163,6 +166,24 @@ mod tests {
             map_response(400, &none(), &body("BadDeviceToken")),
             verdict(Verdict::ContactInvalid, 400, Some("BadDeviceToken"))
         );
+    }
+
+    #[test]
+    fn a_410_flags_the_contact_only_with_one_of_apples_reasons_for_it() {
+        for body in [
+            &b""[..],
+            b"<html>Gone</html>",
+            &self::body("BadTopic"),
+            &self::body("Whatever"),
+        ] {
+            let got = map_response(410, &none(), body);
+            assert_eq!(
+                got.verdict,
+                Verdict::Rejected,
+                "{:?}",
+                String::from_utf8_lossy(body)
+            );
+        }
     }
 
     #[test]

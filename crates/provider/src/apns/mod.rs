@@ -26,6 +26,9 @@
 //! | `push_type` | `alert` | `apns-push-type`: `alert` or `background` |
 //! | `priority` | `10` | `apns-priority`: `10` (now), `5` (power-considerate) or `1` (background) |
 //! | `token_refresh_s` | `3000` | the provider token's age at which it is replaced, 1200..=3300 (Apple: not more than once per 20 minutes, not less than once per hour) |
+//! | `misconfigured_window` | `50` | how many of the account's recent answers are kept to tell a misconfigured account from bad tokens, 10..=10000 |
+//! | `misconfigured_share` | `0.5` | the share of those answers that, being `400 BadDeviceToken` (a sandbox token sent to production, or the reverse), makes one the account's fault (an auth failure: alert, account suspended) rather than the contact's, (0, 1] |
+//! | `misconfigured_min_answers` | `5` | how many `BadDeviceToken` answers the window must hold before that, 1..=`misconfigured_window` |
 
 pub mod map;
 pub mod token;
@@ -104,6 +107,12 @@ pub struct ApnsKeys {
     pub priority: u8,
     #[serde(default = "default_token_refresh_s")]
     pub token_refresh_s: u64,
+    #[serde(default = "crate::push::default_misconfigured_window")]
+    pub misconfigured_window: usize,
+    #[serde(default = "crate::push::default_misconfigured_share")]
+    pub misconfigured_share: f64,
+    #[serde(default = "crate::push::default_misconfigured_min_answers")]
+    pub misconfigured_min_answers: usize,
 }
 
 const fn default_priority() -> u8 {
@@ -149,6 +158,9 @@ impl ApnsKeys {
             push_type: PushType::default(),
             priority: default_priority(),
             token_refresh_s: default_token_refresh_s(),
+            misconfigured_window: crate::push::default_misconfigured_window(),
+            misconfigured_share: crate::push::default_misconfigured_share(),
+            misconfigured_min_answers: crate::push::default_misconfigured_min_answers(),
         }
     }
 
@@ -227,6 +239,12 @@ impl ApnsKeys {
                 "must be between 1200 and 3300 (Apple: at most once per 20 minutes, at least once per hour)",
             ));
         }
+        crate::push::validate_misconfigured(
+            self.misconfigured_window,
+            self.misconfigured_share,
+            self.misconfigured_min_answers,
+            |field| key(prefix, field),
+        )?;
         Ok(Parsed {
             signing_key,
             roots,
@@ -246,6 +264,9 @@ pub struct ApnsProvider {
     priority: u8,
     client: reqwest::Client,
     tokens: ProviderTokens,
+    /// The longest one request runs (`timeout_ms`).
+    timeout: Duration,
+    misconfiguration: crate::push::Misconfiguration,
 }
 
 impl std::fmt::Debug for ApnsProvider {
@@ -298,6 +319,12 @@ impl ApnsProvider {
             priority: keys.priority,
             client,
             tokens,
+            timeout: Duration::from_millis(cfg.timeout_ms),
+            misconfiguration: crate::push::Misconfiguration::new(
+                keys.misconfigured_window,
+                keys.misconfigured_share,
+                keys.misconfigured_min_answers,
+            ),
         })
     }
 
@@ -324,26 +351,47 @@ impl ApnsProvider {
         };
         let mut url = self.endpoint.clone();
         url.set_path(&format!("{}/{device}", self.endpoint.path()));
+        // `apns-expiration` is read from the window as the request is built.
+        let expiry = match req.open(self.timeout) {
+            Ok(expiry) => expiry,
+            Err(outcome) => return outcome,
+        };
         let request = self
             .client
             .post(url)
-            .headers(self.headers(&req, auth.clone()));
+            .headers(self.headers(&req, expiry, auth.clone()));
         let response = match request.body(body).send().await {
             Ok(r) => r,
             Err(e) => return logged_outcome_of_error(&self.account, e),
         };
         let status = response.status().as_u16();
+        if let Some(outcome) = crate::transport::out_of_range(status) {
+            return outcome;
+        }
         let headers = response.headers().clone();
         let body = read_body(response, MAX_BODY_BYTES)
             .await
             .unwrap_or_default();
         let answer = map_response(status, &headers, &body);
+        // A sandbox token sent to production (or the reverse) gets this on every send.
+        let suspect = answer.verdict == Verdict::ContactInvalid
+            && status == 400
+            && answer
+                .code
+                .as_ref()
+                .is_some_and(|c| c.as_str() == "BadDeviceToken");
+        let answer = self.misconfiguration.judge(answer, suspect);
         self.after(&answer, &auth);
         SendOutcome::Answered(answer)
     }
 
     /// The request's headers: the provider token, APNs's own, and our trace ids.
-    fn headers(&self, req: &SendRequest<'_>, auth: HeaderValue) -> reqwest::header::HeaderMap {
+    fn headers(
+        &self,
+        req: &SendRequest<'_>,
+        expiry: Option<crate::Expiry>,
+        auth: HeaderValue,
+    ) -> reqwest::header::HeaderMap {
         let mut headers = reqwest::header::HeaderMap::new();
         headers.insert(header::AUTHORIZATION, auth);
         headers.insert(APNS_TOPIC, self.topic.clone());
@@ -361,7 +409,7 @@ impl ApnsProvider {
         if let Ok(v) = HeaderValue::from_str(&apns_id) {
             headers.insert(APNS_ID, v);
         }
-        if let Some(expiry) = req.expiry {
+        if let Some(expiry) = expiry {
             headers.insert(
                 APNS_EXPIRATION,
                 HeaderValue::from(expiry.expires_at.timestamp().max(0)),
@@ -454,7 +502,7 @@ mod tests {
             content,
             correlation_id: "c",
             traceparent: None,
-            expiry: None,
+            window: None,
         }
     }
 
@@ -498,9 +546,9 @@ mod tests {
         let key = IdempotencyKey::for_delivery(reminder, Channel::Push);
         let now = chrono::Utc::now();
         let expires_at = now + chrono::TimeDelta::minutes(30);
-        let mut req = msg(&key, None);
-        req.expiry = Some(crate::Expiry { expires_at, now });
-        let headers = provider.headers(&req, HeaderValue::from_static("bearer t"));
+        let req = msg(&key, None);
+        let expiry = Some(crate::Expiry { expires_at, now });
+        let headers = provider.headers(&req, expiry, HeaderValue::from_static("bearer t"));
         let get = |name: &str| headers.get(name).unwrap().to_str().unwrap().to_owned();
         assert_eq!(get("authorization"), "bearer t");
         assert_eq!(get("apns-topic"), "org.example.app");
@@ -508,8 +556,7 @@ mod tests {
         assert_eq!(get("apns-priority"), "10");
         assert_eq!(get("apns-id"), reminder.as_uuid().hyphenated().to_string());
         assert_eq!(get("apns-expiration"), expires_at.timestamp().to_string());
-        req.expiry = None;
-        let headers = provider.headers(&req, HeaderValue::from_static("bearer t"));
+        let headers = provider.headers(&req, None, HeaderValue::from_static("bearer t"));
         assert!(headers.get("apns-expiration").is_none());
     }
 

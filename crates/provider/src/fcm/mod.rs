@@ -21,6 +21,9 @@
 //! | `private_key_id` | unset | the key's id, sent as the assertion's `kid` |
 //! | `token_uri` | `https://oauth2.googleapis.com/token` | where assertions are exchanged for access tokens; also the assertion's `aud` |
 //! | `token_refresh_margin_s` | `60` | how long before its `expires_in` an access token is replaced, 0..=1800 |
+//! | `misconfigured_window` | `50` | how many of the account's recent answers are kept to tell a misconfigured account from bad tokens, 10..=10000 |
+//! | `misconfigured_share` | `0.5` | the share of those answers that, being `SENDER_ID_MISMATCH`, makes one the account's fault (an auth failure: alert, account suspended) rather than the contact's, (0, 1] |
+//! | `misconfigured_min_answers` | `5` | how many `SENDER_ID_MISMATCH` answers the window must hold before that, 1..=`misconfigured_window` |
 
 pub mod map;
 pub mod oauth;
@@ -34,7 +37,7 @@ use reqwest::header::{self, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 use url::Url;
 
-use crate::push::{PushContent, parse_base_url, refused_before_send};
+use crate::push::{Misconfiguration, PushContent, parse_base_url, refused_before_send};
 use crate::transport::{MAX_BODY_BYTES, client, logged_outcome_of_error, read_body};
 use crate::{Expiry, HttpProviderConfig, Provider, ProviderError, SendRequest};
 use oauth::ServiceAccountTokens;
@@ -69,6 +72,12 @@ pub struct FcmKeys {
     pub token_uri: String,
     #[serde(default = "default_token_refresh_margin_s")]
     pub token_refresh_margin_s: u64,
+    #[serde(default = "crate::push::default_misconfigured_window")]
+    pub misconfigured_window: usize,
+    #[serde(default = "crate::push::default_misconfigured_share")]
+    pub misconfigured_share: f64,
+    #[serde(default = "crate::push::default_misconfigured_min_answers")]
+    pub misconfigured_min_answers: usize,
 }
 
 fn default_token_uri() -> String {
@@ -101,6 +110,9 @@ impl FcmKeys {
             private_key_id: None,
             token_uri: default_token_uri(),
             token_refresh_margin_s: default_token_refresh_margin_s(),
+            misconfigured_window: crate::push::default_misconfigured_window(),
+            misconfigured_share: crate::push::default_misconfigured_share(),
+            misconfigured_min_answers: crate::push::default_misconfigured_min_answers(),
         }
     }
 
@@ -166,6 +178,12 @@ impl FcmKeys {
                 "must be at most 1800",
             ));
         }
+        crate::push::validate_misconfigured(
+            self.misconfigured_window,
+            self.misconfigured_share,
+            self.misconfigured_min_answers,
+            |field| key(prefix, field),
+        )?;
         Ok(Parsed {
             signing_key,
             token_uri,
@@ -185,6 +203,9 @@ pub struct FcmProvider {
     endpoint: Url,
     client: reqwest::Client,
     tokens: ServiceAccountTokens,
+    /// The longest one request runs (`timeout_ms`).
+    timeout: Duration,
+    misconfiguration: Misconfiguration,
 }
 
 impl std::fmt::Debug for FcmProvider {
@@ -228,6 +249,12 @@ impl FcmProvider {
             endpoint,
             client,
             tokens,
+            timeout: Duration::from_millis(cfg.timeout_ms),
+            misconfiguration: Misconfiguration::new(
+                keys.misconfigured_window,
+                keys.misconfigured_share,
+                keys.misconfigured_min_answers,
+            ),
         })
     }
 
@@ -236,14 +263,30 @@ impl FcmProvider {
         self.tokens.fetched()
     }
 
+    /// How many access-token fetches this account started so far, whatever they got.
+    pub fn access_token_fetches_started(&self) -> u64 {
+        self.tokens.fetches_started()
+    }
+
     async fn send_once(&self, req: SendRequest<'_>) -> SendOutcome {
-        let body = match request_body(&req) {
-            Ok(b) => b,
+        // Refused before anything is asked of Google: a bad token or an oversized payload.
+        let payload = match payload(&req) {
+            Ok(p) => p,
             Err(code) => return SendOutcome::Answered(refused_before_send(code)),
         };
         let auth = match self.tokens.authorization().await {
             Ok(h) => h,
             Err(outcome) => return outcome,
+        };
+        // The token may have taken a while: the window decides whether the push may still
+        // start, and `ttl` counts from now.
+        let expiry = match req.open(self.timeout) {
+            Ok(expiry) => expiry,
+            Err(outcome) => return outcome,
+        };
+        let body = match envelope(req.destination, &payload, expiry) {
+            Ok(b) => b,
+            Err(code) => return SendOutcome::Answered(refused_before_send(code)),
         };
         let mut request = self
             .client
@@ -266,16 +309,26 @@ impl FcmProvider {
             Err(e) => return logged_outcome_of_error(&self.account, e),
         };
         let status = response.status().as_u16();
+        if let Some(outcome) = crate::transport::out_of_range(status) {
+            return outcome;
+        }
         let headers = response.headers().clone();
         // A body that breaks off or is too long loses only what it would have added.
         let body = read_body(response, MAX_BODY_BYTES)
             .await
             .unwrap_or_default();
         let answer = map_response(status, &headers, &body);
+        // A token of another project is what every send of a wrong credential gets.
+        let suspect = answer.verdict == nudge_domain::Verdict::ContactInvalid
+            && answer
+                .code
+                .as_ref()
+                .is_some_and(|c| c.as_str() == "SENDER_ID_MISMATCH");
+        let answer = self.misconfiguration.judge(answer, suspect);
         if answer.verdict == nudge_domain::Verdict::AuthFailure && status == 401 {
             // The access token itself may be what was refused (revoked, expired early): the
             // first send after the account resumes asks for another.
-            self.tokens.forget(&auth).await;
+            self.tokens.forget(&auth);
         }
         SendOutcome::Answered(answer)
     }
@@ -334,8 +387,9 @@ struct Notification {
     body: Option<String>,
 }
 
-/// The request body, or the code of its refusal before sending.
-fn request_body(req: &SendRequest<'_>) -> Result<Vec<u8>, &'static str> {
+/// The notification and data of a request, or the code of its refusal before sending (an
+/// unusable device token, a payload over [`MAX_PAYLOAD_BYTES`]).
+fn payload(req: &SendRequest<'_>) -> Result<Payload, &'static str> {
     let token = req.destination;
     if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
         return Err(reason::INVALID_DEVICE_TOKEN);
@@ -356,8 +410,17 @@ fn request_body(req: &SendRequest<'_>) -> Result<Vec<u8>, &'static str> {
     if payload_len > MAX_PAYLOAD_BYTES {
         return Err(reason::PAYLOAD_TOO_LARGE);
     }
+    Ok(payload)
+}
+
+/// The request body for `token`, with the expiry as of the moment it is built.
+fn envelope(
+    token: &str,
+    payload: &Payload,
+    expiry: Option<Expiry>,
+) -> Result<Vec<u8>, &'static str> {
     // Android is told how long the message is worth keeping, iOS (through FCM) until when.
-    let (android, apns) = match req.expiry {
+    let (android, apns) = match expiry {
         Some(expiry @ Expiry { expires_at, .. }) => (
             Some(serde_json::json!({"ttl": format!("{}s", expiry.seconds_left())})),
             Some(serde_json::json!({
@@ -369,12 +432,18 @@ fn request_body(req: &SendRequest<'_>) -> Result<Vec<u8>, &'static str> {
     serde_json::to_vec(&Envelope {
         message: Message {
             token,
-            payload: &payload,
+            payload,
             android,
             apns,
         },
     })
     .map_err(|_| crate::reason::REQUEST_BUILD_ERROR)
+}
+
+/// [`payload`] then [`envelope`], for tests of the whole body.
+#[cfg(test)]
+fn request_body(req: &SendRequest<'_>, expiry: Option<Expiry>) -> Result<Vec<u8>, &'static str> {
+    envelope(req.destination, &payload(req)?, expiry)
 }
 
 #[cfg(test)]
@@ -395,7 +464,7 @@ mod tests {
             content,
             correlation_id: "c",
             traceparent: None,
-            expiry: None,
+            window: None,
         }
     }
 
@@ -406,9 +475,10 @@ mod tests {
             serde_json::json!({"title": "Appointment", "body": "Tomorrow", "template": "appt"});
         let now = chrono::Utc::now();
         let expires_at = now + chrono::TimeDelta::seconds(90);
-        let mut m = msg(&key, Some(&content));
-        m.expiry = Some(Expiry { expires_at, now });
-        let body: serde_json::Value = serde_json::from_slice(&request_body(&m).unwrap()).unwrap();
+        let m = msg(&key, Some(&content));
+        let expiry = Some(Expiry { expires_at, now });
+        let body: serde_json::Value =
+            serde_json::from_slice(&request_body(&m, expiry).unwrap()).unwrap();
         assert_eq!(
             body,
             serde_json::json!({"message": {
@@ -426,10 +496,10 @@ mod tests {
         let key = key();
         // `{"data":{"k":"…"}}` is 17 bytes around the value.
         let at_limit = serde_json::json!({"k": "x".repeat(MAX_PAYLOAD_BYTES - 17)});
-        assert!(request_body(&msg(&key, Some(&at_limit))).is_ok());
+        assert!(request_body(&msg(&key, Some(&at_limit)), None).is_ok());
         let over = serde_json::json!({"k": "x".repeat(MAX_PAYLOAD_BYTES - 16)});
         assert_eq!(
-            request_body(&msg(&key, Some(&over))).unwrap_err(),
+            request_body(&msg(&key, Some(&over)), None).unwrap_err(),
             reason::PAYLOAD_TOO_LARGE
         );
     }
@@ -441,7 +511,7 @@ mod tests {
             let mut m = msg(&key, None);
             m.destination = bad;
             assert_eq!(
-                request_body(&m).unwrap_err(),
+                request_body(&m, None).unwrap_err(),
                 reason::INVALID_DEVICE_TOKEN,
                 "{bad:?}"
             );

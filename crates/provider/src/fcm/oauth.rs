@@ -4,8 +4,12 @@
 //! e-mail, `scope` FCM's, `aud` the token URI, `iat` now, `exp` an hour on) is exchanged at the
 //! configured `token_uri` (`grant_type=urn:ietf:params:oauth:grant-type:jwt-bearer`) for an access
 //! token, which is cached until `refresh_margin` before its `expires_in` and shared by every send
-//! of the account. When it is due, one send refreshes it and the others wait for that refresh
-//! rather than each asking for a token of their own.
+//! of the account. When it is due, one fetch is started and every send that needs the token
+//! meanwhile waits for that same fetch and gets its result, a failure included: a failed fetch
+//! answers all its waiters at once rather than each asking again in turn (a hanging endpoint
+//! would otherwise hold the last waiter for one timeout per send ahead of it). The fetch is not
+//! owned by any one send: a send that stops waiting (its window closed) leaves it running for
+//! the others.
 //!
 //! What can go wrong before the push itself leaves: the token endpoint refuses the assertion
 //! (4xx: the key, the account or the clock is wrong) is an auth failure of the account; an
@@ -13,12 +17,14 @@
 //! (retryable). Neither the assertion, the key nor the access token is ever logged.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use futures_util::FutureExt as _;
+use futures_util::future::{BoxFuture, Shared};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use reqwest::header::{self, HeaderValue};
 use serde::{Deserialize, Serialize};
-use tokio::sync::{Mutex, RwLock};
 use tokio::time::Instant;
 use url::Url;
 
@@ -70,6 +76,20 @@ struct Cached {
     refresh_at: Instant,
 }
 
+/// What one fetch gives every send that waited for it: the header and the token's lifetime,
+/// or the outcome of their attempts (the push was not sent).
+type Fetched = Result<(HeaderValue, Duration), SendOutcome>;
+
+/// A fetch in flight, shared by the sends waiting for it.
+type Fetch = Shared<BoxFuture<'static, Fetched>>;
+
+#[derive(Default)]
+struct State {
+    cached: Option<Cached>,
+    /// The fetch every send needing a token waits for, until one of them sees it finish.
+    fetching: Option<Fetch>,
+}
+
 /// The access tokens of one service account.
 pub(crate) struct ServiceAccountTokens {
     client: reqwest::Client,
@@ -78,10 +98,9 @@ pub(crate) struct ServiceAccountTokens {
     key: EncodingKey,
     key_id: Option<String>,
     refresh_margin: Duration,
-    cached: RwLock<Option<Cached>>,
-    /// Held by the one send refreshing the token; the others wait on it, then read the cache.
-    refreshing: Mutex<()>,
-    fetched: AtomicU64,
+    state: Mutex<State>,
+    fetched: Arc<AtomicU64>,
+    started: AtomicU64,
 }
 
 impl std::fmt::Debug for ServiceAccountTokens {
@@ -110,9 +129,9 @@ impl ServiceAccountTokens {
             key,
             key_id,
             refresh_margin,
-            cached: RwLock::new(None),
-            refreshing: Mutex::new(()),
-            fetched: AtomicU64::new(0),
+            state: Mutex::default(),
+            fetched: Arc::default(),
+            started: AtomicU64::new(0),
         }
     }
 
@@ -121,42 +140,60 @@ impl ServiceAccountTokens {
         self.fetched.load(Ordering::Relaxed)
     }
 
+    /// How many fetches were started so far (whatever they got).
+    pub(crate) fn fetches_started(&self) -> u64 {
+        self.started.load(Ordering::Relaxed)
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// The `Authorization` value to send with, refreshing the token first if it is due. An `Err`
-    /// is the outcome of the whole attempt: the push was not sent.
+    /// is the outcome of the whole attempt: the push was not sent. Sends that need a token
+    /// while one is being fetched wait for that fetch and share its result.
     pub(crate) async fn authorization(&self) -> Result<HeaderValue, SendOutcome> {
-        if let Some(h) = self.fresh().await {
-            return Ok(h);
+        let fetch = {
+            let mut state = self.state();
+            if let Some(cached) = state
+                .cached
+                .as_ref()
+                .filter(|c| Instant::now() < c.refresh_at)
+            {
+                return Ok(cached.header.clone());
+            }
+            match &state.fetching {
+                Some(fetch) => fetch.clone(),
+                None => {
+                    let fetch = self.start_fetch();
+                    state.fetching = Some(fetch.clone());
+                    fetch
+                }
+            }
+        };
+        let result = fetch.clone().await;
+        let mut state = self.state();
+        // The first waiter to see the fetch finish stores what it got; the others only read.
+        if state.fetching.as_ref().is_some_and(|f| f.ptr_eq(&fetch)) {
+            state.fetching = None;
+            if let Ok((header, lifetime)) = &result {
+                let lifetime = (*lifetime).min(MAX_TOKEN_LIFETIME);
+                state.cached = Some(Cached {
+                    header: header.clone(),
+                    refresh_at: Instant::now() + lifetime.saturating_sub(self.refresh_margin),
+                });
+            }
         }
-        let _refreshing = self.refreshing.lock().await;
-        // Another send may have refreshed it while this one waited.
-        if let Some(h) = self.fresh().await {
-            return Ok(h);
-        }
-        let (header, lifetime) = self.fetch().await?;
-        let lifetime = lifetime.min(MAX_TOKEN_LIFETIME);
-        let refresh_at = Instant::now() + lifetime.saturating_sub(self.refresh_margin);
-        *self.cached.write().await = Some(Cached {
-            header: header.clone(),
-            refresh_at,
-        });
-        Ok(header)
+        result.map(|(header, _)| header)
     }
 
     /// Forgets `used` if it is still the cached token (the provider refused it), so the next
     /// send fetches another; a token refreshed meanwhile is kept.
-    pub(crate) async fn forget(&self, used: &HeaderValue) {
-        let mut cached = self.cached.write().await;
-        if cached.as_ref().is_some_and(|c| c.header == *used) {
-            *cached = None;
+    pub(crate) fn forget(&self, used: &HeaderValue) {
+        let mut state = self.state();
+        if state.cached.as_ref().is_some_and(|c| c.header == *used) {
+            state.cached = None;
         }
-    }
-
-    async fn fresh(&self) -> Option<HeaderValue> {
-        let cached = self.cached.read().await;
-        cached
-            .as_ref()
-            .filter(|c| Instant::now() < c.refresh_at)
-            .map(|c| c.header.clone())
     }
 
     fn assertion(&self) -> Result<String, jsonwebtoken::errors::Error> {
@@ -173,70 +210,87 @@ impl ServiceAccountTokens {
         jsonwebtoken::encode(&header, &claims, &self.key)
     }
 
-    async fn fetch(&self) -> Result<(HeaderValue, Duration), SendOutcome> {
-        let unavailable = || failed_before_send(reason::TOKEN_UNAVAILABLE);
-        let assertion = self
-            .assertion()
-            .map_err(|_| failed_before_send(reason::ASSERTION_UNSIGNED))?;
+    /// A fetch that owns what it needs, so that it outlives any one waiter.
+    fn start_fetch(&self) -> Fetch {
+        self.started.fetch_add(1, Ordering::Relaxed);
+        let Ok(assertion) = self.assertion() else {
+            let refused: Fetched = Err(failed_before_send(reason::ASSERTION_UNSIGNED));
+            return futures_util::future::ready(refused).boxed().shared();
+        };
         let form = url::form_urlencoded::Serializer::new(String::new())
             .append_pair("grant_type", JWT_BEARER_GRANT)
             .append_pair("assertion", &assertion)
             .finish();
-        let response = self
-            .client
-            .post(self.token_uri.clone())
-            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
-            .header(header::ACCEPT, "application/json")
-            .body(form)
-            .send()
-            .await;
-        let response = match response {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(
-                    error.cause_chain = %error_chain(&e.without_url()),
-                    "the OAuth token endpoint could not be reached"
-                );
-                return Err(unavailable());
-            }
-        };
-        let status = response.status().as_u16();
-        if (400..=499).contains(&status) && status != 429 && status != 408 {
-            tracing::error!(
-                status,
-                "the OAuth token endpoint refused the service account's assertion"
-            );
-            return Err(SendOutcome::Answered(answer(
-                Verdict::AuthFailure,
-                status,
-                Some(reason::TOKEN_REFUSED),
-            )));
-        }
-        if !(200..=299).contains(&status) {
-            tracing::warn!(status, "the OAuth token endpoint did not issue a token");
-            return Err(unavailable());
-        }
-        let body = read_body(response, MAX_TOKEN_BODY_BYTES)
-            .await
-            .ok_or_else(unavailable)?;
-        let issued: TokenAnswer = serde_json::from_slice(&body).map_err(|_| {
-            tracing::warn!("the OAuth token endpoint answered 2xx without a token");
-            unavailable()
-        })?;
-        let token = &issued.access_token;
-        if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
-            tracing::warn!("the OAuth token endpoint issued a token that cannot be a header");
-            return Err(unavailable());
-        }
-        let mut value =
-            HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| unavailable())?;
-        value.set_sensitive(true);
-        self.fetched.fetch_add(1, Ordering::Relaxed);
-        let lifetime = Duration::from_secs(issued.expires_in.unwrap_or(0));
-        tracing::debug!(
-            expires_in_s = lifetime.as_secs(),
-            "fetched an FCM access token"
-        );
-        Ok((value, lifetime))
+        fetch(
+            self.client.clone(),
+            self.token_uri.clone(),
+            form,
+            self.fetched.clone(),
+        )
+        .boxed()
+        .shared()
     }
+}
+
+async fn fetch(
+    client: reqwest::Client,
+    token_uri: Url,
+    form: String,
+    fetched: Arc<AtomicU64>,
+) -> Fetched {
+    let unavailable = || failed_before_send(reason::TOKEN_UNAVAILABLE);
+    let response = client
+        .post(token_uri)
+        .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+        .header(header::ACCEPT, "application/json")
+        .body(form)
+        .send()
+        .await;
+    let response = match response {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(
+                error.cause_chain = %error_chain(&e.without_url()),
+                "the OAuth token endpoint could not be reached"
+            );
+            return Err(unavailable());
+        }
+    };
+    let status = response.status().as_u16();
+    if (400..=499).contains(&status) && status != 429 && status != 408 {
+        tracing::error!(
+            status,
+            "the OAuth token endpoint refused the service account's assertion"
+        );
+        return Err(SendOutcome::Answered(answer(
+            Verdict::AuthFailure,
+            status,
+            Some(reason::TOKEN_REFUSED),
+        )));
+    }
+    if !(200..=299).contains(&status) {
+        tracing::warn!(status, "the OAuth token endpoint did not issue a token");
+        return Err(unavailable());
+    }
+    let body = read_body(response, MAX_TOKEN_BODY_BYTES)
+        .await
+        .ok_or_else(unavailable)?;
+    let issued: TokenAnswer = serde_json::from_slice(&body).map_err(|_| {
+        tracing::warn!("the OAuth token endpoint answered 2xx without a token");
+        unavailable()
+    })?;
+    let token = &issued.access_token;
+    if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
+        tracing::warn!("the OAuth token endpoint issued a token that cannot be a header");
+        return Err(unavailable());
+    }
+    let mut value = HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| unavailable())?;
+    value.set_sensitive(true);
+    fetched.fetch_add(1, Ordering::Relaxed);
+    let lifetime = Duration::from_secs(issued.expires_in.unwrap_or(0));
+    tracing::debug!(
+        expires_in_s = lifetime.as_secs(),
+        "fetched an FCM access token"
+    );
+    Ok((value, lifetime))
 }
