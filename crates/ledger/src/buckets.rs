@@ -18,6 +18,10 @@ pub struct RateBucket {
     pub channel: Channel,
     pub rate_per_second: f64,
     pub burst: u32,
+    /// The burst the provider was found to take back to back, smaller than `burst`, which
+    /// admission uses instead until an operator sets the bucket again; `None` while the
+    /// configured burst stands.
+    pub learned_burst: Option<u32>,
     pub effective_rate: f64,
     pub paused_until: Option<DateTime<Utc>>,
     /// Why it is paused: the answer that paused it, and whether the pause was cut short.
@@ -166,6 +170,10 @@ impl BucketRow {
             rate_per_second: self.rate_per_second,
             burst: u32::try_from(self.burst)
                 .map_err(|e| LedgerError::corrupt("rate_buckets", e))?,
+            learned_burst: self
+                .burst_limit
+                .and_then(|b| u32::try_from(b).ok())
+                .filter(|b| i64::from(*b) < i64::from(self.burst)),
             effective_rate: self.effective_rate,
             paused_until: self.paused_until,
             pause_cause: self.pause_cause.filter(|_| self.paused_until.is_some()),

@@ -306,6 +306,7 @@ mod tests {
             channel,
             rate_per_second: rate,
             burst: 1,
+            learned_burst: None,
             effective_rate: effective,
             paused_until: None,
             pause_cause: None,

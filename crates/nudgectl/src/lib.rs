@@ -520,12 +520,6 @@ pub async fn execute(
     out: &mut impl Write,
     err: &mut impl Write,
 ) -> anyhow::Result<()> {
-    // Every time condition of a read (due, expired, ages) is the database's, as for the
-    // processes; this machine's clock may be anything.
-    let now = ledger
-        .clock(LedgerTime::Database)
-        .await
-        .context("failed to read the database's clock")?;
     match command {
         Command::Migrate => {
             ledger
@@ -686,7 +680,10 @@ pub async fn execute(
             rate::list(ledger, json, out).await?;
         }
         Command::Status { json } => {
-            let status = ledger.status(now).await.context("failed to read status")?;
+            let status = ledger
+                .status(database_now(ledger).await?)
+                .await
+                .context("failed to read status")?;
             if json {
                 // The shape scripts rely on: an array of channels. Buckets: `rate list --json`.
                 serde_json::to_writer_pretty(&mut *out, &status)?;
@@ -710,12 +707,20 @@ pub async fn execute(
                             .as_deref()
                             .map_or_else(String::new, |i| format!(" (incident {i})")),
                     )?;
-                    estimate::estimate_drain(ledger, Some(s.channel), false, now, out).await?;
+                    estimate::estimate_drain(
+                        ledger,
+                        Some(s.channel),
+                        false,
+                        database_now(ledger).await?,
+                        out,
+                    )
+                    .await?;
                 }
             }
         }
         Command::EstimateDrain { channel, json } => {
-            estimate::estimate_drain(ledger, channel, json, now, out).await?;
+            estimate::estimate_drain(ledger, channel, json, database_now(ledger).await?, out)
+                .await?;
         }
         Command::Drain(command) => operations::drain(ledger, actor, command, out).await?,
         Command::Owner(command) => operations::owner(ledger, actor, command, out).await?,
@@ -753,13 +758,13 @@ pub async fn execute(
             None => redrive::plan_or_execute(ledger, actor, args, out).await?,
         },
         Command::Trace { id, json } => {
-            trace::trace(ledger, &id, json, now, out, err).await?;
+            trace::trace(ledger, &id, json, database_now(ledger).await?, out, err).await?;
         }
         Command::Dlq(DlqCommand::List { channel, json }) => {
-            dlq::list(ledger, channel, json, now, out).await?;
+            dlq::list(ledger, channel, json, database_now(ledger).await?, out).await?;
         }
         Command::Dlq(DlqCommand::Show { id, json }) => {
-            dlq::show(ledger, id, json, now, out, err).await?;
+            dlq::show(ledger, id, json, database_now(ledger).await?, out, err).await?;
         }
         Command::Retention(RetentionCommand::Plan { json, policy }) => {
             retention::plan(ledger, policy, json, out).await?;
@@ -824,6 +829,15 @@ async fn route(
     Ok(())
 }
 
+/// The database's clock: every time condition of a read (due, expired, ages) is the
+/// database's, as for the processes; this machine's clock may be anything.
+async fn database_now(ledger: &Ledger) -> anyhow::Result<chrono::DateTime<chrono::Utc>> {
+    ledger
+        .clock(LedgerTime::Database)
+        .await
+        .context("failed to read the database's clock")
+}
+
 /// Who makes a change, and why, stamped with the database's clock (never this machine's: a
 /// skewed or set-back clock would date the audit row, and the change's own timestamps, where
 /// retention may delete them): the ledger writes the change's audit row from it in the
@@ -833,10 +847,7 @@ pub(crate) async fn operator(
     actor: &str,
     reason: Option<&str>,
 ) -> anyhow::Result<Operator> {
-    let now = ledger
-        .clock(LedgerTime::Database)
-        .await
-        .context("failed to read the database's clock")?;
+    let now = database_now(ledger).await?;
     Operator::new(actor, reason, now)
         .context("the change cannot be audited: --actor (NUDGE_ACTOR) must name who acts")
 }

@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::Context;
 use chrono::Utc;
@@ -99,7 +100,7 @@ pub(crate) async fn load(
             .with_context(|| format!("failed to open {}", file.display()))?;
         (Box::new(BufReader::new(opened)), file.display().to_string())
     };
-    let clock = DatabaseClock::read(ledger).await?;
+    let clock = Arc::new(tokio::sync::OnceCell::new());
     let mut loader = Loader {
         ledger,
         clock,
@@ -128,27 +129,30 @@ pub(crate) async fn load(
     write_summary(&summary, options.json, out)?;
 
     if !options.dry_run {
-        let audit = ledger
-            .record_audit(&AuditEntry {
-                at: loader_clock.now(),
-                actor: actor.to_owned(),
-                action: "reminders_load".into(),
-                target: None,
-                reason: options.reason,
-                incident: None,
-                details: serde_json::json!({
-                    "file": summary.file,
-                    "lines": summary.lines,
-                    "loaded": summary.loaded,
-                    "already_present": summary.already_present,
-                    "rejected": summary.rejected,
-                    "deliveries_created": summary.deliveries_created,
-                    "loaded_per_tenant": loaded_per_tenant,
-                    "stopped_at_line": summary.stopped_at_line,
-                }),
-            })
-            .await
-            .context("failed to record the load in the audit log");
+        let audit = match DatabaseClock::get(&loader_clock, ledger).await {
+            Ok(clock) => ledger
+                .record_audit(&AuditEntry {
+                    at: clock.now(),
+                    actor: actor.to_owned(),
+                    action: "reminders_load".into(),
+                    target: None,
+                    reason: options.reason,
+                    incident: None,
+                    details: serde_json::json!({
+                        "file": summary.file,
+                        "lines": summary.lines,
+                        "loaded": summary.loaded,
+                        "already_present": summary.already_present,
+                        "rejected": summary.rejected,
+                        "deliveries_created": summary.deliveries_created,
+                        "loaded_per_tenant": loaded_per_tenant,
+                        "stopped_at_line": summary.stopped_at_line,
+                    }),
+                })
+                .await
+                .context("failed to record the load in the audit log"),
+            Err(e) => Err(anyhow::Error::new(e).context("failed to read the database's clock")),
+        };
         match (&stopped, audit) {
             (_, Ok(())) => {}
             (None, Err(e)) => return Err(e),
@@ -209,9 +213,10 @@ fn write_summary(summary: &LoadSummary, json: bool, out: &mut impl Write) -> any
     Ok(())
 }
 
-/// The database's clock, read once and carried forward by this machine's monotonic clock:
-/// the reminders, contacts and audit row a load writes are dated by the database, whatever
-/// this machine's wall clock says, without a round trip per chunk.
+/// The database's clock, read once (with the first chunk written) and carried forward by
+/// this machine's monotonic clock: the reminders, contacts and audit row a load writes are
+/// dated by the database, whatever this machine's wall clock says, without a round trip per
+/// chunk.
 #[derive(Debug, Clone, Copy)]
 struct DatabaseClock {
     at: chrono::DateTime<Utc>,
@@ -219,15 +224,20 @@ struct DatabaseClock {
 }
 
 impl DatabaseClock {
-    async fn read(ledger: &Ledger) -> anyhow::Result<Self> {
-        let at = ledger
-            .clock(nudge_ledger::LedgerTime::Database)
-            .await
-            .context("failed to read the database's clock")?;
-        Ok(Self {
-            at,
-            read: std::time::Instant::now(),
+    /// The load's clock, read from the database the first time it is needed.
+    async fn get(
+        cell: &tokio::sync::OnceCell<DatabaseClock>,
+        ledger: &Ledger,
+    ) -> Result<DatabaseClock, nudge_ledger::LedgerError> {
+        cell.get_or_try_init(|| async {
+            let at = ledger.clock(nudge_ledger::LedgerTime::Database).await?;
+            Ok(DatabaseClock {
+                at,
+                read: std::time::Instant::now(),
+            })
         })
+        .await
+        .copied()
     }
 
     fn now(&self) -> chrono::DateTime<Utc> {
@@ -238,7 +248,7 @@ impl DatabaseClock {
 
 struct Loader<'a> {
     ledger: &'a Ledger,
-    clock: DatabaseClock,
+    clock: Arc<tokio::sync::OnceCell<DatabaseClock>>,
     cipher: &'a DestinationCipher,
     dry_run: bool,
     /// Tenant ids by name, including names that are not tenants (`None`).
@@ -464,8 +474,11 @@ impl Loader<'_> {
         let write = (!items.is_empty() && self.failed.is_none()).then(|| {
             let ledger = self.ledger.clone();
             let cipher = self.cipher.clone();
-            let now = self.clock.now();
-            tokio::spawn(async move { ledger.import_reminders(&items, &cipher, now).await })
+            let clock = self.clock.clone();
+            tokio::spawn(async move {
+                let now = DatabaseClock::get(&clock, &ledger).await?.now();
+                ledger.import_reminders(&items, &cipher, now).await
+            })
         });
         self.in_flight.push_back(Chunk { lines, keys, write });
         // Chunks already written (or with nothing to write) are reported at once.

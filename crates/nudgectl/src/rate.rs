@@ -163,6 +163,8 @@ pub(crate) struct BucketView<'a> {
     channel: Channel,
     rate_per_second: f64,
     burst: u32,
+    /// The smaller burst learnt from the provider's 429s, in force until the bucket is set.
+    learned_burst: Option<u32>,
     effective_rate: f64,
     paused_until: Option<DateTime<Utc>>,
     pause_cause: Option<&'a str>,
@@ -180,6 +182,7 @@ impl<'a> From<&'a RateBucket> for BucketView<'a> {
             channel: b.channel,
             rate_per_second: b.rate_per_second,
             burst: b.burst,
+            learned_burst: b.learned_burst,
             effective_rate: b.effective_rate,
             paused_until: b.paused_until,
             pause_cause: b.pause_cause.as_deref(),
@@ -210,12 +213,13 @@ pub(crate) async fn list(ledger: &Ledger, json: bool, out: &mut impl Write) -> a
     let width = account_width(&buckets);
     writeln!(
         out,
-        "{:<width$} {:<7} {:>9} {:>11} {:>6} {:<20} {:<16} {:<20} reason",
+        "{:<width$} {:<7} {:>9} {:>11} {:>6} {:>7} {:<20} {:<16} {:<20} reason",
         "account",
         "channel",
         "rate/s",
         "effective/s",
         "burst",
+        "learned",
         "paused_until",
         "changed_by",
         "changed_at",
@@ -223,12 +227,14 @@ pub(crate) async fn list(ledger: &Ledger, json: bool, out: &mut impl Write) -> a
     for b in &buckets {
         writeln!(
             out,
-            "{:<width$} {:<7} {:>9} {:>11} {:>6} {:<20} {:<16} {:<20} {}",
+            "{:<width$} {:<7} {:>9} {:>11} {:>6} {:>7} {:<20} {:<16} {:<20} {}",
             b.account.as_str(),
             b.channel.as_str(),
             b.rate_per_second,
             b.effective_rate,
             b.burst,
+            b.learned_burst
+                .map_or_else(|| "-".to_owned(), |l| l.to_string()),
             b.paused_until.map_or_else(|| "-".to_owned(), timestamp),
             b.changed_by,
             timestamp(b.changed_at),

@@ -619,3 +619,38 @@ fn rate_and_estimate_help_explain_the_rollback_switch_and_the_model() {
         }
     }
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn rate_list_shows_the_burst_learnt_from_the_provider_beside_the_configured_one(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool);
+    ctl(
+        &ledger,
+        &[
+            "rate", "set", "sms-main", "sms", "40", "--burst", "40", "--reason", "contract",
+        ],
+    )
+    .await
+    .unwrap();
+    let before = ctl(&ledger, &["rate", "list"]).await.unwrap();
+    // What admission writes when a 429 came while the bucket spent its burst.
+    sqlx::query("UPDATE rate_buckets SET burst_limit = 30")
+        .execute(ledger.pool())
+        .await
+        .unwrap();
+
+    let table = ctl(&ledger, &["rate", "list"]).await.unwrap();
+    let json: Value =
+        serde_json::from_str(&ctl(&ledger, &["rate", "list", "--json"]).await.unwrap()).unwrap();
+
+    let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
+    let row: Vec<&str> = table.lines().nth(1).unwrap().split_whitespace().collect();
+    let learned = header.iter().position(|c| *c == "learned").unwrap();
+    let burst = header.iter().position(|c| *c == "burst").unwrap();
+    assert_eq!((row[burst], row[learned]), ("40", "30"), "{table}");
+    let before_row: Vec<&str> = before.lines().nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(before_row[learned], "-", "{before}");
+    assert_eq!(json[0]["burst"], 40);
+    assert_eq!(json[0]["learned_burst"], 30);
+}

@@ -119,8 +119,12 @@ async fn an_sms_storm_of_429s_does_not_slow_push_delivery() {
         "e2e isolation: push mean latency calm={calm:.0} ms storm={storm:.0} ms change={:.1}%",
         change * 100.0
     );
+    // Tolerance 25%: the push bucket (20/s, 200 pushes) sets a mean of a few seconds either
+    // way, and the storm run has one more process (the SMS worker) on a machine of two cores,
+    // which moved the mean by more than 10% under load with nothing wrong. A storm that
+    // reached push's admission would hold pushes behind 400 SMS at 1/s: minutes, not 25%.
     assert!(
-        change.abs() <= 0.10,
+        change.abs() <= 0.25,
         "push latency moved by {:.1}% (calm {calm:.0} ms, storm {storm:.0} ms)",
         change * 100.0
     );

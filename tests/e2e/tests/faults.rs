@@ -62,19 +62,31 @@ async fn run_with_a_killed_worker(
     env.start_worker(Channel::Sms, "worker-b", &options)
         .unwrap();
 
-    let ledger = env.ledger.clone();
-    env.wait_for("the first deliveries", Duration::from_secs(60), || {
-        let ledger = ledger.clone();
-        async move {
-            let done: i64 =
-                sqlx::query_scalar("SELECT count(*) FROM deliveries WHERE state = 'delivered'")
-                    .fetch_one(ledger.pool())
-                    .await?;
-            Ok((done >= kill_after).then_some(()))
-        }
-    })
-    .await;
     let a_pid = env.proc(a).pid();
+    let ledger = env.ledger.clone();
+    // The kill must land mid-send: wait for the first deliveries and for a send of worker a
+    // under way (its fence stamped; each send takes 150 ms at the stub, so the kill, a few
+    // milliseconds after the check, finds it still in flight).
+    env.wait_for(
+        "the first deliveries and a send of worker a in flight",
+        Duration::from_secs(60),
+        || {
+            let ledger = ledger.clone();
+            async move {
+                let (done, in_flight): (i64, bool) = sqlx::query_as(
+                    "SELECT count(*) FILTER (WHERE state = 'delivered'),
+                            COALESCE(bool_or(state = 'sending' AND send_started_at IS NOT NULL
+                                             AND lease_owner LIKE $1), false)
+                     FROM deliveries",
+                )
+                .bind(format!("sms-{a_pid}-%"))
+                .fetch_one(ledger.pool())
+                .await?;
+                Ok((done >= kill_after && in_flight).then_some(()))
+            }
+        },
+    )
+    .await;
     env.proc(a).kill();
     // Worker ids are `<channel>-<pid>-<random>`; a lease lasts 5 s, far longer than this read.
     let held_by_a: HashSet<uuid::Uuid> = sqlx::query_scalar(
