@@ -49,6 +49,24 @@ CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResou
                   "PriorityClass", "StorageClass", "PersistentVolume"}
 WORKER_COMMANDS = {"nudge-push": "push", "nudge-email": "email", "nudge-sms": "sms"}
 
+# PostgreSQL connections the Deployments may open at their most replicas, summed as most
+# replicas x pool (NUDGE_DATABASE__MAX_CONNECTIONS, else nudge.toml's database.max_connections):
+# PostgreSQL's default max_connections (100), less its superuser_reserved_connections (3), an
+# operator's nudgectl or the migrate Job (8: nudgectl opens CHUNKS_IN_FLIGHT + 2, whatever the
+# configuration says) and 2 for psql or monitoring. A server with more raises it here.
+CONNECTION_BUDGET = 87
+
+# The Secret key of each long-running binary's database URL: its own role
+# (docs/database-roles.md). `database-url`, the owner, is for nudgectl migrate only.
+DATABASE_URL_KEYS = {
+    "nudge-producer": "producer-database-url",
+    "nudge-intake": "intake-database-url",
+    "nudge-janitor": "janitor-database-url",
+    "nudge-push": "worker-database-url",
+    "nudge-email": "worker-database-url",
+    "nudge-sms": "worker-database-url",
+}
+
 
 class CheckFailed(Exception):
     pass
@@ -343,6 +361,7 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
     scaled = {so["spec"]["scaleTargetRef"]["name"]: so for so in by_kind.get("ScaledObject", [])}
     auths = {t["metadata"]["name"]: t for t in by_kind.get("TriggerAuthentication", [])}
     max_connections = 0
+    connections: list[str] = []
 
     for r in resources:
         spec = pod_spec(r)
@@ -380,6 +399,13 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
                 err(f"{cname}: NUDGE_CONFIG must be /etc/nudge/nudge.toml")
             if command in WORKER_COMMANDS and "NUDGE_CRYPTO__SUBSCRIBER_KEY" in envs:
                 err(f"{cname}: workers must not have the subscriber key")
+            if command in WORKER_COMMANDS and "NUDGE_CRYPTO__TENANT_SECRET_KEY" in envs:
+                err(f"{cname}: workers must not have the tenant secret key")
+            url_key = envs.get("NUDGE_DATABASE__URL", {}).get("valueFrom", {}).get(
+                "secretKeyRef", {}).get("key")
+            if command in DATABASE_URL_KEYS and url_key != DATABASE_URL_KEYS[command]:
+                err(f"{cname}: NUDGE_DATABASE__URL from Secret key {url_key}, expected "
+                    f"{DATABASE_URL_KEYS[command]} (the binary's own role, docs/database-roles.md)")
             if "NUDGE_CRYPTO__SUBSCRIBER_KEY" in envs and "NUDGE_CRYPTO__DESTINATION_KEY" not in envs:
                 err(f"{cname}: the subscriber key without the destination key: nudge refuses "
                     "to start with one and not the other")
@@ -442,7 +468,14 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
             replicas = r["spec"].get("replicas", 1)
             if command in WORKER_COMMANDS and r["metadata"]["name"] in scaled:
                 replicas = scaled[r["metadata"]["name"]]["spec"].get("maxReplicaCount", 100)
-            max_connections += replicas * config.get("database", {}).get("max_connections", 10)
+            pool = config.get("database", {}).get("max_connections", 10)
+            if "NUDGE_DATABASE__MAX_CONNECTIONS" in envs:
+                try:
+                    pool = int(envs["NUDGE_DATABASE__MAX_CONNECTIONS"].get("value", ""))
+                except ValueError:
+                    err(f"{cname}: NUDGE_DATABASE__MAX_CONNECTIONS must be a number")
+            max_connections += replicas * pool
+            connections.append(f"{r['metadata']['name']} {replicas} x {pool}")
 
         if r["kind"] != "Deployment":
             continue
@@ -493,8 +526,13 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
                     f"{prefetch}) = {bound}: the extra pods would find nothing to take")
             notes.append(f"{channel}: rate {rate if rate is not None else 'unlimited'}/s, window "
                          f"{window}, maxReplicaCount {most} (bound {bound})")
-    notes.append(f"database connections at the most replicas: {max_connections} "
-                 "(database.max_connections x replicas; keep below PostgreSQL's max_connections)")
+    notes.append(f"database connections at the most replicas: {max_connections} of the budget "
+                 f"{CONNECTION_BUDGET} ({', '.join(connections)})")
+    if max_connections > CONNECTION_BUDGET:
+        err(f"{where}: database connections at the most replicas: {max_connections}, over the "
+            f"budget of {CONNECTION_BUDGET} ({', '.join(connections)}): lower a pool "
+            "(NUDGE_DATABASE__MAX_CONNECTIONS) or a maximum, or raise CONNECTION_BUDGET with "
+            "PostgreSQL's max_connections")
     return errors, notes
 
 
@@ -584,7 +622,27 @@ def _m_subscriber_alone(rs):
     c["env"] = [e for e in c["env"] if e["name"] != "NUDGE_CRYPTO__DESTINATION_KEY"]
 
 
+def _m_pool_budget(rs):
+    env = first_container(rs, "nudge-push")["env"]
+    next(e for e in env if e["name"] == "NUDGE_DATABASE__MAX_CONNECTIONS")["value"] = "10"
+
+
+def _m_worker_tenant_key(rs):
+    first_container(rs, "nudge-sms")["env"].append({
+        "name": "NUDGE_CRYPTO__TENANT_SECRET_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "nudge-secrets", "key": "tenant-secret-key"}}})
+
+
+def _m_owner_url(rs):
+    env = first_container(rs, "nudge-email")["env"]
+    url = next(e for e in env if e["name"] == "NUDGE_DATABASE__URL")
+    url["valueFrom"]["secretKeyRef"]["key"] = "database-url"
+
+
 MUTATIONS = [
+    (_m_pool_budget, "over the budget of 87"),
+    (_m_worker_tenant_key, "workers must not have the tenant secret key"),
+    (_m_owner_url, "from Secret key database-url, expected worker-database-url"),
     (_m_subscriber_alone, "the subscriber key without the destination key"),
     (_m_token_order, "should come from Secret key sms-a-token"),
     (_m_token_channel, "is the token of sms-main (sms), not of this worker's channel"),

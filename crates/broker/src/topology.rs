@@ -6,6 +6,12 @@
 //! {ns}nudge.dead (direct) <--------------------+
 //!        +--<channel>--> {ns}dead.<channel> (quorum)
 //! ```
+//!
+//! `dead.<channel>` is declared without a delivery limit or a dead-letter target: RabbitMQ
+//! 3.x sets none, RabbitMQ 4.x applies 20 by default and then drops. The janitor therefore
+//! never requeues a dead letter it failed to record (it holds it), and on 4.x a policy lifts
+//! the limit; changing the queue's arguments instead would fail the redeclaration of every
+//! existing queue (docs/decisions/0201-dead-letters-are-held-not-requeued.md).
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};

@@ -309,13 +309,28 @@ pub struct CryptoConfig {
     /// subscriber references are stored as. Needed only by writers (`nudgectl reminders load`,
     /// `nudgectl migrate` to convert rows written before); never by a worker.
     pub subscriber_key: Option<Secret>,
+    /// Standard base64 of exactly 32 bytes: the key that seals tenants' signing secrets.
+    /// Held by the intake and `nudgectl` only, never by a worker (which holds the destination
+    /// key). Unset: secrets are sealed with the destination key, as before this key existed.
+    pub tenant_secret_key: Option<Secret>,
 }
 
 impl CryptoConfig {
     /// Checks the section as it sits under `prefix` (usually `"crypto"`).
     pub fn validate_at(&self, prefix: &str) -> Result<(), ConfigError> {
         self.decode_destination_key(prefix)?;
-        decode_key(self.subscriber_key.as_ref(), &key(prefix, "subscriber_key")).map(|_| ())
+        decode_key(self.subscriber_key.as_ref(), &key(prefix, "subscriber_key"))?;
+        decode_key(
+            self.tenant_secret_key.as_ref(),
+            &key(prefix, "tenant_secret_key"),
+        )
+        .map(|_| ())
+    }
+
+    /// The decoded tenant secret key, `None` when not configured. Errors name
+    /// `crypto.tenant_secret_key`, never the value.
+    pub fn tenant_secret_key_bytes(&self) -> Result<Option<[u8; 32]>, ConfigError> {
+        decode_key(self.tenant_secret_key.as_ref(), "crypto.tenant_secret_key")
     }
 
     /// The decoded subscriber key, `None` when not configured. Errors name
@@ -500,7 +515,7 @@ mod tests {
     fn a_32_byte_base64_destination_key_decodes() {
         let crypto = CryptoConfig {
             destination_key: Some(Secret::new(STANDARD.encode([7u8; 32]))),
-            subscriber_key: None,
+            ..CryptoConfig::default()
         };
         assert!(crypto.validate().is_ok());
         assert_eq!(
@@ -514,11 +529,34 @@ mod tests {
     }
 
     #[test]
+    fn a_malformed_tenant_secret_key_names_its_key_but_not_the_value() {
+        let crypto = CryptoConfig {
+            tenant_secret_key: Some(Secret::new("c2hvcnQ=")),
+            ..CryptoConfig::default()
+        };
+        let message = crypto.validate().map_err(|e| e.to_string()).err();
+        let message = message.unwrap_or_default();
+        assert!(
+            message.starts_with("invalid configuration: crypto.tenant_secret_key: "),
+            "{message}"
+        );
+        assert!(!message.contains("c2hvcnQ="), "{message}");
+        let valid = CryptoConfig {
+            tenant_secret_key: Some(Secret::new(STANDARD.encode([3u8; 32]))),
+            ..CryptoConfig::default()
+        };
+        assert_eq!(
+            valid.tenant_secret_key_bytes().ok().flatten(),
+            Some([3u8; 32])
+        );
+    }
+
+    #[test]
     fn a_short_or_malformed_destination_key_names_the_key_but_not_the_value() {
         for value in [STANDARD.encode([7u8; 16]), "not base64 !!".to_owned()] {
             let crypto = CryptoConfig {
                 destination_key: Some(Secret::new(value.clone())),
-                subscriber_key: None,
+                ..CryptoConfig::default()
             };
             let message = crypto
                 .validate()

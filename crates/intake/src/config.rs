@@ -2,8 +2,10 @@
 //!
 //! Keys, beyond the shared `database.*` and `telemetry.*` (see `nudge-config`), and
 //! `crypto.destination_key` and `crypto.subscriber_key`, both required here (the intake seals
-//! destinations and content, stores subscriber references as a keyed hash, and opens the
-//! tenants' signing secrets):
+//! destinations and content, stores subscriber references as a keyed hash), and
+//! `crypto.tenant_secret_key` (unset by default; set it): the key that opens the tenants'
+//! signing secrets, held by the intake and `nudgectl` only. Unset, the intake opens only the
+//! secrets sealed with the destination key and warns at start-up.
 //! - `intake.listen_addr` (default `"127.0.0.1:8080"`): where the HTTP API listens.
 //! - `intake.body_limit_bytes` (default 1048576, 1024..=67108864): the largest request body;
 //!   a longer one is answered 413 without being read further.

@@ -350,7 +350,15 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     let subscriber = crypto
         .subscriber_key_bytes()?
         .context("crypto.subscriber_key is required")?;
-    let cipher = DestinationCipher::new(&key).with_subscriber_key(SubscriberKey::new(&subscriber));
+    let mut cipher =
+        DestinationCipher::new(&key).with_subscriber_key(SubscriberKey::new(&subscriber));
+    match crypto.tenant_secret_key_bytes()? {
+        Some(secrets) => cipher = cipher.with_tenant_secret_key(&secrets),
+        None => tracing::warn!(
+            "crypto.tenant_secret_key is not set: tenants' signing secrets sealed with the \
+             destination key, which every worker holds, are all this intake can open"
+        ),
+    }
     let section = &app.config.intake;
     let state = AppState::new(
         app.ledger.clone(),

@@ -479,7 +479,14 @@ async fn sweep_loop(
 }
 
 /// Consumes `dead.<channel>` until shutdown, recording every message before acking it.
-async fn record_dead_letters(
+///
+/// A message the ledger cannot take now is held, unacknowledged, and recorded again with a
+/// growing pause (up to [`DEAD_LETTER_RETRY_MAX`]) until the ledger takes it; it is requeued
+/// only at shutdown. Requeueing it at each failure, as before, counted a delivery each time:
+/// on RabbitMQ 4.x, whose quorum queues have a default delivery limit of 20 and no
+/// dead-letter target for `dead.<channel>`, a ledger outage of about 20 seconds dropped dead
+/// letters (docs/decisions/0201-dead-letters-are-held-not-requeued.md).
+pub async fn record_dead_letters(
     ledger: Ledger,
     broker: Broker,
     channel: Channel,
@@ -495,7 +502,10 @@ async fn record_dead_letters(
         .await;
 }
 
-/// Records one dead letter, then acks it; if the ledger cannot take it, it stays queued.
+/// The longest pause between two attempts to record a held dead letter.
+const DEAD_LETTER_RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// Records one dead letter, then acks it; while the ledger cannot take it, it is held.
 async fn record_one(
     ledger: &Ledger,
     queue: &str,
@@ -520,30 +530,37 @@ async fn record_one(
         delivery_count: incoming.delivery_count(),
         payload,
     };
-    let recorded = match ledger.clock(LedgerTime::Database).await {
-        Ok(now) => ledger.record_dead_letter(&letter, now).await,
-        Err(e) => Err(e),
+    let mut pause = Duration::from_millis(250);
+    let action = loop {
+        let recorded = match ledger.clock(LedgerTime::Database).await {
+            Ok(now) => ledger.record_dead_letter(&letter, now).await,
+            Err(e) => Err(e),
+        };
+        match recorded {
+            Ok(action) => break action,
+            Err(e) => {
+                error!(error.cause_chain = ?e, retry_in_ms = pause.as_millis() as u64,
+                       "failed to record a dead letter; holding it and trying again");
+                tokio::select! {
+                    () = shutdown.cancelled() => {
+                        // Back to the queue for the next janitor: one delivery counted.
+                        if let Err(e) = incoming.requeue().await {
+                            warn!(error.cause_chain = ?e, "failed to requeue a dead letter");
+                        }
+                        return;
+                    }
+                    () = tokio::time::sleep(pause) => {}
+                }
+                pause = (pause * 2).min(DEAD_LETTER_RETRY_MAX);
+            }
+        }
     };
-    match recorded {
-        Ok(action) => {
-            metrics.dead_letter(channel, &letter.death_reason);
-            warn!(%channel, death_reason = %letter.death_reason,
-                  decode_error = letter.decode_error.as_deref(),
-                  delivery_id = letter.delivery.map(|(id, _)| id.to_string()),
-                  ?action, "dead letter recorded");
-            if let Err(e) = incoming.ack().await {
-                warn!(error.cause_chain = ?e, "failed to ack a recorded dead letter; it will be recorded again");
-            }
-        }
-        Err(e) => {
-            error!(error.cause_chain = ?e, "failed to record a dead letter; leaving it queued");
-            if let Err(e) = incoming.requeue().await {
-                warn!(error.cause_chain = ?e, "failed to requeue a dead letter");
-            }
-            tokio::select! {
-                () = shutdown.cancelled() => {}
-                () = tokio::time::sleep(Duration::from_secs(1)) => {}
-            }
-        }
+    metrics.dead_letter(channel, &letter.death_reason);
+    warn!(%channel, death_reason = %letter.death_reason,
+          decode_error = letter.decode_error.as_deref(),
+          delivery_id = letter.delivery.map(|(id, _)| id.to_string()),
+          ?action, "dead letter recorded");
+    if let Err(e) = incoming.ack().await {
+        warn!(error.cause_chain = ?e, "failed to ack a recorded dead letter; it will be recorded again");
     }
 }

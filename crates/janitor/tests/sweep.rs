@@ -1,5 +1,6 @@
 //! One pass of the janitor's sweep (`sweep_once`) on a real ledger, with time moved by the
 //! test: what it expires, what it gives back unsent, what it decides, and what it leaves alone.
+//! The sweep connects as the janitor's restricted role, as the janitor does in production.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
@@ -15,6 +16,18 @@ use nudge_ledger::{
     SendSlot, SubscriberKey, WorkerRoutes,
 };
 use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+/// The same database as `pool`, connected as the janitor's restricted role.
+async fn as_janitor(pool: &PgPool) -> Ledger {
+    let options = (*pool.connect_options()).clone().username("nudge_janitor");
+    let janitor = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    Ledger::from_pool(janitor)
+}
 
 fn t0() -> DateTime<Utc> {
     Utc.with_ymd_and_hms(2026, 11, 29, 9, 0, 0).unwrap()
@@ -79,6 +92,7 @@ async fn claimed(ledger: &Ledger, events: &[&str]) -> Vec<DueDelivery> {
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_sweep_expires_owed_work_returns_unsent_leases_and_decides_sent_ones(pool: PgPool) {
+    let janitor = as_janitor(&pool).await;
     let ledger = Ledger::from_pool(pool);
     let account = ProviderAccount::parse("main").unwrap();
     // 2/s, burst 1: of the two leased together, the second waits for its slot, unfenced.
@@ -128,10 +142,10 @@ async fn a_sweep_expires_owed_work_returns_unsent_leases_and_decides_sent_ones(p
     ));
     let policy = RetryPolicy::default();
 
-    let early = sweep_once(&ledger, &policy, 100, LedgerTime::Fixed(t0() + secs(30)))
+    let early = sweep_once(&janitor, &policy, 100, LedgerTime::Fixed(t0() + secs(30)))
         .await
         .unwrap();
-    let lapsed = sweep_once(&ledger, &policy, 100, LedgerTime::Fixed(t0() + secs(61)))
+    let lapsed = sweep_once(&janitor, &policy, 100, LedgerTime::Fixed(t0() + secs(61)))
         .await
         .unwrap();
 
@@ -173,7 +187,9 @@ async fn a_sweep_expires_owed_work_returns_unsent_leases_and_decides_sent_ones(p
         "not leased: left alone"
     );
 
-    // An hour on, what is still owed has expired.
+    // An hour on, what is still owed has expired. Settling at the test's fixed time, days
+    // before the database's clock, is refused to every role but the owner (a backdated
+    // settlement would age work into retention), so this sweep runs as the owner.
     let late = sweep_once(&ledger, &policy, 100, LedgerTime::Fixed(t0() + secs(3601)))
         .await
         .unwrap();

@@ -9,6 +9,12 @@
 //! and a destination's associated data is computed from the *stored* value: whoever opens a
 //! destination (the worker) needs no subscriber key. Only writers hold that key, so a
 //! process that only sends cannot test guesses of references against the database.
+//!
+//! Tenants' signing secrets: XChaCha20-Poly1305 under `crypto.tenant_secret_key`, a key only
+//! the intake and `nudgectl` hold (a worker holds the destination key, and with it it could
+//! sign as every tenant). Rows sealed before that key existed are sealed with the destination
+//! key and say so (`tenant_secrets.sealed_with`); they still open, and `nudgectl migrate`
+//! seals them again under the new key.
 
 use chacha20poly1305::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
 use chacha20poly1305::{XChaCha20Poly1305, XNonce};
@@ -65,6 +71,43 @@ const HEX: &[u8; 16] = b"0123456789abcdef";
 pub struct DestinationCipher {
     aead: XChaCha20Poly1305,
     subscriber: Option<SubscriberKey>,
+    tenant_secrets: Option<XChaCha20Poly1305>,
+}
+
+/// Which key sealed a tenant's signing secret (`tenant_secrets.sealed_with`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SealedWith {
+    /// Written before `crypto.tenant_secret_key` existed, or by a deployment without it.
+    DestinationKey,
+    TenantSecretKey,
+}
+
+impl SealedWith {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::DestinationKey => "destination_key",
+            Self::TenantSecretKey => "tenant_secret_key",
+        }
+    }
+
+    pub(crate) fn parse(stored: &str) -> Result<Self, LedgerError> {
+        match stored {
+            "destination_key" => Ok(Self::DestinationKey),
+            "tenant_secret_key" => Ok(Self::TenantSecretKey),
+            _ => Err(LedgerError::corrupt(
+                "tenant_secrets",
+                "unknown sealed_with value",
+            )),
+        }
+    }
+}
+
+/// Associated data of a secret sealed with the tenant secret key: it names the key, so a
+/// ciphertext of one kind cannot be passed off as the other.
+fn tenant_secret_aad(aad: &[u8]) -> Vec<u8> {
+    let mut out = b"tenant_secret_key\0".to_vec();
+    out.extend_from_slice(aad);
+    out
 }
 
 impl std::fmt::Debug for DestinationCipher {
@@ -78,6 +121,57 @@ impl DestinationCipher {
         Self {
             aead: XChaCha20Poly1305::new(key.into()),
             subscriber: None,
+            tenant_secrets: None,
+        }
+    }
+
+    /// Adds the key that seals tenants' signing secrets (`crypto.tenant_secret_key`): with
+    /// it, new secrets are sealed under it and secrets sealed with the destination key can be
+    /// sealed again ([`Ledger::reseal_tenant_secrets`]).
+    ///
+    /// [`Ledger::reseal_tenant_secrets`]: crate::Ledger::reseal_tenant_secrets
+    pub fn with_tenant_secret_key(mut self, key: &[u8; 32]) -> Self {
+        self.tenant_secrets = Some(XChaCha20Poly1305::new(key.into()));
+        self
+    }
+
+    pub fn has_tenant_secret_key(&self) -> bool {
+        self.tenant_secrets.is_some()
+    }
+
+    /// Seals a tenant's signing secret with the tenant secret key when there is one, else (a
+    /// deployment that has not configured it yet) with the destination key as before.
+    pub(crate) fn seal_tenant_secret(
+        &self,
+        plaintext: &[u8],
+        aad: &[u8],
+    ) -> Result<(Vec<u8>, SealedWith), LedgerError> {
+        match &self.tenant_secrets {
+            Some(aead) => Ok((
+                seal_with(aead, plaintext, &tenant_secret_aad(aad))?,
+                SealedWith::TenantSecretKey,
+            )),
+            None => Ok((self.seal(plaintext, aad)?, SealedWith::DestinationKey)),
+        }
+    }
+
+    /// Opens a tenant's signing secret with the key that sealed it. One sealed with the
+    /// tenant secret key needs that key ([`LedgerError::TenantSecretKeyMissing`] without it).
+    pub(crate) fn open_tenant_secret(
+        &self,
+        sealed: &[u8],
+        with: SealedWith,
+        aad: &[u8],
+    ) -> Result<Vec<u8>, LedgerError> {
+        match with {
+            SealedWith::DestinationKey => self.open(sealed, aad),
+            SealedWith::TenantSecretKey => {
+                let aead = self
+                    .tenant_secrets
+                    .as_ref()
+                    .ok_or(LedgerError::TenantSecretKeyMissing)?;
+                open_with(aead, sealed, &tenant_secret_aad(aad))
+            }
         }
     }
 
@@ -147,38 +241,48 @@ impl DestinationCipher {
 
     /// Returns `nonce || ciphertext`.
     pub(crate) fn seal(&self, plaintext: &[u8], aad: &[u8]) -> Result<Vec<u8>, LedgerError> {
-        let nonce = XChaCha20Poly1305::generate_nonce(&mut OsRng);
-        let sealed = self
-            .aead
-            .encrypt(
-                &nonce,
-                Payload {
-                    msg: plaintext,
-                    aad,
-                },
-            )
-            .map_err(|_| LedgerError::Crypto)?;
-        let mut out = Vec::with_capacity(NONCE_LEN + sealed.len());
-        out.extend_from_slice(&nonce);
-        out.extend_from_slice(&sealed);
-        Ok(out)
+        seal_with(&self.aead, plaintext, aad)
     }
 
     pub(crate) fn open(&self, sealed: &[u8], aad: &[u8]) -> Result<Vec<u8>, LedgerError> {
-        if sealed.len() <= NONCE_LEN {
-            return Err(LedgerError::Crypto);
-        }
-        let (nonce, ciphertext) = sealed.split_at(NONCE_LEN);
-        self.aead
-            .decrypt(
-                XNonce::from_slice(nonce),
-                Payload {
-                    msg: ciphertext,
-                    aad,
-                },
-            )
-            .map_err(|_| LedgerError::Crypto)
+        open_with(&self.aead, sealed, aad)
     }
+}
+
+fn seal_with(
+    aead: &XChaCha20Poly1305,
+    plaintext: &[u8],
+    aad: &[u8],
+) -> Result<Vec<u8>, LedgerError> {
+    let nonce = XChaCha20Poly1305::generate_nonce(&mut OsRng);
+    let sealed = aead
+        .encrypt(
+            &nonce,
+            Payload {
+                msg: plaintext,
+                aad,
+            },
+        )
+        .map_err(|_| LedgerError::Crypto)?;
+    let mut out = Vec::with_capacity(NONCE_LEN + sealed.len());
+    out.extend_from_slice(&nonce);
+    out.extend_from_slice(&sealed);
+    Ok(out)
+}
+
+fn open_with(aead: &XChaCha20Poly1305, sealed: &[u8], aad: &[u8]) -> Result<Vec<u8>, LedgerError> {
+    if sealed.len() <= NONCE_LEN {
+        return Err(LedgerError::Crypto);
+    }
+    let (nonce, ciphertext) = sealed.split_at(NONCE_LEN);
+    aead.decrypt(
+        XNonce::from_slice(nonce),
+        Payload {
+            msg: ciphertext,
+            aad,
+        },
+    )
+    .map_err(|_| LedgerError::Crypto)
 }
 
 /// A decrypted destination (phone number, email address or push token). Sensitive:
@@ -354,6 +458,40 @@ mod tests {
         let keyed = cipher().with_subscriber_key(SubscriberKey::new(&[9u8; 32]));
         assert!(keyed.stored_ref(TenantId::new(), &subscriber).is_ok());
         assert!(!format!("{keyed:?}").contains('9'));
+    }
+
+    #[test]
+    fn a_tenant_secret_sealed_with_the_tenant_secret_key_does_not_open_with_the_destination_key() {
+        let intake = cipher().with_tenant_secret_key(&[5u8; 32]);
+        let (sealed, with) = intake.seal_tenant_secret(b"nsk_secret", b"t:1").unwrap();
+        assert_eq!(with, SealedWith::TenantSecretKey);
+        assert_eq!(
+            intake.open_tenant_secret(&sealed, with, b"t:1").unwrap(),
+            b"nsk_secret"
+        );
+        // What a worker holds: the destination key alone.
+        assert!(cipher().open(&sealed, b"t:1").is_err());
+        assert!(matches!(
+            cipher().open_tenant_secret(&sealed, with, b"t:1"),
+            Err(LedgerError::TenantSecretKeyMissing)
+        ));
+        // Relabelled as sealed with the destination key, it does not open either.
+        assert!(
+            intake
+                .open_tenant_secret(&sealed, SealedWith::DestinationKey, b"t:1")
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn a_tenant_secret_sealed_before_the_tenant_secret_key_still_opens() {
+        let (sealed, with) = cipher().seal_tenant_secret(b"nsk_old", b"t:1").unwrap();
+        assert_eq!(with, SealedWith::DestinationKey);
+        let intake = cipher().with_tenant_secret_key(&[5u8; 32]);
+        assert_eq!(
+            intake.open_tenant_secret(&sealed, with, b"t:1").unwrap(),
+            b"nsk_old"
+        );
     }
 
     #[test]

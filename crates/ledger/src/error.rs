@@ -69,6 +69,12 @@ pub enum LedgerError {
 
     #[error("writing a subscriber reference needs the subscriber key (crypto.subscriber_key)")]
     SubscriberKeyMissing,
+
+    /// A signing secret sealed with the tenant secret key was to be opened without it.
+    #[error(
+        "opening a tenant's signing secret needs the tenant secret key (crypto.tenant_secret_key)"
+    )]
+    TenantSecretKeyMissing,
 }
 
 impl LedgerError {

@@ -1,5 +1,5 @@
 //! What the intake (`nudge-intake`) asks of the ledger beyond creating reminders: the tenants'
-//! signing secrets (sealed with the destination key, at most two per tenant, rotated and
+//! signing secrets (sealed with the tenant secret key, at most two per tenant, rotated and
 //! retired with an audit row in the same transaction), a reminder's state per channel,
 //! cancellation answered per channel, a subscriber's destinations replaced together, and
 //! erasure of a subscriber.
@@ -13,8 +13,13 @@ use nudge_domain::{Channel, DeliveryState, EventId, ReminderId, SubscriberRef, T
 use rand::RngExt;
 
 use crate::audit::{self, Operator};
+<<<<<<< HEAD
 use crate::contacts::{seal_contact, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher};
+=======
+use crate::contacts::{destination_aad, upsert_contacts};
+use crate::crypto::{Destination, DestinationCipher, SealedWith};
+>>>>>>> fix-roles
 use crate::deliveries::LedgerTime;
 use crate::{Ledger, LedgerError};
 
@@ -117,7 +122,7 @@ async fn lock_tenant(tx: &mut sqlx::PgConnection, tenant_id: TenantId) -> Result
         .ok_or(LedgerError::UnknownTenant(tenant_id.as_uuid()))
 }
 
-fn secret_aad(tenant_id: uuid::Uuid, generation: i32) -> Vec<u8> {
+pub(crate) fn secret_aad(tenant_id: uuid::Uuid, generation: i32) -> Vec<u8> {
     format!("tenant-secret:{tenant_id}:{generation}").into_bytes()
 }
 
@@ -132,6 +137,7 @@ struct TenantRow {
     draining: Vec<String>,
     generations: Vec<i32>,
     ciphertexts: Vec<Vec<u8>>,
+    sealed_with: Vec<String>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -171,7 +177,9 @@ impl Ledger {
                     ARRAY(SELECT generation FROM tenant_secrets s WHERE s.tenant_id = t.id
                           ORDER BY generation DESC) AS generations,
                     ARRAY(SELECT secret_ciphertext FROM tenant_secrets s WHERE s.tenant_id = t.id
-                          ORDER BY generation DESC) AS ciphertexts
+                          ORDER BY generation DESC) AS ciphertexts,
+                    ARRAY(SELECT sealed_with FROM tenant_secrets s WHERE s.tenant_id = t.id
+                          ORDER BY generation DESC) AS sealed_with
              FROM (VALUES (1)) AS one (x) LEFT JOIN tenants t ON t.name = $1",
         )
         .bind(name)
@@ -179,18 +187,34 @@ impl Ledger {
         .await?;
         let id = row.id.unwrap_or_else(uuid::Uuid::nil);
         let mut secrets = Vec::with_capacity(row.ciphertexts.len());
-        for (generation, sealed) in row.generations.iter().zip(&row.ciphertexts) {
-            let opened = cipher.open(sealed, &secret_aad(id, *generation))?;
+        for ((generation, sealed), with) in row
+            .generations
+            .iter()
+            .zip(&row.ciphertexts)
+            .zip(&row.sealed_with)
+        {
+            let with = SealedWith::parse(with)?;
+            let opened = cipher.open_tenant_secret(sealed, with, &secret_aad(id, *generation))?;
             let text = String::from_utf8(opened)
                 .map_err(|_| LedgerError::corrupt("tenant_secrets", "secret is not UTF-8"))?;
             secrets.push(SigningSecret(text));
         }
+        // The placeholders open with the key new secrets are sealed with.
+        let placeholder_sealing = if cipher.has_tenant_secret_key() {
+            SealedWith::TenantSecretKey
+        } else {
+            SealedWith::DestinationKey
+        };
         let missing = usize::try_from(MAX_ACTIVE_SECRETS)
             .unwrap_or(0)
             .saturating_sub(secrets.len());
         for _ in 0..missing {
             // Fails to open (it is no ciphertext of ours) after the same authentication work.
-            let _ = std::hint::black_box(cipher.open(&PLACEHOLDER_SEALED, &secret_aad(id, 0)));
+            let _ = std::hint::black_box(cipher.open_tenant_secret(
+                &PLACEHOLDER_SEALED,
+                placeholder_sealing,
+                &secret_aad(id, 0),
+            ));
         }
         let Some(id) = row.id else {
             return Ok(None);
@@ -235,18 +259,20 @@ impl Ledger {
         }
         let generation = newest.unwrap_or(0) + 1;
         let secret = SigningSecret::generate();
-        let sealed = cipher.seal(
+        let (sealed, with) = cipher.seal_tenant_secret(
             secret.expose().as_bytes(),
             &secret_aad(tenant_id.as_uuid(), generation),
         )?;
         sqlx::query(
-            "INSERT INTO tenant_secrets (tenant_id, generation, secret_ciphertext, created_at)
-             VALUES ($1, $2, $3, $4)",
+            "INSERT INTO tenant_secrets (tenant_id, generation, secret_ciphertext, created_at,
+                                         sealed_with)
+             VALUES ($1, $2, $3, $4, $5)",
         )
         .bind(tenant_id.as_uuid())
         .bind(generation)
         .bind(sealed)
         .bind(by.at())
+        .bind(with.as_str())
         .execute(&mut *tx)
         .await?;
         audit::insert(

@@ -804,12 +804,19 @@ impl Ledger {
         at: LedgerTime,
     ) -> Result<Option<RedriveTick>, LedgerError> {
         let mut tx = self.pool.begin().await?;
+        // The janitor's role may not update redrives: the lock, like every change below, is
+        // taken by the feeder's functions (migration 20261208000002).
+        let locked: bool = sqlx::query_scalar("SELECT nudge_redrive_lock_for_tick($1)")
+            .bind(id)
+            .fetch_one(&mut *tx)
+            .await?;
+        if !locked {
+            return Ok(None);
+        }
         let row: Option<(RedriveRow, DateTime<Utc>)> = {
             let sql = format!(
                 "SELECT {REDRIVE_COLUMNS}, COALESCE($2, now()) AS tick_now FROM redrives
-                 WHERE id = $1 AND (state = 'running'
-                     OR (state = 'paused' AND pause_reason LIKE '{NEW_WORK_WAITING}%'))
-                 FOR UPDATE SKIP LOCKED"
+                 WHERE id = $1"
             );
             let found = sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(id)
@@ -845,31 +852,16 @@ impl Ledger {
         if row.state == "paused" {
             let waited = oldest_new_work_age(&mut tx, channel, &self.sender, now).await?;
             if waited.is_none_or(|w| w * 2 <= rules.max_new_work_age) {
-                sqlx::query(
-                    "UPDATE redrives SET state = 'running', pause_reason = NULL,
-                         running_since = $2, fed_until = $2, updated_at = $2
-                     WHERE id = $1",
-                )
-                .bind(id)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-                audit::insert(
-                    &mut tx,
-                    &crate::AuditEntry {
-                        at: now,
-                        actor: "nudge-janitor".to_owned(),
-                        action: "redrive_auto_resume".to_owned(),
-                        target: Some(format!("redrive:{id}")),
-                        reason: Some(format!(
-                            "new work caught up: the oldest due new {channel} delivery waits {}s",
-                            waited.unwrap_or_default().as_secs()
-                        )),
-                        incident: row.incident.clone(),
-                        details: serde_json::json!({"paused_for": row.pause_reason}),
-                    },
-                )
-                .await?;
+                // Audited (`redrive_auto_resume`, with what it was paused for) by the function.
+                sqlx::query("SELECT nudge_redrive_auto_resume($1, $2, $3)")
+                    .bind(id)
+                    .bind(format!(
+                        "new work caught up: the oldest due new {channel} delivery waits {}s",
+                        waited.unwrap_or_default().as_secs()
+                    ))
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
                 tick.resumed = true;
             }
             tx.commit().await?;
@@ -882,7 +874,7 @@ impl Ledger {
                 .fetch_one(&mut *tx)
                 .await?;
         if draining {
-            sqlx::query("UPDATE redrives SET fed_until = $2 WHERE id = $1")
+            sqlx::query("SELECT nudge_redrive_hold($1, $2)")
                 .bind(id)
                 .bind(now)
                 .execute(&mut *tx)
@@ -920,7 +912,7 @@ impl Ledger {
                         return Ok(Some(tick));
                     }
                     Canary::Passed => {
-                        sqlx::query("UPDATE redrives SET canary_passed_at = $2 WHERE id = $1")
+                        sqlx::query("SELECT nudge_redrive_canary_passed($1, $2)")
                             .bind(id)
                             .bind(now)
                             .execute(&mut *tx)
@@ -938,37 +930,21 @@ impl Ledger {
         let credit_from = row.fed_until.max(now - cap);
         let elapsed = (now - credit_from).num_microseconds().unwrap_or(0) as f64 / 1e6;
         let credit = (elapsed * row.rate_per_second).floor().max(0.0) as u64;
-        let take = credit.min(allowance).min(u64::from(batch));
-        if take > 0 {
-            let (fed, skipped): (i64, i64) = sqlx::query_as(FEED)
-                .bind(id)
-                .bind(i64::try_from(take).unwrap_or(i64::MAX))
-                .bind(now)
-                .bind(credit_from)
-                .bind(row.rate_per_second)
-                .bind(&*self.sender)
-                .fetch_one(&mut *tx)
-                .await?;
-            tick.fed = u64::try_from(fed).unwrap_or(0);
-            tick.skipped = u64::try_from(skipped).unwrap_or(0);
-        }
-        let fed_until = credit_from + micros(tick.fed as f64 / row.rate_per_second);
-        let finished = done + tick.fed + tick.skipped >= count(row.selected);
-        sqlx::query(
-            "UPDATE redrives SET fed = fed + $2, skipped = skipped + $3, fed_until = $4,
-                 updated_at = $5,
-                 state = CASE WHEN $6 THEN 'finished' ELSE state END,
-                 finished_at = CASE WHEN $6 THEN $5 END
-             WHERE id = $1",
+        let take = credit.min(allowance).min(u64::from(batch)).min(10_000);
+        // Feeds, adds the counts, moves fed_until by exactly what was fed and finishes the
+        // redrive once every item was fed or skipped, in one call.
+        let (fed, skipped, finished): (i64, i64, bool) = sqlx::query_as(
+            "SELECT fed, skipped, finished FROM nudge_redrive_feed($1, $2, $3, $4, $5)",
         )
         .bind(id)
-        .bind(i32::try_from(tick.fed).unwrap_or(i32::MAX))
-        .bind(i32::try_from(tick.skipped).unwrap_or(i32::MAX))
-        .bind(fed_until)
+        .bind(i64::try_from(take).unwrap_or(i64::MAX))
         .bind(now)
-        .bind(finished)
-        .execute(&mut *tx)
+        .bind(credit_from)
+        .bind(&*self.sender)
+        .fetch_one(&mut *tx)
         .await?;
+        tick.fed = u64::try_from(fed).unwrap_or(0);
+        tick.skipped = u64::try_from(skipped).unwrap_or(0);
         tx.commit().await?;
         tick.finished = finished;
         Ok(Some(tick))
@@ -978,44 +954,6 @@ impl Ledger {
 fn micros(seconds: f64) -> chrono::Duration {
     chrono::Duration::microseconds((seconds * 1e6).round() as i64)
 }
-
-/// Feeds the next `$2` items of redrive `$1` at `$3` (now): each still dead-lettered, still
-/// owned by sender `$6`, not expired and of a tenant not paused goes back `retry_wait` in the
-/// `redrive` lane, spaced `1 / $5` apart from `$4`; the rest are marked skipped with why.
-const FEED: &str = "WITH next AS (
-        SELECT ri.position, ri.delivery_id, d.state, d.expires_at, d.owner, t.intake_paused
-        FROM redrive_items ri
-        JOIN deliveries d ON d.id = ri.delivery_id
-        JOIN tenants t ON t.id = d.tenant_id
-        WHERE ri.redrive_id = $1 AND ri.fed_at IS NULL AND ri.skipped_reason IS NULL
-        ORDER BY ri.position LIMIT $2
-        FOR UPDATE OF ri, d),
-    judged AS (
-        SELECT n.position, n.delivery_id,
-            CASE WHEN n.state <> 'dead_lettered' OR n.owner <> $6 THEN 'moved_on'
-                 WHEN n.expires_at <= $3 THEN 'expired_before_turn'
-                 WHEN n.intake_paused THEN 'tenant_paused' END AS skip
-        FROM next n),
-    slotted AS (
-        SELECT j.*, row_number() OVER (PARTITION BY j.skip IS NULL ORDER BY j.position) AS slot
-        FROM judged j),
-    fed AS (
-        UPDATE deliveries d
-        SET state = 'retry_wait', lane = 'redrive', settled_at = NULL,
-            next_attempt_at = LEAST($3, $4 + (s.slot::float8 / $5::float8) * interval '1 second'),
-            attempt_base = d.attempt_count, updated_at = $3
-        FROM slotted s
-        WHERE d.id = s.delivery_id AND s.skip IS NULL AND d.state = 'dead_lettered'
-        RETURNING d.id),
-    marked AS (
-        UPDATE redrive_items ri
-        SET fed_at = CASE WHEN s.skip IS NULL THEN $3 END, skipped_reason = s.skip
-        FROM slotted s
-        WHERE ri.redrive_id = $1 AND ri.position = s.position
-        RETURNING ri.skipped_reason)
-    SELECT count(*) FILTER (WHERE skipped_reason IS NULL),
-           count(*) FILTER (WHERE skipped_reason IS NOT NULL)
-    FROM marked";
 
 /// Why a running redrive should pause now, if it should.
 async fn auto_pause_reason(
@@ -1142,25 +1080,12 @@ async fn pause_in_tx(
     why: &str,
     now: DateTime<Utc>,
 ) -> Result<(), LedgerError> {
-    sqlx::query(
-        "UPDATE redrives SET state = 'paused', pause_reason = $2, updated_at = $3 WHERE id = $1",
-    )
-    .bind(row.id)
-    .bind(why)
-    .bind(now)
-    .execute(&mut *conn)
-    .await?;
-    audit::insert(
-        conn,
-        &crate::AuditEntry {
-            at: now,
-            actor: "nudge-janitor".to_owned(),
-            action: "redrive_auto_pause".to_owned(),
-            target: Some(format!("redrive:{}", row.id)),
-            reason: Some(why.to_owned()),
-            incident: row.incident.clone(),
-            details: serde_json::json!({"fed": row.fed, "selected": row.selected}),
-        },
-    )
-    .await
+    // Audited (`redrive_auto_pause`, with what was fed of what was selected) by the function.
+    sqlx::query("SELECT nudge_redrive_auto_pause($1, $2, $3)")
+        .bind(row.id)
+        .bind(why)
+        .bind(now)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
 }

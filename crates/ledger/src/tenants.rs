@@ -2,7 +2,12 @@ use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, ProviderAccount, TenantId};
 
 use crate::audit::{self, Operator};
+use crate::crypto::{DestinationCipher, SealedWith};
+use crate::intake::secret_aad;
 use crate::{Ledger, LedgerError};
+
+/// Signing secrets sealed again per transaction by [`Ledger::reseal_tenant_secrets`].
+const RESEAL_BATCH: i64 = 500;
 
 /// A tenant and its operator flags.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -225,5 +230,62 @@ impl Ledger {
                 ProviderAccount::parse(&a).map_err(|e| LedgerError::corrupt("tenant_channels", e))
             })
             .transpose()
+    }
+
+    /// Seals again under the tenant secret key every signing secret still sealed with the
+    /// destination key (written before `crypto.tenant_secret_key` existed); `nudgectl migrate`
+    /// runs it once both keys are configured. 500 rows per transaction, each row locked,
+    /// opened, sealed and marked; running it again resumes. Returns how many it sealed again.
+    /// Needs the tenant secret key ([`LedgerError::TenantSecretKeyMissing`]).
+    pub async fn reseal_tenant_secrets(
+        &self,
+        cipher: &DestinationCipher,
+    ) -> Result<u64, LedgerError> {
+        if !cipher.has_tenant_secret_key() {
+            return Err(LedgerError::TenantSecretKeyMissing);
+        }
+        let mut resealed = 0;
+        loop {
+            let mut tx = self.pool.begin().await?;
+            let rows: Vec<(uuid::Uuid, i32, Vec<u8>)> = sqlx::query_as(
+                "SELECT tenant_id, generation, secret_ciphertext FROM tenant_secrets
+                 WHERE sealed_with = 'destination_key'
+                 ORDER BY tenant_id, generation LIMIT $1
+                 FOR UPDATE",
+            )
+            .bind(RESEAL_BATCH)
+            .fetch_all(&mut *tx)
+            .await?;
+            if rows.is_empty() {
+                return Ok(resealed);
+            }
+            for (tenant_id, generation, sealed) in &rows {
+                let aad = secret_aad(*tenant_id, *generation);
+                let plain = cipher.open_tenant_secret(sealed, SealedWith::DestinationKey, &aad)?;
+                let (again, with) = cipher.seal_tenant_secret(&plain, &aad)?;
+                sqlx::query(
+                    "UPDATE tenant_secrets SET secret_ciphertext = $3, sealed_with = $4
+                     WHERE tenant_id = $1 AND generation = $2",
+                )
+                .bind(tenant_id)
+                .bind(generation)
+                .bind(again)
+                .bind(with.as_str())
+                .execute(&mut *tx)
+                .await?;
+            }
+            tx.commit().await?;
+            resealed += rows.len() as u64;
+        }
+    }
+
+    /// How many signing secrets are still sealed with the destination key.
+    pub async fn tenant_secrets_sealed_with_destination_key(&self) -> Result<u64, LedgerError> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM tenant_secrets WHERE sealed_with = 'destination_key'",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 }

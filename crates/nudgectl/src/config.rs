@@ -12,6 +12,10 @@
 //! - `crypto.subscriber_key` (secret, unset by default): the key of the keyed hash subscriber
 //!   references are stored as. `reminders load` needs it; `migrate` uses it (with the
 //!   destination key) to convert rows written before.
+//! - `crypto.tenant_secret_key` (secret, unset by default): the key tenants' signing
+//!   secrets are sealed with (`tenant secret rotate`); `migrate` uses it (with the
+//!   destination key) to seal again the secrets written before it. Unset: secrets are sealed
+//!   with the destination key, as before.
 //! - `retention.*`: the retention policy `retention plan` counts by (the janitor's; see
 //!   `nudge_config::RetentionConfig`). The janitor-only keys (pace, export) are read and
 //!   checked but unused here.

@@ -319,7 +319,9 @@ pub enum TenantCommand {
 pub enum SecretCommand {
     /// Add a new signing secret and print it, once: it is stored only encrypted. The old one
     /// stays valid until `retire`, so the client can switch without downtime. Refused while
-    /// the tenant already has two. Needs crypto.destination_key.
+    /// the tenant already has two. Needs crypto.destination_key; sealed with
+    /// crypto.tenant_secret_key when it is set (as it should be: the workers hold the
+    /// destination key).
     Rotate {
         name: String,
         /// Why: recorded in the audit log.
@@ -424,15 +426,25 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     .await
     .context("failed to connect to the database (database.url)")?;
     let subscriber_key = config.crypto.subscriber_key_bytes()?;
+    let tenant_secret_key = config.crypto.tenant_secret_key_bytes()?;
     let cipher = match config.crypto.destination_key_bytes()? {
-        Some(key) => Some(match subscriber_key {
-            Some(subscriber) => DestinationCipher::new(&key)
-                .with_subscriber_key(nudge_ledger::SubscriberKey::new(&subscriber)),
-            None => DestinationCipher::new(&key),
-        }),
+        Some(key) => {
+            let mut cipher = DestinationCipher::new(&key);
+            if let Some(subscriber) = subscriber_key {
+                cipher = cipher.with_subscriber_key(nudge_ledger::SubscriberKey::new(&subscriber));
+            }
+            if let Some(secrets) = tenant_secret_key {
+                cipher = cipher.with_tenant_secret_key(&secrets);
+            }
+            Some(cipher)
+        }
         None if subscriber_key.is_some() => bail!(
             "crypto.subscriber_key is set without crypto.destination_key: writing or \
              converting subscriber references needs both"
+        ),
+        None if tenant_secret_key.is_some() => bail!(
+            "crypto.tenant_secret_key is set without crypto.destination_key: signing secrets \
+             sealed before the tenant secret key open only with the destination key"
         ),
         None => None,
     };
@@ -508,6 +520,43 @@ async fn convert_subscribers(
     Ok(())
 }
 
+/// After the schema: seals again under `crypto.tenant_secret_key` the signing secrets still
+/// sealed with the destination key, when the tenant secret key is configured; otherwise says
+/// how many remain and what seals them again.
+async fn reseal_tenant_secrets(
+    ledger: &Ledger,
+    cipher: Option<&DestinationCipher>,
+    out: &mut impl Write,
+    err: &mut impl Write,
+) -> anyhow::Result<()> {
+    let Some(cipher) = cipher.filter(|c| c.has_tenant_secret_key()) else {
+        let remaining = ledger
+            .tenant_secrets_sealed_with_destination_key()
+            .await
+            .context("failed to count signing secrets sealed with the destination key")?;
+        if remaining > 0 {
+            writeln!(
+                err,
+                "{remaining} tenant signing secrets are sealed with the destination key, which \
+                 the workers hold: set crypto.tenant_secret_key (here and on the intake) and \
+                 run `nudgectl migrate` again to seal them under it"
+            )?;
+        }
+        return Ok(());
+    };
+    let resealed = ledger
+        .reseal_tenant_secrets(cipher)
+        .await
+        .context("failed to seal signing secrets again (running migrate again resumes)")?;
+    if resealed > 0 {
+        writeln!(
+            out,
+            "tenant signing secrets sealed again under crypto.tenant_secret_key: {resealed}"
+        )?;
+    }
+    Ok(())
+}
+
 /// Executes a command against a ledger, writing operator output to `out` and per-item
 /// problems and progress (the rejected lines of a load) to `err`.
 ///
@@ -528,6 +577,7 @@ pub async fn execute(
                 .context("failed to apply migrations")?;
             writeln!(out, "migrations applied")?;
             convert_subscribers(ledger, cipher, out, err).await?;
+            reseal_tenant_secrets(ledger, cipher, out, err).await?;
         }
         Command::Tenant(TenantCommand::Create { name }) => {
             let tenant = ledger

@@ -547,6 +547,7 @@ async fn a_route_needs_exactly_one_of_an_account_or_default_and_a_reason(pool: P
     );
 }
 
+<<<<<<< HEAD
 /// Runs the real binary with its clock `offset` away from the truth (faketime, installed by
 /// `scripts/services.sh`), against the test's database.
 #[allow(clippy::unwrap_used, clippy::expect_used)]
@@ -665,4 +666,70 @@ async fn status_counts_what_is_due_by_the_database_s_clock_not_the_operator_s(po
         .find(|c| c["channel"] == "sms")
         .unwrap();
     assert_eq!(sms["due"], 1, "{sms}");
+=======
+/// `migrate` with the tenant secret key seals again, under it, the signing secrets sealed
+/// before it existed; without it, it says how many remain.
+#[allow(clippy::unwrap_used)]
+#[sqlx::test(migrations = false)]
+async fn migrate_seals_old_signing_secrets_again_under_the_tenant_secret_key(pool: PgPool) {
+    use nudge_ledger::DestinationCipher;
+    let ledger = Ledger::from_pool(pool.clone());
+    run(&ledger, Command::Migrate).await.unwrap();
+    create_tenant(&ledger, "clinic-a").await;
+    let tenant = ledger.tenant_by_name("clinic-a").await.unwrap().unwrap();
+    let destination_only = DestinationCipher::new(&[7; 32]);
+    let by = nudge_ledger::Operator::new("ops", Some("test"), chrono::Utc::now()).unwrap();
+    let secret = ledger
+        .rotate_signing_secret(tenant.id, &destination_only, &by)
+        .await
+        .unwrap();
+
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    execute(
+        &ledger,
+        "ops",
+        Some(&destination_only),
+        Command::Migrate,
+        &mut out,
+        &mut err,
+    )
+    .await
+    .unwrap();
+    let said = String::from_utf8(err).unwrap();
+    assert!(
+        said.contains("1 tenant signing secrets are sealed with the destination key"),
+        "{said}"
+    );
+
+    let both = DestinationCipher::new(&[7; 32]).with_tenant_secret_key(&[9; 32]);
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    execute(
+        &ledger,
+        "ops",
+        Some(&both),
+        Command::Migrate,
+        &mut out,
+        &mut err,
+    )
+    .await
+    .unwrap();
+    let said = String::from_utf8(out).unwrap();
+    assert!(
+        said.contains("sealed again under crypto.tenant_secret_key: 1"),
+        "{said}"
+    );
+    assert_eq!(
+        ledger
+            .tenant_secrets_sealed_with_destination_key()
+            .await
+            .unwrap(),
+        0
+    );
+    let opened = ledger
+        .intake_tenant("clinic-a", &both)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(opened.secrets.first(), Some(&secret));
+>>>>>>> fix-roles
 }

@@ -227,6 +227,10 @@ pub struct TestEnv {
     /// When set, every process started afterwards exports its spans there
     /// (`telemetry.otlp_endpoint`).
     pub otlp_endpoint: Option<String>,
+    /// Set by default: each binary connects as its own database role (`nudge_worker`,
+    /// `nudge_producer`, `nudge_intake`, `nudge_janitor`; docs/database-roles.md), as a
+    /// deployment runs it. Cleared, every process connects as the harness does (the owner).
+    pub binary_roles: bool,
 }
 
 impl std::fmt::Debug for TestEnv {
@@ -355,6 +359,7 @@ impl TestEnv {
             admin_listeners: false,
             admin_ports: HashMap::new(),
             otlp_endpoint: None,
+            binary_roles: true,
         };
         env.start_stub(stub_args)?;
         Ok(env)
@@ -535,7 +540,11 @@ log_filter = "info"
                 .append(true)
                 .open(self.dir.join(file))
         };
-        clean_command(bin(binary))
+        let mut command = clean_command(bin(binary));
+        if let Some(role) = self.binary_roles.then(|| binary_role(binary)).flatten() {
+            command.env("NUDGE_DATABASE__URL", with_user(&self.process_db_url, role));
+        }
+        command
             .arg("--config")
             .arg(config)
             .env_remove("RUST_LOG")
@@ -1106,6 +1115,31 @@ pub fn free_port() -> u16 {
         .expect("a free loopback port")
 }
 
+/// The database role `binary` connects as in a deployment (docs/database-roles.md); `None`
+/// for `nudgectl` and the stub.
+fn binary_role(binary: &str) -> Option<&'static str> {
+    match binary {
+        "nudge-push" | "nudge-email" | "nudge-sms" => Some("nudge_worker"),
+        "nudge-producer" => Some("nudge_producer"),
+        "nudge-intake" => Some("nudge_intake"),
+        "nudge-janitor" => Some("nudge_janitor"),
+        _ => None,
+    }
+}
+
+/// `url` with `user` as its user name and no password (the test server trusts loopback).
+fn with_user(url: &str, user: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let host = match rest[..authority_end].rfind('@') {
+        Some(at) => &rest[at + 1..],
+        None => rest,
+    };
+    format!("{scheme}://{user}@{host}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1168,5 +1202,22 @@ mod tests {
         std::fs::write(&binary, b"x").unwrap();
         assert_eq!(newer_source(&binary), Some(binary.with_extension("d")));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_binarys_database_url_names_its_role_and_keeps_the_rest() {
+        assert_eq!(
+            super::with_user(
+                "postgres://postgres:pw@127.0.0.1:5432/e2e_x",
+                "nudge_worker"
+            ),
+            "postgres://nudge_worker@127.0.0.1:5432/e2e_x"
+        );
+        assert_eq!(
+            super::with_user("postgres://127.0.0.1:5432/e2e_x", "nudge_intake"),
+            "postgres://nudge_intake@127.0.0.1:5432/e2e_x"
+        );
+        assert_eq!(super::binary_role("nudgectl"), None);
+        assert_eq!(super::binary_role("nudge-sms"), Some("nudge_worker"));
     }
 }

@@ -127,7 +127,7 @@ fn the_example_has_every_key_of_the_workers_with_its_default() {
     let checked = check_binary::<WorkerConfig>("nudge-worker", WorkerConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 6 + 4 + 2 + 4 + 4 + 4,
+        6 + 6 + 4 + 3 + 4 + 4 + 4,
         "database, amqp, telemetry, crypto, worker, retry, admission"
     );
 }
@@ -147,7 +147,7 @@ fn the_example_has_every_key_of_the_intake_with_its_default() {
     let checked = check_binary::<IntakeConfig>("nudge-intake", IntakeConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 4 + 2 + 9 + 3,
+        6 + 4 + 3 + 10 + 3,
         "database, telemetry, crypto, intake, receipts"
     );
 }
@@ -161,7 +161,7 @@ fn the_example_has_every_key_of_nudgectl_with_its_default() {
     );
     assert_eq!(
         checked,
-        6 + 4 + 2 + 12,
+        6 + 4 + 3 + 12,
         "database, telemetry, crypto, retention"
     );
 }
