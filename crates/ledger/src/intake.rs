@@ -13,13 +13,8 @@ use nudge_domain::{Channel, DeliveryState, EventId, ReminderId, SubscriberRef, T
 use rand::RngExt;
 
 use crate::audit::{self, Operator};
-<<<<<<< HEAD
 use crate::contacts::{seal_contact, upsert_contacts};
-use crate::crypto::{Destination, DestinationCipher};
-=======
-use crate::contacts::{destination_aad, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher, SealedWith};
->>>>>>> fix-roles
 use crate::deliveries::LedgerTime;
 use crate::{Ledger, LedgerError};
 

@@ -44,11 +44,7 @@ pub use audit::{AuditEntry, Operator};
 pub use buckets::{BucketReading, Feedback, FeedbackApplied, RateBucket};
 pub use channels::{ChannelControl, DrainChange, OwnerChange};
 pub use contacts::SubscriberConversion;
-<<<<<<< HEAD
-pub use crypto::{Destination, DestinationCipher, DestinationDigest, SubscriberKey};
-=======
-pub use crypto::{Destination, DestinationCipher, SealedWith, SubscriberKey};
->>>>>>> fix-roles
+pub use crypto::{Destination, DestinationCipher, DestinationDigest, SealedWith, SubscriberKey};
 pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{
     Attempt, AttemptRecord, DeliveryRecord, DueDelivery, FenceRefused, LeaseBatch, LeaseOutcome,

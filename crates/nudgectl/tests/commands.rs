@@ -547,7 +547,6 @@ async fn a_route_needs_exactly_one_of_an_account_or_default_and_a_reason(pool: P
     );
 }
 
-<<<<<<< HEAD
 /// Runs the real binary with its clock `offset` away from the truth (faketime, installed by
 /// `scripts/services.sh`), against the test's database.
 #[allow(clippy::unwrap_used, clippy::expect_used)]
@@ -666,7 +665,8 @@ async fn status_counts_what_is_due_by_the_database_s_clock_not_the_operator_s(po
         .find(|c| c["channel"] == "sms")
         .unwrap();
     assert_eq!(sms["due"], 1, "{sms}");
-=======
+}
+
 /// `migrate` with the tenant secret key seals again, under it, the signing secrets sealed
 /// before it existed; without it, it says how many remain.
 #[allow(clippy::unwrap_used)]
@@ -731,5 +731,4 @@ async fn migrate_seals_old_signing_secrets_again_under_the_tenant_secret_key(poo
         .unwrap()
         .unwrap();
     assert_eq!(opened.secrets.first(), Some(&secret));
->>>>>>> fix-roles
 }
