@@ -41,7 +41,16 @@ AMQP = "amqp://guest:guest@127.0.0.1:5672/%2f"
 LOCAL_SECRETS = {
     "destination-key": "vRdeBeF1KMBq4P78kL4MbxId31ISqKCBf5M1IV5/9Ow=",
     "subscriber-key": "3q2+7wABAgMEBQYHCAkKCwwNDg8QERITFBUWFxgZGhs=",
+    "tenant-secret-key": "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=",
     "amqp-url": AMQP,
+}
+# Each binary's Secret key names its database role (PostgreSQL here trusts loopback, so the
+# role needs no password): the smoke runs every binary as the role the manifests give it.
+ROLE_OF_URL = {
+    "intake-database-url": "nudge_intake",
+    "janitor-database-url": "nudge_janitor",
+    "producer-database-url": "nudge_producer",
+    "worker-database-url": "nudge_worker",
 }
 
 
@@ -59,6 +68,8 @@ def psql(sql: str) -> None:
 def secret_value(key: str, database: str) -> str:
     if key in LOCAL_SECRETS:
         return LOCAL_SECRETS[key]
+    if key in ROLE_OF_URL:
+        return f"postgres://{ROLE_OF_URL[key]}@127.0.0.1:5432/{database}"
     if key.endswith("database-url"):
         return f"{PG}/{database}"
     if key.endswith("-token"):
