@@ -97,8 +97,16 @@ async fn a_dead_letter_is_held_while_the_ledger_is_away_and_recorded_once_it_is_
         Arc::new(JanitorMetrics::new()),
         shutdown.clone(),
     ));
-    // Several attempts fail meanwhile (a requeue after each would count one delivery each).
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Several attempts fail meanwhile (a requeue after each would count one delivery each):
+    // wait until the ledger was refused a few times, the recorder retrying between them.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while proxy.refused() < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "the recorder never tried the ledger"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(recorded(&pool).await, None, "the ledger was away");
     proxy.refuse(false);
 

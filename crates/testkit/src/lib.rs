@@ -34,6 +34,7 @@ pub struct FaultProxy {
     mode: watch::Sender<Mode>,
     links: Arc<Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
+    refused: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl FaultProxy {
@@ -45,13 +46,16 @@ impl FaultProxy {
         let port = listener.local_addr()?.port();
         let (mode, _) = watch::channel(Mode::default());
         let links: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::new(Mutex::new(Vec::new()));
+        let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let accept = {
             let mode = mode.clone();
             let links = Arc::clone(&links);
+            let refused = Arc::clone(&refused);
             tokio::spawn(async move {
                 while let Ok((client, _)) = listener.accept().await {
                     if mode.borrow().refusing {
                         drop(client);
+                        refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         continue;
                     }
                     let Ok(server) = TcpStream::connect(upstream.as_str()).await else {
@@ -81,6 +85,7 @@ impl FaultProxy {
             mode,
             links,
             accept,
+            refused,
         })
     }
 
@@ -107,6 +112,11 @@ impl FaultProxy {
     /// Refuses (`true`) or accepts (`false`) new connections; links already up are untouched.
     pub fn refuse(&self, refusing: bool) {
         self.mode.send_modify(|m| m.refusing = refusing);
+    }
+
+    /// How many connections were refused while [`refuse`](Self::refuse) was on.
+    pub fn refused(&self) -> usize {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// How many connections the proxy carries now.
