@@ -9,7 +9,9 @@ For each kustomization given (the base and every overlay):
 2. Validates every resource against the Kubernetes OpenAPI schemas of kubernetes-validate
    (strict: unknown fields are errors), for each Kubernetes version asked for; the KEDA kinds
    (not in those schemas) against deploy/k8s/schemas/keda.schema.json, written from KEDA 2.x's
-   CRDs (keda.sh/v1alpha1 ScaledObject and TriggerAuthentication).
+   CRDs (keda.sh/v1alpha1 ScaledObject and TriggerAuthentication); CloudNativePG's Cluster
+   against deploy/k8s/schemas/cnpg-cluster.schema.json, the operator's published CRD schema,
+   made strict here (an unknown field is an error, as with the built-in kinds).
 3. Checks what no schema knows: the rules of nudge's configuration (see `check_nudge`).
 
 The kustomize subset: `resources` (files and directories), `namespace`, `labels` (pairs,
@@ -41,6 +43,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 KEDA_SCHEMA = ROOT / "deploy/k8s/schemas/keda.schema.json"
 KEDA_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}
+CNPG_SCHEMA = ROOT / "deploy/k8s/schemas/cnpg-cluster.schema.json"
+CNPG_CLUSTER = ("postgresql.cnpg.io/v1", "Cluster")
+# The roles the migrations grant to (docs/database-roles.md): a CloudNativePG cluster must
+# create each with LOGIN, or its binary cannot connect.
+BINARY_ROLES = {"nudge_producer", "nudge_intake", "nudge_worker", "nudge_janitor"}
 SUPPORTED_FIELDS = {
     "apiVersion", "kind", "resources", "namespace", "labels", "images",
     "configMapGenerator", "patches",
@@ -279,6 +286,12 @@ def validate_schemas(resources: list[dict], versions: list[str], where: str) -> 
     errors = []
     for r in resources:
         name = f"{where}: {r['kind']}/{r['metadata']['name']}"
+        if (r["apiVersion"], r["kind"]) == CNPG_CLUSTER:
+            validator = jsonschema.Draft7Validator(cnpg_cluster_schema())
+            for e in validator.iter_errors(r):
+                errors.append(f"{name}: {'.'.join(map(str, e.path))}: {e.message} "
+                              "(CloudNativePG schema)")
+            continue
         if (r["apiVersion"], r["kind"]) in KEDA_KINDS:
             schema = {"$ref": f"#/$defs/{r['kind']}", "$defs": keda_schema["$defs"]}
             validator = jsonschema.Draft202012Validator(schema)
@@ -294,6 +307,29 @@ def validate_schemas(resources: list[dict], versions: list[str], where: str) -> 
             except kv.SchemaNotFoundError as e:
                 errors.append(f"{name}: {e.message}")
     return errors
+
+
+def strict(schema):
+    """A CRD's structural schema made strict: an object that lists its properties refuses any
+    other (the API server would prune it silently; a typo must fail here instead), unless the
+    schema says to keep unknown fields."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if ("properties" in out and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+def cnpg_cluster_schema() -> dict:
+    vendored = json.loads(CNPG_SCHEMA.read_text())
+    schema = strict(vendored["schema"])
+    # metadata is the API server's, not the CRD's: any ObjectMeta.
+    schema["properties"]["metadata"] = {"type": "object"}
+    return schema
 
 
 # ---- nudge's own rules ---------------------------------------------------------------------
@@ -533,7 +569,71 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
             f"budget of {CONNECTION_BUDGET} ({', '.join(connections)}): lower a pool "
             "(NUDGE_DATABASE__MAX_CONNECTIONS) or a maximum, or raise CONNECTION_BUDGET with "
             "PostgreSQL's max_connections")
+    check_postgres_cluster(by_kind, secrets, where, err, notes)
     return errors, notes
+
+
+def check_postgres_cluster(by_kind, secrets, where, err, notes) -> None:
+    """A CloudNativePG Cluster in the rendering is nudge's ledger: it must replicate
+    synchronously (an outcome committed on a primary that dies before a standby has it is
+    forgotten, and the reminder is sent again), keep a standby to fail over to while another
+    is lost, create the binaries' roles, and be reached only through its read-write Service."""
+    from urllib.parse import urlsplit
+
+    clusters = [c for c in by_kind.get("Cluster", [])
+                if c.get("apiVersion") == CNPG_CLUSTER[0]]
+    if not clusters:
+        return
+    if len(clusters) > 1:
+        err(f"{where}: {len(clusters)} CloudNativePG Clusters: nudge's ledger is one")
+        return
+    cluster = clusters[0]
+    cname = cluster["metadata"]["name"]
+    name = f"{where}: Cluster/{cname}"
+    spec = cluster.get("spec", {})
+    if spec.get("instances", 1) < 3:
+        err(f"{name}: {spec.get('instances', 1)} instances: at least 3, so that a standby still "
+            "confirms commits while another is lost or rebuilt")
+    sync = spec.get("postgresql", {}).get("synchronous")
+    if sync is None:
+        err(f"{name}: no postgresql.synchronous: replication must be synchronous, or a "
+            "failover forgets committed outcomes and resends their reminders")
+    else:
+        if sync.get("number", 0) < 1:
+            err(f"{name}: postgresql.synchronous.number must be at least 1")
+        if sync.get("dataDurability", "required") != "required":
+            err(f"{name}: postgresql.synchronous.dataDurability {sync['dataDurability']}: "
+                "must be required (preferred commits without a standby when none answers)")
+    roles = {r.get("name"): r for r in spec.get("managed", {}).get("roles", [])}
+    for role in sorted(BINARY_ROLES):
+        r = roles.get(role)
+        if r is None or r.get("ensure", "present") != "present" or not r.get("login"):
+            err(f"{name}: managed.roles has no {role} with login: its binary could not connect")
+        elif "passwordSecret" in r and r["passwordSecret"]["name"] not in secrets:
+            err(f"{name}: role {role}'s passwordSecret {r['passwordSecret']['name']} is not in "
+                "the rendering")
+    owner_secret = spec.get("bootstrap", {}).get("initdb", {}).get("secret", {}).get("name")
+    if owner_secret is not None and owner_secret not in secrets:
+        err(f"{name}: bootstrap.initdb.secret {owner_secret} is not in the rendering")
+    rw = f"{cname}-rw"
+    for sname, s in secrets.items():
+        values = {**s.get("stringData", {})}
+        for key, value in values.items():
+            if not key.endswith("database-url"):
+                continue
+            host = urlsplit(value).hostname or ""
+            if host.split(".")[0] != rw:
+                err(f"{where}: Secret/{sname} {key} names host {host}: nudge's ledger is the "
+                    f"Cluster's read-write Service {rw} (the -ro and -r Services reach "
+                    "read-only standbys)")
+    params = spec.get("postgresql", {}).get("parameters", {})
+    max_conn = int(params.get("max_connections", 100))
+    if max_conn < 100:
+        err(f"{name}: max_connections {max_conn}: the connection budget of {CONNECTION_BUDGET} "
+            "assumes PostgreSQL's default of 100")
+    notes.append(f"Cluster/{cname}: {spec.get('instances', 1)} instances, synchronous "
+                 f"{(sync or {}).get('method')} {(sync or {}).get('number')} "
+                 f"({(sync or {}).get('dataDurability', 'required')}), nudge through {rw}")
 
 
 def find(resources: list[dict], kind: str, name: str) -> dict:
@@ -633,6 +733,33 @@ def _m_worker_tenant_key(rs):
         "valueFrom": {"secretKeyRef": {"name": "nudge-secrets", "key": "tenant-secret-key"}}})
 
 
+def _m_cluster_async(rs):
+    find(rs, "Cluster", "nudge-pg")["spec"]["postgresql"].pop("synchronous")
+
+
+def _m_cluster_preferred(rs):
+    find(rs, "Cluster", "nudge-pg")["spec"]["postgresql"]["synchronous"]["dataDurability"] = "preferred"
+
+
+def _m_cluster_read_only_url(rs):
+    s = find(rs, "Secret", "nudge-secrets")
+    s["stringData"]["worker-database-url"] = "postgres://nudge_worker:x@nudge-pg-ro:5432/nudge"
+
+
+def _m_cluster_role(rs):
+    roles = find(rs, "Cluster", "nudge-pg")["spec"]["managed"]["roles"]
+    roles[:] = [r for r in roles if r["name"] != "nudge_janitor"]
+
+
+def _m_cluster_typo(rs):
+    spec = find(rs, "Cluster", "nudge-pg")["spec"]
+    spec["instance"] = spec.pop("instances")
+
+
+def _m_cluster_two(rs):
+    find(rs, "Cluster", "nudge-pg")["spec"]["instances"] = 2
+
+
 def _m_owner_url(rs):
     env = first_container(rs, "nudge-email")["env"]
     url = next(e for e in env if e["name"] == "NUDGE_DATABASE__URL")
@@ -640,6 +767,12 @@ def _m_owner_url(rs):
 
 
 MUTATIONS = [
+    (_m_cluster_async, "no postgresql.synchronous"),
+    (_m_cluster_preferred, "dataDurability preferred"),
+    (_m_cluster_read_only_url, "worker-database-url names host nudge-pg-ro"),
+    (_m_cluster_role, "managed.roles has no nudge_janitor"),
+    (_m_cluster_typo, "'instance' was unexpected"),
+    (_m_cluster_two, "2 instances: at least 3"),
     (_m_pool_budget, "over the budget of 87"),
     (_m_worker_tenant_key, "workers must not have the tenant secret key"),
     (_m_owner_url, "from Secret key database-url, expected worker-database-url"),
@@ -708,7 +841,8 @@ def main() -> int:
         kinds = sorted({r["kind"] for r in resources})
         print(f"{where}: {len(resources)} resources ({', '.join(kinds)}); {compared}")
         print(f"  schemas: Kubernetes {', '.join(versions)} (strict) for the built-in kinds, "
-              f"{os.path.relpath(KEDA_SCHEMA, ROOT)} for ScaledObject and TriggerAuthentication")
+              f"{os.path.relpath(KEDA_SCHEMA, ROOT)} for ScaledObject and TriggerAuthentication, "
+              f"{os.path.relpath(CNPG_SCHEMA, ROOT)} (strict) for Cluster")
         for n in notes:
             print(f"  {n}")
         for e in errors:

@@ -8,8 +8,9 @@
 # below (the KEDA kinds against deploy/k8s/schemas/keda.schema.json), and nudge's own rules
 # checked (probes on the configured ports, NUDGE_ variable names, grace periods longer than the
 # shutdown grace, one PodDisruptionBudget per Deployment, each channel's ScaledObject on its
-# work queue with a maximum within the channel's window). A self-test first breaks a rendering
-# in known ways and requires each to be refused.
+# work queue with a maximum within the channel's window, and a CloudNativePG Cluster replicating
+# synchronously with the binaries' roles, reached through its read-write Service). A self-test
+# first breaks a rendering in known ways and requires each to be refused.
 #
 # Environment: K8S_VERSIONS (default "1.30.0 1.37.0": the oldest and newest checked).
 set -euo pipefail
@@ -36,6 +37,8 @@ fi
 args=()
 for v in "${versions[@]}"; do args+=(--kubernetes-version "$v"); done
 overlays=(deploy/k8s/overlays/*/)
-"$VENV/bin/python" scripts/k8s_check.py "${args[@]}" --self-test "${overlays[0]}" \
+# The self-test breaks the CloudNativePG overlay: it holds every kind the checks know (the
+# example overlay's resources and a Cluster).
+"$VENV/bin/python" scripts/k8s_check.py "${args[@]}" --self-test deploy/k8s/overlays/cloudnative-pg \
   deploy/k8s/base "${overlays[@]}"
 say "ok"
