@@ -18,6 +18,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 use nudge_domain::Channel;
+use nudge_telemetry::error_chain;
 use tokio::sync::{Mutex, MutexGuard};
 use tokio_util::sync::CancellationToken;
 
@@ -153,7 +154,10 @@ impl Broker {
             {
                 Ok(Ok(())) => {}
                 Ok(Err(error)) => {
-                    tracing::debug!(error = %error, "closing the RabbitMQ connection failed");
+                    tracing::debug!(
+                        error.cause_chain = %error_chain(&error),
+                        "closing the RabbitMQ connection failed"
+                    );
                 }
                 Err(_) => {
                     tracing::warn!(
@@ -303,7 +307,7 @@ impl Broker {
                     tracing::warn!(
                         attempt,
                         delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-                        error.cause_chain = ?CauseChain(&error),
+                        error.cause_chain = %error_chain(&error),
                         "reconnecting to RabbitMQ failed, retrying"
                     );
                     tokio::select! {
@@ -349,7 +353,7 @@ impl Inner {
                     if count > 1 {
                         tracing::debug!(
                             node = %self.node(index),
-                            error.cause_chain = ?CauseChain(&error),
+                            error.cause_chain = %error_chain(&error),
                             "RabbitMQ node did not take the connection; trying the next"
                         );
                     }
@@ -390,20 +394,5 @@ impl Inner {
                 .await;
         }
         declared.map(|()| connection)
-    }
-}
-
-/// Formats an error with its sources, for the one log line where a reconnect failure is handled.
-struct CauseChain<'a>(&'a (dyn std::error::Error + 'static));
-
-impl fmt::Debug for CauseChain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut list = f.debug_list();
-        let mut current: Option<&(dyn std::error::Error + 'static)> = Some(self.0);
-        while let Some(error) = current {
-            list.entry(&format_args!("{error}"));
-            current = error.source();
-        }
-        list.finish()
     }
 }

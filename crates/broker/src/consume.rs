@@ -7,6 +7,7 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use nudge_domain::Channel;
+use nudge_telemetry::error_chain;
 
 use crate::BrokerError;
 use crate::Topology;
@@ -273,7 +274,7 @@ impl crate::Broker {
                     consumer
                 }
                 Err(e) => {
-                    tracing::warn!(queue = %name, error.cause_chain = ?e,
+                    tracing::warn!(queue = %name, error.cause_chain = %error_chain(&e),
                         delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
                         "cannot consume; retrying");
                     tokio::select! {
@@ -292,7 +293,7 @@ impl crate::Broker {
                 match next {
                     Some(Ok(incoming)) => handle(incoming).await,
                     Some(Err(e)) => {
-                        tracing::warn!(queue = %name, error.cause_chain = ?e, "consumer failed; consuming again");
+                        tracing::warn!(queue = %name, error.cause_chain = %error_chain(&e), "consumer failed; consuming again");
                         break;
                     }
                     None => {

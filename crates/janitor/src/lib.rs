@@ -47,6 +47,7 @@ use nudge_config::{
 use nudge_domain::{Channel, RandJitter, RetryPolicy};
 use nudge_ledger::{AutoPause, DeadLetter, Ledger, LedgerTime};
 use nudge_proto::Envelope;
+use nudge_telemetry::error_chain;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -300,7 +301,7 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     .await;
     for task in tasks {
         if let Err(e) = task.await {
-            warn!(error.cause_chain = ?e, "dead-letter recorder task failed");
+            warn!(error.cause_chain = %error_chain(&e), "dead-letter recorder task failed");
         }
     }
     app.stop().await;
@@ -422,7 +423,7 @@ async fn gauges_loop(
 ) {
     loop {
         if let Err(e) = metrics::refresh_gauges(&ledger, &metrics, LedgerTime::Database).await {
-            warn!(error.cause_chain = ?e, "failed to read the ledger's gauges; retrying");
+            warn!(error.cause_chain = %error_chain(&e), "failed to read the ledger's gauges; retrying");
         }
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -457,17 +458,17 @@ async fn sweep_loop(
                 );
             }
             Ok(_) => {}
-            Err(e) => error!(error.cause_chain = %format!("{e:#}"), "sweep failed; retrying"),
+            Err(e) => error!(error.cause_chain = %error_chain(&*e), "sweep failed; retrying"),
         }
         if let Err(e) = redrive_once(ledger, redrive, batch_size, LedgerTime::Database).await {
-            error!(error.cause_chain = %format!("{e:#}"), "redrive feeder failed; retrying");
+            error!(error.cause_chain = %error_chain(&*e), "redrive feeder failed; retrying");
         }
         if last_orphan_watch.is_none_or(|at| at.elapsed() >= ORPHAN_EVERY) {
             last_orphan_watch = Some(std::time::Instant::now());
             match watch_orphans_once(ledger, batch_size).await {
                 Ok(repaired) => metrics.orphaned(repaired),
                 Err(e) => {
-                    error!(error.cause_chain = %format!("{e:#}"), "orphan watchdog failed; retrying")
+                    error!(error.cause_chain = %error_chain(&*e), "orphan watchdog failed; retrying")
                 }
             }
         }
@@ -539,13 +540,13 @@ async fn record_one(
         match recorded {
             Ok(action) => break action,
             Err(e) => {
-                error!(error.cause_chain = ?e, retry_in_ms = pause.as_millis() as u64,
+                error!(error.cause_chain = %error_chain(&e), retry_in_ms = pause.as_millis() as u64,
                        "failed to record a dead letter; holding it and trying again");
                 tokio::select! {
                     () = shutdown.cancelled() => {
                         // Back to the queue for the next janitor: one delivery counted.
                         if let Err(e) = incoming.requeue().await {
-                            warn!(error.cause_chain = ?e, "failed to requeue a dead letter");
+                            warn!(error.cause_chain = %error_chain(&e), "failed to requeue a dead letter");
                         }
                         return;
                     }
@@ -561,6 +562,6 @@ async fn record_one(
           delivery_id = letter.delivery.map(|(id, _)| id.to_string()),
           ?action, "dead letter recorded");
     if let Err(e) = incoming.ack().await {
-        warn!(error.cause_chain = ?e, "failed to ack a recorded dead letter; it will be recorded again");
+        warn!(error.cause_chain = %error_chain(&e), "failed to ack a recorded dead letter; it will be recorded again");
     }
 }

@@ -23,6 +23,7 @@ use nudge_ledger::{
     Blocker, DeletedDelivery, Ledger, LedgerError, LedgerTime, RetentionBatch, RunEnd, RunState,
     RunSummary,
 };
+use nudge_telemetry::error_chain;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -200,7 +201,9 @@ pub async fn retention_loop(
              nudge_janitor so that only the retention functions can delete"
         ),
         Ok(false) => {}
-        Err(e) => warn!(error.cause_chain = ?e, "failed to check the janitor's database role"),
+        Err(e) => {
+            warn!(error.cause_chain = %error_chain(&e), "failed to check the janitor's database role")
+        }
     }
     let runner = format!("janitor-{}", std::process::id());
     loop {
@@ -218,7 +221,9 @@ pub async fn retention_loop(
             }
             Ok(_) => {}
             // The run itself reports the database's trouble, if it lasts.
-            Err(e) => warn!(error.cause_chain = ?e, "failed to read when retention last ran"),
+            Err(e) => {
+                warn!(error.cause_chain = %error_chain(&e), "failed to read when retention last ran")
+            }
         }
         match retention_once(&ledger, &settings, &runner, LedgerTime::Database, &shutdown).await {
             Ok(RetentionOutcome::Refused(blockers)) => {
@@ -248,7 +253,7 @@ pub async fn retention_loop(
                     "retention run stopped: deleted counts disagree with its plan"
                 ),
             },
-            Err(e) => error!(error.cause_chain = %format!("{e:#}"), "retention run failed"),
+            Err(e) => error!(error.cause_chain = %error_chain(&*e), "retention run failed"),
         }
         tokio::select! {
             () = shutdown.cancelled() => return,

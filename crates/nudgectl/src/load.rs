@@ -31,6 +31,7 @@ use nudge_ledger::input::{InputError, ReminderInput, TenantField};
 use nudge_ledger::{
     AuditEntry, DestinationCipher, ImportOutcome, ImportReminder, Ledger, LedgerError,
 };
+use nudge_telemetry::error_chain;
 use serde::Serialize;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader};
 use tokio::task::JoinHandle;
@@ -158,7 +159,7 @@ pub(crate) async fn load(
             (None, Err(e)) => return Err(e),
             // The stop is the error to report; this one is handled by logging it.
             (Some(_), Err(e)) => {
-                tracing::error!(error.cause_chain = ?e, "audit row for a stopped load not written");
+                tracing::error!(error.cause_chain = %error_chain(&e), "audit row for a stopped load not written");
             }
         }
     }

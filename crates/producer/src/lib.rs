@@ -36,6 +36,7 @@ use nudge_broker::{Broker, OutgoingMessage, Publisher};
 use nudge_domain::{Channel, TenantId};
 use nudge_ledger::{DueDelivery, Ledger, LedgerTime, Schedule, WindowOutcome};
 use nudge_proto::Envelope;
+use nudge_telemetry::error_chain;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, debug, error, info, warn};
 
@@ -103,7 +104,7 @@ async fn finish_pass(pass: Pass, ledger: Ledger, instance: String, metrics: Arc<
     let outcomes = match pass.outcomes().await {
         Ok(outcomes) => outcomes,
         Err(e) => {
-            error!(error.cause_chain = %format!("{e:#}"), "clock tick failed; retrying");
+            error!(error.cause_chain = %error_chain(&*e), "clock tick failed; retrying");
             return;
         }
     };
@@ -111,7 +112,7 @@ async fn finish_pass(pass: Pass, ledger: Ledger, instance: String, metrics: Arc<
     // row; a tenant skipped has a window running that holds it): say so, for `nudgectl tenant
     // pause` to wait on.
     if let Err(e) = ledger.ack_producer_pass(&instance, now).await {
-        warn!(error.cause_chain = %format!("{:#}", anyhow::Error::from(e)),
+        warn!(error.cause_chain = %error_chain(&e),
               "failed to acknowledge the schedule pass");
     }
     for (schedule, outcome) in outcomes {
@@ -142,7 +143,7 @@ async fn finish_pass(pass: Pass, ledger: Ledger, instance: String, metrics: Arc<
                 debug!(tenant_id = %schedule.tenant_id, "tenant paused: window held")
             }
             Ok(WindowOutcome::AlreadyRun) => {}
-            Err(bad) => warn!(error.cause_chain = ?bad, "schedule skipped"),
+            Err(bad) => warn!(error.cause_chain = %error_chain(&bad), "schedule skipped"),
         }
     }
 }
@@ -368,7 +369,7 @@ impl Clock {
             let now = match self.ledger.clock(LedgerTime::Database).await {
                 Ok(now) => now,
                 Err(e) => {
-                    error!(error.cause_chain = ?e, "failed to read the database's clock; retrying");
+                    error!(error.cause_chain = %error_chain(&e), "failed to read the database's clock; retrying");
                     tokio::select! {
                         () = shutdown.cancelled() => return,
                         () = tokio::time::sleep(every) => continue,
@@ -386,7 +387,7 @@ impl Clock {
                     ));
                 }
                 Err(e) => {
-                    error!(error.cause_chain = %format!("{e:#}"), "clock tick failed; retrying")
+                    error!(error.cause_chain = %error_chain(&*e), "clock tick failed; retrying")
                 }
             }
             tokio::select! {
@@ -504,7 +505,7 @@ impl Relay {
         {
             Ok(Ok(ready)) => u64::from(ready),
             Ok(Err(e)) => {
-                warn!(%channel, error.cause_chain = ?e, "could not read the work queue's depth; not republishing");
+                warn!(%channel, error.cause_chain = %error_chain(&e), "could not read the work queue's depth; not republishing");
                 return Ok((0, 0));
             }
             Err(_elapsed) => {
@@ -592,7 +593,7 @@ impl Relay {
                 spans.iter().for_each(|s| {
                     s.record("error.type", "no_publisher");
                 });
-                warn!(error.cause_chain = %format!("{e:#}"), "no publisher; handing the batch back");
+                warn!(error.cause_chain = %error_chain(&*e), "no publisher; handing the batch back");
                 self.ledger.mark_unpublished(items).await?;
                 return Ok((0, items.len()));
             }
@@ -616,7 +617,7 @@ impl Relay {
         for ((item, result), span) in items.iter().zip(results).zip(&spans) {
             if let Err(e) = result {
                 span.record("error.type", "not_confirmed");
-                debug!(delivery_id = %item.id, error.cause_chain = ?e, "publish failed");
+                debug!(delivery_id = %item.id, error.cause_chain = %error_chain(&e), "publish failed");
                 failed.push(item.clone());
             }
         }
@@ -660,7 +661,7 @@ impl Relay {
                 }
                 Err(e) => {
                     failures = failures.saturating_add(1);
-                    error!(error.cause_chain = %format!("{e:#}"), failures, "relay pass failed; backing off");
+                    error!(error.cause_chain = %error_chain(&*e), failures, "relay pass failed; backing off");
                     idle * 2u32.saturating_pow(failures.min(5))
                 }
             };

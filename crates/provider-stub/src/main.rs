@@ -4,6 +4,7 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use clap::Parser as _;
 use nudge_config::TelemetryConfig;
+use nudge_telemetry::error_chain;
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -14,7 +15,7 @@ async fn main() -> ExitCode {
             // No logger yet: stderr is the only place left to report it.
             #[allow(clippy::print_stderr)]
             {
-                eprintln!("error: {}", nudge_telemetry::error_chain(&e));
+                eprintln!("error: {}", error_chain(&e));
             }
             return ExitCode::FAILURE;
         }
@@ -22,7 +23,7 @@ async fn main() -> ExitCode {
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error.cause_chain = %format!("{e:#}"), "provider-stub failed");
+            tracing::error!(error.cause_chain = %error_chain(&*e), "provider-stub failed");
             ExitCode::FAILURE
         }
     }

@@ -13,6 +13,7 @@
 
 use axum::Router;
 use axum::routing::post;
+use nudge_telemetry::error_chain;
 
 use crate::server::App;
 
@@ -112,7 +113,11 @@ pub(crate) fn send_receipt(
         match request.send().await {
             Ok(r) => tracing::debug!(receipt = what, status = r.status().as_u16(), "receipt sent"),
             Err(e) => {
-                tracing::warn!(receipt = what, error = %e.without_url(), "receipt not delivered")
+                tracing::warn!(
+                    receipt = what,
+                    error.cause_chain = %error_chain(&e.without_url()),
+                    "receipt not delivered"
+                )
             }
         }
     });

@@ -10,6 +10,7 @@ use anyhow::Context as _;
 use axum::Router;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
+use nudge_telemetry::error_chain;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
 };
@@ -81,7 +82,7 @@ pub async fn serve(
                 let (tcp, _) = match accepted {
                     Ok(a) => a,
                     Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
+                        tracing::warn!(error.cause_chain = %error_chain(&e), "accept failed");
                         continue;
                     }
                 };
@@ -91,7 +92,7 @@ pub async fn serve(
                     let tls = match acceptor.accept(tcp).await {
                         Ok(t) => t,
                         Err(e) => {
-                            tracing::debug!(error = %e, "TLS handshake failed");
+                            tracing::debug!(error.cause_chain = %error_chain(&e), "TLS handshake failed");
                             return;
                         }
                     };
@@ -99,7 +100,7 @@ pub async fn serve(
                         .serve_connection(TokioIo::new(tls), service)
                         .await
                     {
-                        tracing::debug!(error = %e, "HTTP/2 connection ended with an error");
+                        tracing::debug!(error.cause_chain = %error_chain(&e), "HTTP/2 connection ended with an error");
                     }
                 });
             }

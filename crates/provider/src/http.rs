@@ -1,11 +1,12 @@
 //! The HTTP adapter: `POST {base_url}/v1/messages`.
 
 use nudge_domain::{IdempotencySupport, ProviderAccount, SendOutcome};
+use nudge_telemetry::error_chain;
 use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 use serde::Serialize;
 use url::Url;
 
-use crate::transport::{self, error_chain, failed_before_send};
+use crate::transport::{self, failed_before_send};
 use crate::{HttpProviderConfig, Provider, ProviderError, SendRequest};
 
 /// The stable reason codes carried by [`SendOutcome::FailedBeforeSend`] and

@@ -1,10 +1,11 @@
 //! What every HTTP adapter shares: the client (direct, no redirects, the account's timeouts),
 //! the mapping of transport failures onto "never left" and "may have been sent", reading a
-//! bounded body, and one-line error chains for logs.
+//! bounded body.
 
 use std::time::Duration;
 
 use nudge_domain::{ProviderAccount, SendOutcome};
+use nudge_telemetry::error_chain;
 
 use crate::http::reason;
 use crate::{HttpProviderConfig, ProviderError};
@@ -116,16 +117,4 @@ pub fn unknown_after_send(reason: &str) -> SendOutcome {
     SendOutcome::UnknownAfterSend {
         reason: reason.to_owned(),
     }
-}
-
-/// `e` and its sources joined with `": "`, for one log line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
 }

@@ -14,6 +14,7 @@ pub use bootstrap::{Application, ServiceConfig, load_config};
 
 use std::process::ExitCode;
 
+use nudge_telemetry::error_chain;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -29,7 +30,7 @@ pub fn shutdown_on_signal() -> CancellationToken {
                     s.recv().await;
                 }
                 Err(e) => {
-                    warn!(error.cause_chain = ?e, "cannot listen for SIGTERM");
+                    warn!(error.cause_chain = %error_chain(&e), "cannot listen for SIGTERM");
                     std::future::pending::<()>().await;
                 }
             }
@@ -51,12 +52,12 @@ pub fn exit_code(service: &str, result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // `{:#}` is the chain on one line; `Debug` of an anyhow error would add its
-            // backtrace (when one was captured) to a log line.
-            error!(error.cause_chain = %format!("{e:#}"), "{service} stopped");
+            // The chain on one line; `Debug` of an anyhow error would add its backtrace (when
+            // one was captured) to a log line.
+            error!(error.cause_chain = %error_chain(&*e), "{service} stopped");
             #[allow(clippy::print_stderr)]
             {
-                eprintln!("error: {e:#}");
+                eprintln!("error: {}", error_chain(&*e));
             }
             ExitCode::FAILURE
         }

@@ -68,7 +68,7 @@ pub struct TelemetryGuard {
 impl Drop for TelemetryGuard {
     fn drop(&mut self) {
         if let Some(Err(e)) = self.traces.take().map(|provider| provider.shutdown()) {
-            tracing::warn!(error.cause_chain = %e, "failed to export the last spans");
+            tracing::warn!(error.cause_chain = %error_chain(&e), "failed to export the last spans");
         }
         // Nowhere left to report a failed flush of stderr; the process is exiting.
         let _ = std::io::stderr().flush();
@@ -143,8 +143,10 @@ pub(crate) fn build_filter(
     EnvFilter::try_new(directives).map_err(|source| TelemetryError::InvalidFilter { key, source })
 }
 
-/// `e` and each of its sources, joined with `": "`, for the one place an error is reported.
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+/// `e` and each of its sources, joined with `": "`, for the one place an error is reported:
+/// `error.cause_chain = %error_chain(&e)` (`%error_chain(&*e)` for an `anyhow::Error`), the
+/// only way an error is logged (see docs/OBSERVABILITY.md, "Logging an error").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {

@@ -24,6 +24,8 @@ use axum::routing::get;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Metric, Registry};
 
+use crate::error_chain;
+
 /// The content type of the OpenMetrics text exposition format.
 pub const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -140,7 +142,7 @@ pub async fn serve_admin(
             .with_graceful_shutdown(shutdown)
             .await
         {
-            tracing::error!(error.cause_chain = ?e, metrics_addr = %bound, "admin listener failed");
+            tracing::error!(error.cause_chain = %error_chain(&e), metrics_addr = %bound, "admin listener failed");
         }
     });
     Ok(bound)
@@ -150,7 +152,7 @@ async fn metrics(State(admin): State<Admin>) -> Response {
     match admin.registry.encode() {
         Ok(body) => ([(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)], body).into_response(),
         Err(e) => {
-            tracing::error!(error.cause_chain = ?e, "failed to encode metrics");
+            tracing::error!(error.cause_chain = %error_chain(&e), "failed to encode metrics");
             StatusCode::INTERNAL_SERVER_ERROR.into_response()
         }
     }

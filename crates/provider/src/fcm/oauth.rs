@@ -29,9 +29,10 @@ use tokio::time::Instant;
 use url::Url;
 
 use nudge_domain::{SendOutcome, Verdict};
+use nudge_telemetry::error_chain;
 
 use crate::push::answer;
-use crate::transport::{error_chain, failed_before_send, read_body};
+use crate::transport::{failed_before_send, read_body};
 
 /// The scope FCM HTTP v1 needs.
 pub const FCM_SCOPE: &str = "https://www.googleapis.com/auth/firebase.messaging";
