@@ -118,6 +118,68 @@ uuid_id!(
     "delivery id"
 );
 
+/// One redrive, as the ledger numbers it (`redrives.id`): a whole number from 1.
+///
+/// Parsed once where it enters (an operator's argument, a row read back), so a function that
+/// takes a `RedriveId` never meets zero, a negative number or text. It serializes as the bare
+/// number, as the operator's `--json` output always showed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "i64", into = "i64")]
+pub struct RedriveId(i64);
+
+impl RedriveId {
+    const FIELD: &str = "redrive id";
+    const EXPECTED: &str = "a whole number from 1";
+
+    /// Decimal digits only (no sign, no spaces), at least 1 and at most `i64::MAX`.
+    pub fn parse(s: &str) -> Result<Self, IdError> {
+        if s.is_empty() {
+            return Err(IdError::Empty { field: Self::FIELD });
+        }
+        let malformed = IdError::InvalidFormat {
+            field: Self::FIELD,
+            expected: Self::EXPECTED,
+        };
+        if !s.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(malformed);
+        }
+        let n: i64 = s.parse().map_err(|_| malformed)?;
+        Self::try_from(n)
+    }
+
+    /// The number as the ledger stores it, for binding in a statement.
+    pub const fn get(self) -> i64 {
+        self.0
+    }
+}
+
+impl TryFrom<i64> for RedriveId {
+    type Error = IdError;
+
+    fn try_from(n: i64) -> Result<Self, Self::Error> {
+        if n >= 1 {
+            Ok(Self(n))
+        } else {
+            Err(IdError::InvalidFormat {
+                field: Self::FIELD,
+                expected: Self::EXPECTED,
+            })
+        }
+    }
+}
+
+impl From<RedriveId> for i64 {
+    fn from(id: RedriveId) -> i64 {
+        id.0
+    }
+}
+
+impl fmt::Display for RedriveId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
 /// The way a reminder reaches a person.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -337,6 +399,7 @@ impl From<EventId> for String {
 }
 
 parse_impls!(EventId);
+parse_impls!(RedriveId);
 
 /// The `Idempotency-Key` sent to a provider on every attempt and redrive of one delivery.
 ///
@@ -463,6 +526,52 @@ mod tests {
         let text = serde_json::to_string(&id).unwrap();
         assert_eq!(text, "\"00000000-0000-0000-0000-000000000000\"");
         assert_eq!(serde_json::from_str::<DeliveryId>(&text).unwrap(), id);
+    }
+
+    #[test]
+    fn a_redrive_id_is_a_whole_number_from_1_and_shows_as_one() {
+        let id = RedriveId::parse("7").unwrap();
+        assert_eq!(id.get(), 7);
+        assert_eq!(id.to_string(), "7");
+        assert_eq!(serde_json::to_string(&id).unwrap(), "7");
+        assert_eq!(serde_json::from_str::<RedriveId>("7").unwrap(), id);
+        assert_eq!(RedriveId::try_from(7_i64), Ok(id));
+        assert_eq!(i64::from(id), 7);
+        assert_eq!(
+            RedriveId::parse(&i64::MAX.to_string()).unwrap().get(),
+            i64::MAX
+        );
+        assert!(matches!(
+            RedriveId::parse(""),
+            Err(IdError::Empty {
+                field: "redrive id"
+            })
+        ));
+        for bad in [
+            "0",
+            "-1",
+            "+1",
+            " 1",
+            "1 ",
+            "1.0",
+            "x",
+            "9223372036854775808",
+        ] {
+            let err = RedriveId::parse(bad).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    IdError::InvalidFormat {
+                        field: "redrive id",
+                        ..
+                    }
+                ),
+                "{bad:?}: {err:?}"
+            );
+        }
+        assert!(RedriveId::try_from(0_i64).is_err());
+        assert!(RedriveId::try_from(-5_i64).is_err());
+        assert!(serde_json::from_str::<RedriveId>("0").is_err());
     }
 
     #[test]
@@ -603,6 +712,14 @@ mod tests {
             let _ = IdempotencyKey::parse(&s);
             let _ = s.parse::<Channel>();
             let _ = s.parse::<TenantId>();
+            let _ = RedriveId::parse(&s);
+        }
+
+        #[test]
+        fn any_positive_number_is_a_redrive_id_that_prints_and_parses_back(n in 1..=i64::MAX) {
+            let id = RedriveId::try_from(n).unwrap();
+            prop_assert_eq!(RedriveId::parse(&id.to_string()), Ok(id));
+            prop_assert_eq!(id.get(), n);
         }
 
         #[test]

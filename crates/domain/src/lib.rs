@@ -40,7 +40,7 @@ pub use decide::{
     AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide, is_account_fault,
 };
 pub use ids::{
-    Channel, DeliveryId, EventId, IdError, IdempotencyKey, ProviderAccount, ReminderId,
+    Channel, DeliveryId, EventId, IdError, IdempotencyKey, ProviderAccount, RedriveId, ReminderId,
     SubscriberRef, TenantId,
 };
 pub use lane::{Lane, UnknownLane};

@@ -80,7 +80,9 @@ impl DeliveryState {
         )
     }
 
-    /// Neither live nor terminal: waiting for a person to decide.
+    /// Held for operator review (ambiguous): neither live nor terminal, waiting for a person
+    /// (or a provider receipt) to decide. "Held" means only this in nudge; the gauges'
+    /// ambiguous + dead-lettered count is "awaiting operator" (`docs/GLOSSARY.md`).
     pub const fn is_held(self) -> bool {
         matches!(self, DeliveryState::Ambiguous)
     }

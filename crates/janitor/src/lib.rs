@@ -15,7 +15,7 @@
 //! - Redrive feeder: each running redrive (`nudgectl redrive --execute`) is fed its next
 //!   dead letters at its rate, paused when its channel's provider answers too many 429s or
 //!   new work waits too long (`[redrive]`; the latter resumes by itself once new work has
-//!   caught up), held while its channel drains, and behind its canary until that settles.
+//!   caught up), waiting while its channel drains, and behind its canary until that settles.
 //!
 //! - Orphan watchdog (every minute): a reminder whose time came two minutes ago or more, of a
 //!   tenant that is not paused, missing a delivery on a channel that is not draining, is
@@ -360,29 +360,29 @@ pub async fn redrive_once(
         .context("redrive feeder failed")?;
     for tick in ticks {
         if let Some(why) = &tick.paused {
-            warn!(redrive_id = tick.id, reason = %why, "redrive paused itself");
+            warn!(redrive_id = tick.id.get(), reason = %why, "redrive paused itself");
         }
         if tick.resumed {
             info!(
-                redrive_id = tick.id,
+                redrive_id = tick.id.get(),
                 "new work caught up: redrive resumed itself"
             );
         }
         if tick.skipped > 0 {
             info!(
-                redrive_id = tick.id,
+                redrive_id = tick.id.get(),
                 skipped = tick.skipped,
                 "redrive passed over items at their turn (expired, tenant paused or moved on)"
             );
         }
         if tick.finished {
             info!(
-                redrive_id = tick.id,
+                redrive_id = tick.id.get(),
                 fed = tick.fed,
                 "redrive fed its last items"
             );
         } else if tick.fed > 0 {
-            debug!(redrive_id = tick.id, fed = tick.fed, "redrive fed");
+            debug!(redrive_id = tick.id.get(), fed = tick.fed, "redrive fed");
         }
     }
     Ok(())
@@ -481,7 +481,7 @@ async fn sweep_loop(
 
 /// Consumes `dead.<channel>` until shutdown, recording every message before acking it.
 ///
-/// A message the ledger cannot take now is held, unacknowledged, and recorded again with a
+/// A message the ledger cannot take now is kept unacknowledged and recorded again with a
 /// growing pause (up to [`DEAD_LETTER_RETRY_MAX`]) until the ledger takes it; it is requeued
 /// only at shutdown. Requeueing it at each failure, as before, counted a delivery each time:
 /// on RabbitMQ 4.x, whose quorum queues have a default delivery limit of 20 and no
@@ -503,10 +503,10 @@ pub async fn record_dead_letters(
         .await;
 }
 
-/// The longest pause between two attempts to record a held dead letter.
+/// The longest pause between two attempts to record a dead letter kept unacknowledged.
 const DEAD_LETTER_RETRY_MAX: Duration = Duration::from_secs(5);
 
-/// Records one dead letter, then acks it; while the ledger cannot take it, it is held.
+/// Records one dead letter, then acks it; while the ledger cannot take it, it stays unacknowledged.
 async fn record_one(
     ledger: &Ledger,
     queue: &str,

@@ -67,8 +67,8 @@ struct DeadLetterLabels {
 
 type F64Gauge = Gauge<f64, AtomicU64>;
 
-/// The states `nudge_ledger_deliveries` reports: live work by where it waits, then held and
-/// dead-lettered work.
+/// The states `nudge_ledger_deliveries` reports: live work by where it waits, then work
+/// awaiting an operator (ambiguous and dead-lettered).
 pub const GAUGE_STATES: [&str; 6] = [
     "due",
     "queued",
@@ -278,10 +278,10 @@ impl JanitorMetrics {
                 oldest = oldest.max(w.oldest_eligible_age_s.unwrap_or(0.0));
             }
             let (ambiguous, dead_lettered) = gauges
-                .held
+                .awaiting_operator
                 .iter()
-                .find(|(c, _, _)| *c == channel)
-                .map_or((0, 0), |(_, a, d)| (*a, *d));
+                .find(|a| a.channel == channel)
+                .map_or((0, 0), |a| (a.ambiguous, a.dead_lettered));
             for (state, n) in GAUGE_STATES.into_iter().zip([
                 due,
                 queued,
@@ -305,7 +305,7 @@ impl JanitorMetrics {
             let draining = gauges
                 .draining
                 .iter()
-                .any(|(c, flag)| *c == channel && *flag);
+                .any(|f| f.channel == channel && f.draining);
             self.draining
                 .get_or_create(&ChannelLabels {
                     channel: channel.as_str(),
@@ -452,7 +452,7 @@ mod tests {
     #![allow(clippy::expect_used)]
 
     use nudge_domain::{ProviderAccount, TenantId};
-    use nudge_ledger::{BucketGauge, TenantChannelWork};
+    use nudge_ledger::{AwaitingOperator, BucketGauge, DrainFlag, TenantChannelWork};
 
     use super::*;
 
@@ -471,9 +471,16 @@ mod tests {
         };
         metrics.set_gauges(&LedgerGauges {
             work: vec![work(a, 3, 40.0), work(b, 1, 90.0)],
-            held: vec![(Channel::Sms, 1, 4)],
+            awaiting_operator: vec![AwaitingOperator {
+                channel: Channel::Sms,
+                ambiguous: 1,
+                dead_lettered: 4,
+            }],
             paused_tenants: vec![b],
-            draining: vec![(Channel::Email, true)],
+            draining: vec![DrainFlag {
+                channel: Channel::Email,
+                draining: true,
+            }],
             buckets: vec![BucketGauge {
                 account: ProviderAccount::parse("sms-main").expect("valid"),
                 channel: Channel::Sms,

@@ -1,7 +1,7 @@
 //! The redrive feeder (`redrive_once`) on a real ledger, connected as the janitor's restricted
 //! role: it may not update redrives itself (migration 20261208000002), so every change goes
-//! through the feeder's functions, and a redrive still holds while its channel drains, feeds
-//! once the drain ends, and finishes when every item is fed.
+//! through the feeder's functions, and a redrive waits while its channel drains, feeds once
+//! the drain ends, and finishes when every item is fed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
@@ -11,7 +11,7 @@ use nudge_domain::{Channel, DeliveryState, EventId, SubscriberRef};
 use nudge_janitor::redrive_once;
 use nudge_ledger::{
     AutoPause, DestinationCipher, Ledger, LedgerTime, NewReminder, Operator, RedriveFilter,
-    RedriveState, SubscriberKey,
+    RedriveState, StartedRedrive, SubscriberKey,
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -41,7 +41,7 @@ fn rules() -> AutoPause {
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
-async fn the_feeder_holds_feeds_and_finishes_a_redrive_as_the_janitors_role(pool: PgPool) {
+async fn the_feeder_waits_feeds_and_finishes_a_redrive_as_the_janitors_role(pool: PgPool) {
     let owner = Ledger::from_pool(pool.clone());
     let cipher = DestinationCipher::new(&[1; 32]).with_subscriber_key(SubscriberKey::new(&[2; 32]));
     let tenant = owner.create_tenant("clinic", &ops()).await.unwrap();
@@ -80,7 +80,7 @@ async fn the_feeder_holds_feeds_and_finishes_a_redrive_as_the_janitors_role(pool
         max_age: None,
         limit: None,
     };
-    let (id, _) = owner
+    let StartedRedrive { id, .. } = owner
         .execute_redrive(&filter, 10.0, None, &ops(), LedgerTime::Database)
         .await
         .unwrap();
@@ -93,8 +93,8 @@ async fn the_feeder_holds_feeds_and_finishes_a_redrive_as_the_janitors_role(pool
     redrive_once(&janitor, &rules(), 100, LedgerTime::Database)
         .await
         .unwrap();
-    let held = owner.redrive_status(id).await.unwrap().unwrap();
-    assert_eq!((held.state, held.fed), (RedriveState::Running, 0));
+    let waiting = owner.redrive_status(id).await.unwrap().unwrap();
+    assert_eq!((waiting.state, waiting.fed), (RedriveState::Running, 0));
 
     owner
         .set_draining(Channel::Sms, false, &ops(), LedgerTime::Database)

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, RetentionDays, RetentionPolicy};
+use nudge_domain::{Channel, RedriveId, RetentionDays, RetentionPolicy};
 use nudge_janitor::retention::{RetentionOutcome, RetentionSettings, retention_once};
 use nudge_ledger::{Blocker, Ledger, LedgerTime, Operator, RetentionTable, RunState};
 use sqlx::PgPool;
@@ -330,7 +330,7 @@ async fn a_drain_a_redrive_an_ownership_change_a_foreign_schema_or_another_run_b
                 channel: Channel::Sms
             },
             Blocker::Redrive {
-                id: 1,
+                id: RedriveId::try_from(1).unwrap(),
                 channel: Channel::Push
             },
             Blocker::OwnershipChange {

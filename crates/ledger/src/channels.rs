@@ -2,12 +2,12 @@
 //! channel), and the producers' acknowledgement of operator flags (`producer_acks`).
 //!
 //! Drain: while a channel drains, [`insert_deliveries`](crate::reminders) creates no delivery
-//! for it (reminders are recorded and held), the redrive feeder holds, and attempts carry the
-//! drain's incident. Turning it off commits the flag, then, in a second transaction,
-//! materialises every held delivery whose time has come or whose window already ran (running
-//! `off` again finishes a release that failed). The delivery inserts take the channel rows
-//! `FOR SHARE` and a drain change takes its row `FOR UPDATE`, so once `drain on` has
-//! committed no transaction still in flight creates work for the channel.
+//! for it (reminders are recorded and their deliveries withheld), the redrive feeder waits,
+//! and attempts carry the drain's incident. Turning it off commits the flag, then, in a second
+//! transaction, materialises every withheld delivery whose time has come or whose window
+//! already ran (running `off` again finishes a release that failed). The delivery inserts take
+//! the channel rows `FOR SHARE` and a drain change takes its row `FOR UPDATE`, so once
+//! `drain on` has committed no transaction still in flight creates work for the channel.
 //!
 //! Ownership: every delivery has an owner; a relay and a worker claim and lease only their
 //! sender's (`Ledger::for_sender`). Handing a channel over moves its owed, unleased work and
@@ -74,7 +74,7 @@ const CONTROL_COLUMNS: &str = "channel, draining, drain_incident, drain_started_
 pub struct DrainChange {
     /// False when the channel already was in the asked state (the flag was not changed).
     pub changed: bool,
-    /// On `off`: held deliveries created now (their time had come or their window had run).
+    /// On `off`: withheld deliveries created now (their time had come or their window had run).
     pub released: u64,
 }
 
@@ -103,14 +103,14 @@ impl Ledger {
     /// Turns a channel's drain on or off, audited (`drain_on` / `drain_off`) with the
     /// operator's incident.
     ///
-    /// Off is two transactions: the flag (and its audit row), then the release of the held
+    /// Off is two transactions: the flag (and its audit row), then the release of the withheld
     /// work. Releasing inserts deliveries, which waits for any window holding its tenant's
     /// row; doing that while holding the channel's row would deadlock with a window waiting
     /// for that row. The release is idempotent, so `off` on a channel that is not draining
-    /// still releases anything held (a release that failed after its flag committed is
+    /// still releases anything withheld (a release that failed after its flag committed is
     /// finished by running `off` again).
     ///
-    /// Which held reminders are due is decided by the database's clock (`at` in tests).
+    /// Which withheld reminders are due is decided by the database's clock (`at` in tests).
     pub async fn set_draining(
         &self,
         channel: Channel,
@@ -177,7 +177,7 @@ impl Ledger {
                 .bind(at.bind())
                 .fetch_one(&mut *tx)
                 .await?;
-            released = crate::reminders::materialise_held(&mut tx, channel, db_now).await?;
+            released = crate::reminders::materialise_withheld(&mut tx, channel, db_now).await?;
             if released > 0 {
                 audit::insert(
                     &mut tx,
@@ -335,7 +335,7 @@ impl Ledger {
     pub async fn producer_acks(
         &self,
         alive_since: DateTime<Utc>,
-    ) -> Result<Vec<(String, DateTime<Utc>)>, LedgerError> {
+    ) -> Result<Vec<ProducerAck>, LedgerError> {
         Ok(sqlx::query_as(
             "SELECT instance, pass_started_at FROM producer_acks
              WHERE updated_at >= $1 ORDER BY instance",
@@ -344,4 +344,14 @@ impl Ledger {
         .fetch_all(&self.pool)
         .await?)
     }
+}
+
+/// A producer instance's latest acknowledged schedule pass (`producer_acks`).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct ProducerAck {
+    /// The producer process's name for itself (its host name and process id).
+    pub instance: String,
+    /// When its latest pass started, by the database's clock: every flag committed before
+    /// then is honoured.
+    pub pass_started_at: DateTime<Utc>,
 }

@@ -27,15 +27,18 @@ pub enum LedgerError {
     #[error("redrive {id} is already active on {channel}: resume, wait for or cancel it first")]
     RedriveActive {
         channel: nudge_domain::Channel,
-        id: i64,
+        id: nudge_domain::RedriveId,
     },
 
     #[error("no redrive with id {0}")]
-    UnknownRedrive(i64),
+    UnknownRedrive(nudge_domain::RedriveId),
 
     /// The change does not apply to a redrive in this state.
     #[error("redrive {id} is {}: not possible from that state", state.as_str())]
-    RedriveState { id: i64, state: crate::RedriveState },
+    RedriveState {
+        id: nudge_domain::RedriveId,
+        state: crate::RedriveState,
+    },
 
     /// The lease was taken away (expired and reaped, or the delivery moved on) before the
     /// outcome was recorded: the outcome is not applied.

@@ -17,6 +17,14 @@ use crate::LedgerError;
 use crate::crypto::Destination;
 use crate::reminders::{ImportReminder, MAX_CONTENT_BYTES, MAX_DESTINATION_BYTES, NewReminder};
 
+/// Where in a reminder's text something is, as serde_json counts: lines from 1, columns from 1
+/// within the line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TextPosition {
+    pub line: usize,
+    pub column: usize,
+}
+
 /// Why a reminder was refused. Names the field ([`InputError::path`]); never carries a
 /// destination, subscriber reference or content.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -34,9 +42,9 @@ pub enum InputError {
     Fields(String),
     /// A field that is not one of the format's. Its name is never repeated: it is the
     /// client's text, and could be patient data typed as a key. `at` is where it ends
-    /// (line, column) when the text was parsed here.
+    /// when the text was parsed here.
     #[error("{}", unknown_field(*.at))]
-    UnknownField { at: Option<(usize, usize)> },
+    UnknownField { at: Option<TextPosition> },
     #[error("{field} must be {expected}")]
     WrongType {
         field: String,
@@ -89,7 +97,10 @@ impl InputError {
         match error.classify() {
             // serde quotes an unknown key back as written: never pass that on.
             Category::Data if problem.starts_with("unknown field `") => Self::UnknownField {
-                at: (error.line() > 0).then(|| (error.line(), error.column())),
+                at: (error.line() > 0).then(|| TextPosition {
+                    line: error.line(),
+                    column: error.column(),
+                }),
             },
             Category::Data => {
                 // A missing or repeated field is one of ours; keep a stray control character
@@ -116,8 +127,8 @@ impl InputError {
 const FIELDS: &str = "event_id, subscriber_ref, channels, scheduled_at, expires_at, \
                       destinations, content (and tenant in a `reminders load` line)";
 
-fn unknown_field(at: Option<(usize, usize)>) -> String {
-    let place = at.map_or_else(String::new, |(line, column)| {
+fn unknown_field(at: Option<TextPosition>) -> String {
+    let place = at.map_or_else(String::new, |TextPosition { line, column }| {
         format!(" (it ends at line {line} column {column})")
     });
     format!(
@@ -491,7 +502,10 @@ mod tests {
         assert_eq!(
             err,
             InputError::UnknownField {
-                at: Some((1, key_end))
+                at: Some(TextPosition {
+                    line: 1,
+                    column: key_end
+                })
             }
         );
         assert!(

@@ -42,7 +42,7 @@ mod trace;
 pub use age::AgeBand;
 pub use audit::{AuditEntry, Operator};
 pub use buckets::{BucketReading, Feedback, FeedbackApplied, RateBucket};
-pub use channels::{ChannelControl, DrainChange, OwnerChange};
+pub use channels::{ChannelControl, DrainChange, OwnerChange, ProducerAck};
 pub use contacts::SubscriberConversion;
 pub use crypto::{Destination, DestinationCipher, DestinationDigest, SealedWith, SubscriberKey};
 pub use dead_letters::{DeadLetter, DeadLetterAction};
@@ -55,7 +55,7 @@ pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
 pub use error::LedgerError;
 pub use estimate::{Backlog, OwedDelivery};
 pub use export::IncidentAttempt;
-pub use gauges::{BucketGauge, LedgerGauges, TenantChannelWork};
+pub use gauges::{AwaitingOperator, BucketGauge, DrainFlag, LedgerGauges, TenantChannelWork};
 pub use intake::{
     Cancellation, ChannelStatus as IntakeChannelStatus, Erasure, IntakeTenant, MAX_ACTIVE_SECRETS,
     ReminderStatus, SigningSecret,
@@ -63,7 +63,7 @@ pub use intake::{
 pub use receipts::{Receipt, ReceiptOutcome, ReceiptRecorded};
 pub use redrive::{
     AutoPause, Exclusion, ReasonCount, RedriveFilter, RedrivePlan, RedriveState, RedriveStatus,
-    RedriveTick,
+    RedriveTick, StartedRedrive,
 };
 pub use reminders::{
     CreatedReminder, ImportOutcome, ImportReminder, MAX_CONTENT_BYTES, MAX_CORRELATION_ID_BYTES,

@@ -29,7 +29,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, TenantId, drain};
+use nudge_domain::{Channel, RedriveId, TenantId, drain};
 use sqlx::PgConnection;
 
 use crate::age::{AgeBand, age_band_sql};
@@ -56,7 +56,7 @@ struct RedriveChange<'a> {
     pause_reason: Option<String>,
 }
 
-/// Why a dead-lettered or held delivery is not redriven.
+/// Why a dead-lettered or ambiguous delivery is not redriven.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
 )]
@@ -126,6 +126,13 @@ pub struct RedrivePlan {
     pub expected_drain_s: f64,
 }
 
+/// A redrive just started: its id, and what it took.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct StartedRedrive {
+    pub id: RedriveId,
+    pub plan: RedrivePlan,
+}
+
 /// A redrive's lifecycle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -164,7 +171,7 @@ impl RedriveState {
 /// A redrive as the ledger holds it, with the outcome so far of what it fed.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct RedriveStatus {
-    pub id: i64,
+    pub id: RedriveId,
     pub channel: Channel,
     pub tenant_id: Option<TenantId>,
     pub max_age_s: Option<i64>,
@@ -208,13 +215,13 @@ pub struct AutoPause {
 /// What one tick did to one redrive.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RedriveTick {
-    pub id: i64,
+    pub id: RedriveId,
     pub fed: u64,
     pub skipped: u64,
     /// Set when the tick paused the redrive: why.
     pub paused: Option<String>,
     /// Its channel is draining: nothing fed, the redrive waits for the drain to end.
-    pub held: bool,
+    pub waiting_for_drain: bool,
     /// It had paused itself for late new work, and new work has caught up: running again.
     pub resumed: bool,
     pub finished: bool,
@@ -398,7 +405,7 @@ impl RedriveRow {
     ) -> Result<RedriveStatus, LedgerError> {
         let remaining = self.remaining();
         Ok(RedriveStatus {
-            id: self.id,
+            id: redrive_id(self.id)?,
             channel: self
                 .channel
                 .parse()
@@ -426,6 +433,11 @@ impl RedriveRow {
             remaining_s: drain::drain_s(remaining, self.rate_per_second),
         })
     }
+}
+
+/// A redrive's id as read back from its row (an identity column: from 1).
+fn redrive_id(n: i64) -> Result<RedriveId, LedgerError> {
+    RedriveId::try_from(n).map_err(|e| LedgerError::corrupt("redrives", e))
 }
 
 fn is_unique_violation(e: &sqlx::Error, constraint: &str) -> bool {
@@ -469,7 +481,7 @@ impl Ledger {
         canary: Option<u32>,
         operator: &Operator,
         at: LedgerTime,
-    ) -> Result<(i64, RedrivePlan), LedgerError> {
+    ) -> Result<StartedRedrive, LedgerError> {
         check_rate(rate_per_second)?;
         let Some(reason) = operator.reason() else {
             return Err(LedgerError::InvalidInput("a redrive needs a reason"));
@@ -502,7 +514,7 @@ impl Ledger {
         .fetch_one(&mut *tx)
         .await;
         let (id, now) = match inserted {
-            Ok(row) => row,
+            Ok((id, now)) => (redrive_id(id)?, now),
             Err(e) if is_unique_violation(&e, "redrives_one_active_idx") => {
                 let active: i64 = sqlx::query_scalar(
                     "SELECT id FROM redrives WHERE channel = $1 AND state IN ('running', 'paused')",
@@ -512,7 +524,7 @@ impl Ledger {
                 .await?;
                 return Err(LedgerError::RedriveActive {
                     channel: filter.channel,
-                    id: active,
+                    id: redrive_id(active)?,
                 });
             }
             Err(e) => return Err(e.into()),
@@ -535,14 +547,14 @@ impl Ledger {
             .bind(rate_per_second)
             .bind(filter.limit.map(i64::from))
             .bind(&*self.sender)
-            .bind(id)
+            .bind(id.get())
             .fetch_all(&mut *tx)
             .await?;
         let plan = fold_plan(filter, rate_per_second, rows, now)?;
         let excluded = serde_json::to_value(&plan.excluded)
             .map_err(|e| LedgerError::corrupt("redrives", e))?;
         sqlx::query("UPDATE redrives SET selected = $2, excluded = $3 WHERE id = $1")
-            .bind(id)
+            .bind(id.get())
             .bind(i32::try_from(plan.eligible).unwrap_or(i32::MAX))
             .bind(&excluded)
             .execute(&mut *tx)
@@ -564,15 +576,18 @@ impl Ledger {
         entry.at = now;
         audit::insert(&mut tx, &entry).await?;
         tx.commit().await?;
-        Ok((id, plan))
+        Ok(StartedRedrive { id, plan })
     }
 
     /// One redrive with its progress, or `None` if there is no such id.
-    pub async fn redrive_status(&self, id: i64) -> Result<Option<RedriveStatus>, LedgerError> {
+    pub async fn redrive_status(
+        &self,
+        id: RedriveId,
+    ) -> Result<Option<RedriveStatus>, LedgerError> {
         let row: Option<RedriveRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "SELECT {REDRIVE_COLUMNS} FROM redrives WHERE id = $1"
         )))
-        .bind(id)
+        .bind(id.get())
         .fetch_optional(&self.pool)
         .await?;
         match row {
@@ -626,7 +641,7 @@ impl Ledger {
     /// an operator resumes it. Audited.
     pub async fn pause_redrive(
         &self,
-        id: i64,
+        id: RedriveId,
         operator: &Operator,
         at: LedgerTime,
     ) -> Result<(), LedgerError> {
@@ -656,7 +671,7 @@ impl Ledger {
     /// Its pacing and rules restart at the database's clock (`at` in tests).
     pub async fn resume_redrive(
         &self,
-        id: i64,
+        id: RedriveId,
         operator: &Operator,
         at: LedgerTime,
     ) -> Result<(), LedgerError> {
@@ -683,7 +698,7 @@ impl Ledger {
     /// dead-lettered (redrivable later), those fed are owed work and carry on. Audited.
     pub async fn cancel_redrive(
         &self,
-        id: i64,
+        id: RedriveId,
         operator: &Operator,
         at: LedgerTime,
     ) -> Result<(), LedgerError> {
@@ -705,7 +720,7 @@ impl Ledger {
 
     async fn change_redrive(
         &self,
-        id: i64,
+        id: RedriveId,
         operator: &Operator,
         change: RedriveChange<'_>,
         at: LedgerTime,
@@ -719,7 +734,7 @@ impl Ledger {
         let mut tx = self.pool.begin().await?;
         let state: Option<String> =
             sqlx::query_scalar("SELECT state FROM redrives WHERE id = $1 FOR UPDATE")
-                .bind(id)
+                .bind(id.get())
                 .fetch_optional(&mut *tx)
                 .await?;
         let Some(state) = state else {
@@ -730,7 +745,7 @@ impl Ledger {
             return Err(LedgerError::RedriveState { id, state });
         }
         sqlx::query(sql)
-            .bind(id)
+            .bind(id.get())
             .bind(pause_reason)
             .bind(at.bind())
             .execute(&mut *tx)
@@ -789,7 +804,7 @@ impl Ledger {
         .await?;
         let mut ticks = Vec::with_capacity(ids.len());
         for id in ids {
-            if let Some(tick) = self.tick_one(id, rules, batch, at).await? {
+            if let Some(tick) = self.tick_one(redrive_id(id)?, rules, batch, at).await? {
                 ticks.push(tick);
             }
         }
@@ -798,7 +813,7 @@ impl Ledger {
 
     async fn tick_one(
         &self,
-        id: i64,
+        id: RedriveId,
         rules: &AutoPause,
         batch: u32,
         at: LedgerTime,
@@ -807,7 +822,7 @@ impl Ledger {
         // The janitor's role may not update redrives: the lock, like every change below, is
         // taken by the feeder's functions (migration 20261208000002).
         let locked: bool = sqlx::query_scalar("SELECT nudge_redrive_lock_for_tick($1)")
-            .bind(id)
+            .bind(id.get())
             .fetch_one(&mut *tx)
             .await?;
         if !locked {
@@ -819,7 +834,7 @@ impl Ledger {
                  WHERE id = $1"
             );
             let found = sqlx::query(sqlx::AssertSqlSafe(sql))
-                .bind(id)
+                .bind(id.get())
                 .bind(at.bind())
                 .fetch_optional(&mut *tx)
                 .await?;
@@ -839,7 +854,7 @@ impl Ledger {
             fed: 0,
             skipped: 0,
             paused: None,
-            held: false,
+            waiting_for_drain: false,
             resumed: false,
             finished: false,
         };
@@ -854,7 +869,7 @@ impl Ledger {
             if waited.is_none_or(|w| w * 2 <= rules.max_new_work_age) {
                 // Audited (`redrive_auto_resume`, with what it was paused for) by the function.
                 sqlx::query("SELECT nudge_redrive_auto_resume($1, $2, $3)")
-                    .bind(id)
+                    .bind(id.get())
                     .bind(format!(
                         "new work caught up: the oldest due new {channel} delivery waits {}s",
                         waited.unwrap_or_default().as_secs()
@@ -867,7 +882,7 @@ impl Ledger {
             tx.commit().await?;
             return Ok(Some(tick));
         }
-        // A draining channel's redrive lane is closed: hold, with no credit for the time.
+        // A draining channel's redrive lane is closed: wait, with no credit for the time.
         let draining: bool =
             sqlx::query_scalar("SELECT draining FROM channel_controls WHERE channel = $1")
                 .bind(channel.as_str())
@@ -875,12 +890,12 @@ impl Ledger {
                 .await?;
         if draining {
             sqlx::query("SELECT nudge_redrive_hold($1, $2)")
-                .bind(id)
+                .bind(id.get())
                 .bind(now)
                 .execute(&mut *tx)
                 .await?;
             tx.commit().await?;
-            tick.held = true;
+            tick.waiting_for_drain = true;
             return Ok(Some(tick));
         }
 
@@ -913,7 +928,7 @@ impl Ledger {
                     }
                     Canary::Passed => {
                         sqlx::query("SELECT nudge_redrive_canary_passed($1, $2)")
-                            .bind(id)
+                            .bind(id.get())
                             .bind(now)
                             .execute(&mut *tx)
                             .await?;
@@ -936,7 +951,7 @@ impl Ledger {
         let (fed, skipped, finished): (i64, i64, bool) = sqlx::query_as(
             "SELECT fed, skipped, finished FROM nudge_redrive_feed($1, $2, $3, $4, $5)",
         )
-        .bind(id)
+        .bind(id.get())
         .bind(i64::try_from(take).unwrap_or(i64::MAX))
         .bind(now)
         .bind(credit_from)

@@ -813,7 +813,7 @@ async fn materialise_created(
                 expires_at: reminder.expires_at,
             });
     }
-    // One per channel, less those of a draining channel (held until the drain ends).
+    // One per channel, less those of a draining channel (withheld until the drain ends).
     for (tenant_id, reminders) in by_tenant {
         for reminder_id in
             inserted_deliveries(tx, TenantId::from_uuid(tenant_id), &reminders, now).await?
@@ -825,9 +825,9 @@ async fn materialise_created(
 }
 
 /// On resume: the reminders created while the tenant was paused, and any earlier one still
-/// missing a delivery on one of its channels (held by a drain that ended while the tenant was
-/// paused), whose window already ran (or whose time has come) get their deliveries now; later
-/// windows take the rest. A channel still draining stays held.
+/// missing a delivery on one of its channels (withheld by a drain that ended while the tenant
+/// was paused), whose window already ran (or whose time has come) get their deliveries now;
+/// later windows take the rest. A channel still draining stays withheld.
 pub(crate) async fn materialise_paused_backlog(
     tx: &mut PgConnection,
     tenant_id: TenantId,
@@ -857,8 +857,8 @@ pub(crate) async fn materialise_paused_backlog(
 /// When a channel's drain ends: every reminder of a tenant that is not paused, not cancelled,
 /// whose time has come or whose window already ran, and that has no delivery on `channel`,
 /// gets it now. Not bounded by the drain's start: a tenant resumed during the drain, or a
-/// window caught up during it, held work too. Returns the deliveries created.
-pub(crate) async fn materialise_held(
+/// window caught up during it, withheld work too. Returns the deliveries created.
+pub(crate) async fn materialise_withheld(
     tx: &mut PgConnection,
     channel: Channel,
     now: DateTime<Utc>,
@@ -898,7 +898,7 @@ pub(crate) async fn materialise_held(
 }
 
 /// Inserts one delivery per (reminder, channel), skipping those that exist and those of a
-/// channel that is draining (held until the drain ends), each owned by its channel's owner.
+/// channel that is draining (withheld until the drain ends), each owned by its channel's owner.
 /// The channels' control rows are read `FOR SHARE`: a drain turned on waits for this
 /// transaction, and this one for a drain being turned on. The idempotency key comes from the
 /// domain, the one place that defines it.

@@ -11,7 +11,8 @@ use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
 use nudge_domain::{
-    Channel, DeliveryId, DeliveryState, EventId, IdError, Lane, OutcomeClass, ReminderId, TenantId,
+    Channel, DeliveryId, DeliveryState, EventId, IdError, Lane, OutcomeClass, RedriveId,
+    ReminderId, TenantId,
 };
 
 use crate::deliveries::parse;
@@ -142,7 +143,7 @@ pub struct LeaseHeld {
 /// A delivery's place in a paced redrive.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct RedriveMembership {
-    pub redrive_id: i64,
+    pub redrive_id: RedriveId,
     pub position: i32,
     pub fed_at: Option<DateTime<Utc>>,
     pub skipped_reason: Option<String>,
@@ -567,18 +568,21 @@ impl Ledger {
             last_error_reason: row.last_error_reason,
             redrives: redrives
                 .into_iter()
-                .map(|r| RedriveMembership {
-                    pending: r.fed_at.is_none()
-                        && r.skipped_reason.is_none()
-                        && matches!(r.redrive_state.as_str(), "running" | "paused"),
-                    redrive_id: r.redrive_id,
-                    position: r.position,
-                    fed_at: r.fed_at,
-                    skipped_reason: r.skipped_reason,
-                    redrive_state: r.redrive_state,
-                    incident: r.incident,
+                .map(|r| {
+                    Ok(RedriveMembership {
+                        pending: r.fed_at.is_none()
+                            && r.skipped_reason.is_none()
+                            && matches!(r.redrive_state.as_str(), "running" | "paused"),
+                        redrive_id: RedriveId::try_from(r.redrive_id)
+                            .map_err(|e| LedgerError::corrupt("redrive_items", e))?,
+                        position: r.position,
+                        fed_at: r.fed_at,
+                        skipped_reason: r.skipped_reason,
+                        redrive_state: r.redrive_state,
+                        incident: r.incident,
+                    })
                 })
-                .collect(),
+                .collect::<Result<_, LedgerError>>()?,
             attempts,
             findings,
         })

@@ -1,14 +1,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 //! The metrics' picture of the ledger: live work per tenant and channel (due, queued, leased,
-//! in backoff, oldest eligible age), held work per channel, and the pause and drain flags,
-//! read at a fixed instant.
+//! in backoff, oldest eligible age), work awaiting an operator per channel, and the pause and
+//! drain flags, read at a fixed instant.
 
 mod common;
 
 use common::*;
 use nudge_domain::Channel;
-use nudge_ledger::Ledger;
+use nudge_ledger::{AwaitingOperator, DrainFlag, Ledger};
 use sqlx::PgPool;
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -70,19 +70,25 @@ async fn gauges_count_live_work_per_tenant_and_channel_and_leave_future_work_out
         ],
         "the email reminder's time has not come: it is not live work yet"
     );
-    let mut held = gauges.held.clone();
-    held.sort_by_key(|h| h.0.as_str());
+    let mut awaiting = gauges.awaiting_operator.clone();
+    awaiting.sort_by_key(|a| a.channel.as_str());
+    let none = |channel| AwaitingOperator {
+        channel,
+        ambiguous: 0,
+        dead_lettered: 0,
+    };
     assert_eq!(
-        held,
+        awaiting,
         [
-            (Channel::Email, 0, 0),
-            (Channel::Push, 0, 0),
-            (Channel::Sms, 0, 0)
+            none(Channel::Email),
+            none(Channel::Push),
+            none(Channel::Sms)
         ]
     );
     assert_eq!(gauges.paused_tenants, [b.id]);
-    assert!(gauges.draining.contains(&(Channel::Email, true)));
-    assert!(gauges.draining.contains(&(Channel::Sms, false)));
+    let flag = |channel, draining| DrainFlag { channel, draining };
+    assert!(gauges.draining.contains(&flag(Channel::Email, true)));
+    assert!(gauges.draining.contains(&flag(Channel::Sms, false)));
     assert_eq!(gauges.buckets.len(), 1);
     assert_eq!(gauges.buckets[0].account, account("sms-main"));
     assert!(!gauges.buckets[0].paused);

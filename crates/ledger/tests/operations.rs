@@ -11,7 +11,8 @@ use nudge_domain::{
     AttemptContext, Channel, FixedJitter, IdempotencySupport, RetryPolicy, SendOutcome, decide,
 };
 use nudge_ledger::{
-    AttemptRecord, AutoPause, LeaseOutcome, Ledger, Operator, RedriveFilter, WindowOutcome,
+    AttemptRecord, AutoPause, LeaseOutcome, Ledger, Operator, ProducerAck, RedriveFilter,
+    StartedRedrive, WindowOutcome,
 };
 use sqlx::PgPool;
 
@@ -117,7 +118,7 @@ async fn a_draining_channel_gets_nothing_new_until_the_drain_ends(pool: PgPool) 
         1,
         "email is not draining"
     );
-    // The drain estimate counts no held reminder as arriving work.
+    // The drain estimate counts no withheld reminder as arriving work.
     assert_eq!(
         ledger
             .arrivals(Channel::Sms, t0() + secs(1), t0() + secs(60))
@@ -149,7 +150,7 @@ async fn a_draining_channel_gets_nothing_new_until_the_drain_ends(pool: PgPool) 
         max_age: None,
         limit: None,
     };
-    let (id, _) = ledger
+    let StartedRedrive { id, .. } = ledger
         .execute_redrive(
             &filter,
             10.0,
@@ -169,9 +170,9 @@ async fn a_draining_channel_gets_nothing_new_until_the_drain_ends(pool: PgPool) 
         .redrive_tick(&rules, 100, at(t0() + secs(4)))
         .await
         .unwrap();
-    assert!(ticks[0].held && ticks[0].fed == 0, "{ticks:?}");
+    assert!(ticks[0].waiting_for_drain && ticks[0].fed == 0, "{ticks:?}");
 
-    // Off: the held deliveries whose time has come or whose window ran are created at once.
+    // Off: the withheld deliveries whose time has come or whose window ran are created at once.
     let off = ledger
         .set_draining(Channel::Sms, false, &incident_ops("INC-9"), at(t0()))
         .await
@@ -200,7 +201,7 @@ async fn a_draining_channel_gets_nothing_new_until_the_drain_ends(pool: PgPool) 
         .collect();
     assert!(actions.contains(&"drain_on".to_owned()));
     assert_eq!(actions[..2], ["drain_release", "drain_off"]);
-    // Off again: nothing changes, nothing is held.
+    // Off again: nothing changes, nothing is withheld.
     let again = ledger
         .set_draining(Channel::Sms, false, &incident_ops("INC-9"), at(t0()))
         .await
@@ -348,14 +349,15 @@ async fn producers_acknowledge_their_latest_pass_only_forward(pool: PgPool) {
     ledger.ack_producer_pass("p-1", t0()).await.unwrap();
     ledger.ack_producer_pass("p-2", t0()).await.unwrap();
     let acks = ledger.producer_acks(t0() - secs(30)).await.unwrap();
-    assert_eq!(
-        acks,
-        vec![("p-1".to_owned(), t0() + secs(5)), ("p-2".to_owned(), t0())]
-    );
+    let ack = |instance: &str, pass_started_at| ProducerAck {
+        instance: instance.to_owned(),
+        pass_started_at,
+    };
+    assert_eq!(acks, vec![ack("p-1", t0() + secs(5)), ack("p-2", t0())]);
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
-async fn work_held_by_a_drain_that_ends_while_its_tenant_is_paused_is_scheduled_on_resume(
+async fn work_withheld_by_a_drain_that_ends_while_its_tenant_is_paused_is_scheduled_on_resume(
     pool: PgPool,
 ) {
     let ledger = Ledger::from_pool(pool);
@@ -391,7 +393,7 @@ async fn work_held_by_a_drain_that_ends_while_its_tenant_is_paused_is_scheduled_
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
-async fn the_watchdog_repairs_a_missing_channel_but_not_one_held_by_a_drain(pool: PgPool) {
+async fn the_watchdog_repairs_a_missing_channel_but_not_one_withheld_by_a_drain(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
     let a = tenant(&ledger).await;
     let both = owed(&ledger, a.id, "both", &[Channel::Sms, Channel::Email], t0()).await;

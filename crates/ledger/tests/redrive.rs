@@ -15,7 +15,7 @@ use nudge_domain::{
 };
 use nudge_ledger::{
     AttemptRecord, AutoPause, Exclusion, LeasedDelivery, Ledger, NewReminder, Operator, Recorded,
-    RedriveFilter, RedriveState,
+    RedriveFilter, RedriveState, StartedRedrive,
 };
 use sqlx::PgPool;
 
@@ -189,7 +189,7 @@ async fn the_dry_run_counts_what_the_execute_freezes(pool: PgPool) {
     // The dry run wrote nothing.
     assert!(ledger.redrives(10).await.unwrap().is_empty());
 
-    let (id, executed) = ledger
+    let StartedRedrive { id, plan: executed } = ledger
         .execute_redrive(&filter, 0.1, None, &incident_ops(now()), at(now()))
         .await
         .unwrap();
@@ -201,7 +201,7 @@ async fn the_dry_run_counts_what_the_execute_freezes(pool: PgPool) {
     assert_eq!(status.state, RedriveState::Running);
     assert_eq!(status.incident.as_deref(), Some("INC-42"));
     let items: i64 = sqlx::query_scalar("SELECT count(*) FROM redrive_items WHERE redrive_id = $1")
-        .bind(id)
+        .bind(id.get())
         .fetch_one(ledger.pool())
         .await
         .unwrap();
@@ -248,7 +248,7 @@ async fn feeding_is_paced_and_keeps_ids_keys_and_history(pool: PgPool) {
         }
         keys
     };
-    let (id, _) = ledger
+    let StartedRedrive { id, .. } = ledger
         .execute_redrive(&sms(), 2.0, None, &incident_ops(now()), at(now()))
         .await
         .unwrap();
@@ -321,7 +321,7 @@ async fn a_redrive_pauses_itself_on_429s_and_resumes_without_catching_up(pool: P
     for i in 0..30 {
         dead_letter(&ledger, a.id, &format!("dl-{i}"), t0(), secs(86_400)).await;
     }
-    let (id, _) = ledger
+    let StartedRedrive { id, .. } = ledger
         .execute_redrive(&sms(), 10.0, None, &incident_ops(now()), at(now()))
         .await
         .unwrap();
@@ -409,7 +409,7 @@ async fn a_redrive_pauses_while_new_work_waits_too_long(pool: PgPool) {
         now() - secs(660),
     )
     .await;
-    let (id, _) = ledger
+    let StartedRedrive { id, .. } = ledger
         .execute_redrive(&sms(), 1.0, None, &incident_ops(now()), at(now()))
         .await
         .unwrap();
@@ -437,7 +437,7 @@ async fn a_redrive_pauses_while_new_work_waits_too_long(pool: PgPool) {
             .is_empty()
     );
     sqlx::query("UPDATE redrives SET pause_reason = 'new_work_waiting: again' WHERE id = $1")
-        .bind(id)
+        .bind(id.get())
         .execute(ledger.pool())
         .await
         .unwrap();
@@ -469,14 +469,14 @@ async fn a_redrive_pauses_while_new_work_waits_too_long(pool: PgPool) {
     let audit = ledger.recent_audit(1).await.unwrap();
     assert_eq!(audit[0].action, "redrive_auto_resume");
     // A redrive paused for 429s is not resumed by itself.
-    let (throttled, _) = ledger
+    let StartedRedrive { id: throttled, .. } = ledger
         .execute_redrive(&sms(), 1.0, None, &incident_ops(now()), at(now() + secs(5)))
         .await
         .unwrap();
     sqlx::query(
         "UPDATE redrives SET state = 'paused', pause_reason = 'throttled: test' WHERE id = $1",
     )
-    .bind(throttled)
+    .bind(throttled.get())
     .execute(ledger.pool())
     .await
     .unwrap();
@@ -500,7 +500,7 @@ async fn a_canary_holds_the_rest_until_it_settles_and_stops_it_on_a_5xx(pool: Pg
         limit: Some(3),
         ..sms()
     };
-    let (first, _) = ledger
+    let StartedRedrive { id: first, .. } = ledger
         .execute_redrive(&filter, 100.0, Some(2), &incident_ops(now()), at(now()))
         .await
         .unwrap();
@@ -512,7 +512,7 @@ async fn a_canary_holds_the_rest_until_it_settles_and_stops_it_on_a_5xx(pool: Pg
     assert_eq!(
         (ticks[0].fed, ticks[0].paused.as_deref()),
         (0, None),
-        "held"
+        "the rest waits for the canary"
     );
     // Both canaries delivered: the rest goes.
     for d in ledger.claim_due(Channel::Sms, 100, at(t2)).await.unwrap() {
@@ -538,7 +538,7 @@ async fn a_canary_holds_the_rest_until_it_settles_and_stops_it_on_a_5xx(pool: Pg
     }
 
     // A second redrive whose canary is answered 503: paused, nothing more sent.
-    let (second, _) = ledger
+    let StartedRedrive { id: second, .. } = ledger
         .execute_redrive(&sms(), 100.0, Some(1), &incident_ops(t3), at(t3))
         .await
         .unwrap();
@@ -619,13 +619,13 @@ async fn the_turn_rule_in_sql_is_the_drain_models(pool: PgPool) {
         );
     }
 
-    let (id, _) = ledger
+    let StartedRedrive { id, .. } = ledger
         .execute_redrive(&sms(), 0.5, None, &incident_ops(now()), at(now()))
         .await
         .unwrap();
     let mut selected: Vec<uuid::Uuid> =
         sqlx::query_scalar("SELECT delivery_id FROM redrive_items WHERE redrive_id = $1")
-            .bind(id)
+            .bind(id.get())
             .fetch_all(ledger.pool())
             .await
             .unwrap();
@@ -692,7 +692,7 @@ async fn the_attempt_limit_dead_letters_with_the_deadline_kept_and_a_redrive_get
     assert_eq!(dead.expires_at, t0() + secs(86_400), "the deadline is kept");
 
     // Redriven: the same deadline, a fourth attempt, and a fresh budget of three.
-    let (redrive, _) = ledger
+    let StartedRedrive { id: redrive, .. } = ledger
         .execute_redrive(&sms(), 10.0, None, &incident_ops(clock), at(clock))
         .await
         .unwrap();
@@ -751,7 +751,7 @@ async fn a_canary_that_is_dead_lettered_again_stops_the_redrive(pool: PgPool) {
     for i in 0..3 {
         dead_letter(&ledger, a.id, &format!("dl-{i}"), t0(), secs(86_400)).await;
     }
-    let (id, _) = ledger
+    let StartedRedrive { id, .. } = ledger
         .execute_redrive(&sms(), 100.0, Some(1), &incident_ops(now()), at(now()))
         .await
         .unwrap();

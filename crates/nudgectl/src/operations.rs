@@ -14,14 +14,15 @@ pub const DRAIN_HELP: &str = "\
 Drain a channel: finish the work already owed, schedule nothing new.
 
 While a channel drains, reminders keep being recorded (intake and bulk loads answer as usual) \
-but no delivery is created for the channel: the producer's windows and the intake hold them. \
-Its redrive lane is closed (a running redrive waits). Workers go on sending what is already \
-owed, at the rate their buckets admit, and every attempt made meanwhile carries the drain's \
---incident. `nudgectl status` shows the drain, what remains and the (B + N) / R estimate.
+but no delivery is created for the channel: the producer's windows and the intake withhold \
+them. Its redrive lane is closed (a running redrive waits). Workers go on sending what is \
+already owed, at the rate their buckets admit, and every attempt made meanwhile carries the \
+drain's --incident. `nudgectl status` shows the drain, what remains and the (B + N) / R \
+estimate.
 
-`drain off` ends the drain, then creates the held deliveries whose time has come or whose window \
-already ran (later ones follow with their windows); if that second step fails, running `drain \
-off` again finishes it. Both are audited.";
+`drain off` ends the drain, then creates the withheld deliveries whose time has come or whose \
+window already ran (later ones follow with their windows); if that second step fails, running \
+`drain off` again finishes it. Both are audited.";
 
 #[derive(Debug, Subcommand)]
 pub enum DrainCommand {
@@ -37,7 +38,7 @@ pub enum DrainCommand {
         #[arg(long, value_name = "ID")]
         incident: Option<String>,
     },
-    /// End a drain: the held work is scheduled now.
+    /// End a drain: the withheld work is scheduled now.
     Off {
         /// push, email or sms.
         #[arg(long)]
@@ -142,12 +143,12 @@ pub async fn drain(
         (true, false) => writeln!(out, "{channel}: already draining; nothing changed")?,
         (false, true) => writeln!(
             out,
-            "{channel}: drain ended; {} held deliveries scheduled now",
+            "{channel}: drain ended; {} withheld deliveries scheduled now",
             change.released
         )?,
         (false, false) => writeln!(
             out,
-            "{channel}: not draining; {} held deliveries scheduled now",
+            "{channel}: not draining; {} withheld deliveries scheduled now",
             change.released
         )?,
     }
@@ -419,8 +420,8 @@ pub async fn await_producers(
         }
         let behind: Vec<&str> = acks
             .iter()
-            .filter(|(_, pass)| *pass < changed_at)
-            .map(|(instance, _)| instance.as_str())
+            .filter(|ack| ack.pass_started_at < changed_at)
+            .map(|ack| ack.instance.as_str())
             .collect();
         if behind.is_empty() {
             writeln!(

@@ -8,8 +8,10 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use chrono::Utc;
 use clap::{Args, Subcommand};
-use nudge_domain::Channel;
-use nudge_ledger::{Ledger, LedgerTime, RedriveFilter, RedrivePlan, RedriveState, RedriveStatus};
+use nudge_domain::{Channel, RedriveId};
+use nudge_ledger::{
+    Ledger, LedgerTime, RedriveFilter, RedrivePlan, RedriveState, RedriveStatus, StartedRedrive,
+};
 
 use crate::{find_tenant, operator, require_reason};
 
@@ -95,7 +97,7 @@ pub enum RedriveCommand {
     /// deliveries became, why it paused.
     Status {
         /// The redrive's id; without it, the most recent redrives.
-        id: Option<i64>,
+        id: Option<RedriveId>,
         /// Show progress until it finishes, is cancelled or pauses.
         #[arg(long, requires = "id")]
         follow: bool,
@@ -105,7 +107,7 @@ pub enum RedriveCommand {
     },
     /// Pause a running redrive by hand (what it already fed carries on).
     Pause {
-        id: i64,
+        id: RedriveId,
         /// Why: recorded in the audit log.
         #[arg(long)]
         reason: String,
@@ -115,7 +117,7 @@ pub enum RedriveCommand {
     },
     /// Resume a paused redrive at its rate (no catching up for the time paused).
     Resume {
-        id: i64,
+        id: RedriveId,
         /// Why: recorded in the audit log.
         #[arg(long)]
         reason: String,
@@ -125,7 +127,7 @@ pub enum RedriveCommand {
     },
     /// Stop feeding: items not yet fed stay dead-lettered (redrivable later).
     Cancel {
-        id: i64,
+        id: RedriveId,
         /// Why: recorded in the audit log.
         #[arg(long)]
         reason: String,
@@ -198,7 +200,7 @@ pub async fn plan_or_execute(
         max_age: args.max_age,
         limit: args.limit,
     };
-    let (id, plan) = ledger
+    let StartedRedrive { id, plan } = ledger
         .execute_redrive(
             &filter,
             rate.per_second,
@@ -448,7 +450,7 @@ enum Change {
 async fn change(
     ledger: &Ledger,
     actor: &str,
-    id: i64,
+    id: RedriveId,
     reason: &str,
     incident: Option<String>,
     change: Change,
@@ -542,7 +544,7 @@ const FOLLOW_EVERY: Duration = Duration::from_secs(2);
 
 /// Prints a progress line every two seconds until the redrive is finished or cancelled with
 /// nothing it fed still in flight, or pauses (then says why).
-async fn follow(ledger: &Ledger, id: i64, out: &mut impl Write) -> anyhow::Result<()> {
+async fn follow(ledger: &Ledger, id: RedriveId, out: &mut impl Write) -> anyhow::Result<()> {
     loop {
         let s = ledger
             .redrive_status(id)

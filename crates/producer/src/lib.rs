@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
-use chrono::{DateTime, TimeZone, Utc};
+use chrono::{DateTime, NaiveDate, NaiveTime, Utc};
 use nudge_broker::{Broker, OutgoingMessage, Publisher};
 use nudge_domain::{Channel, TenantId};
 use nudge_ledger::{DueDelivery, Ledger, LedgerTime, Schedule, WindowOutcome};
@@ -45,13 +45,15 @@ pub use metrics::ProducerMetrics;
 
 /// Where a tenant's first window starts: early enough that a reminder created before the
 /// producer ever ran is still covered.
-pub const FIRST_WINDOW_START: (i32, u32, u32) = (2000, 1, 1);
+/// Midnight UTC of that day.
+pub const FIRST_WINDOW_START: NaiveDate = match NaiveDate::from_ymd_opt(2000, 1, 1) {
+    Some(date) => date,
+    // Evaluated while compiling: a date that does not exist fails the build, never a run.
+    None => panic!("the first window's start is a calendar date"),
+};
 
 fn first_window_start() -> DateTime<Utc> {
-    let (y, m, d) = FIRST_WINDOW_START;
-    Utc.with_ymd_and_hms(y, m, d, 0, 0, 0)
-        .single()
-        .unwrap_or(DateTime::<Utc>::MIN_UTC)
+    FIRST_WINDOW_START.and_time(NaiveTime::MIN).and_utc()
 }
 
 #[derive(Debug, clap::Parser)]
@@ -140,7 +142,7 @@ async fn finish_pass(pass: Pass, ledger: Ledger, instance: String, metrics: Arc<
                 tenant_id = %schedule.tenant_id, deliveries_created,
                 "window materialised"),
             Ok(WindowOutcome::Paused) => {
-                debug!(tenant_id = %schedule.tenant_id, "tenant paused: window held")
+                debug!(tenant_id = %schedule.tenant_id, "tenant paused: window withheld")
             }
             Ok(WindowOutcome::AlreadyRun) => {}
             Err(bad) => warn!(error.cause_chain = %error_chain(&bad), "schedule skipped"),

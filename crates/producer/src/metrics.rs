@@ -26,7 +26,7 @@ struct WindowLabels {
 /// - `nudge_relay_unpublished_total{channel}`: publishes not confirmed (failed or timed out),
 ///   handed back to the ledger for the next pass.
 /// - `nudge_windows_total{outcome}`: schedule windows run, `materialised`, `empty`, `paused`
-///   (tenant paused: held) or `bad_schedule`.
+///   (tenant paused: withheld) or `bad_schedule`.
 /// - `nudge_window_deliveries_total`: deliveries the windows created.
 #[derive(Debug)]
 pub struct ProducerMetrics {

@@ -332,7 +332,10 @@ async fn a_drain_finishes_due_work_while_nothing_new_is_scheduled_then_rollback_
         ])
         .unwrap();
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("10 held deliveries scheduled now"), "{out}");
+    assert!(
+        out.contains("10 withheld deliveries scheduled now"),
+        "{out}"
+    );
     wait_count(
         &mut env,
         "the held ten to be delivered",

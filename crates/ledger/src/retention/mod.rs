@@ -119,8 +119,10 @@ pub enum KeepReason {
     InUse,
     /// Goes with (or stays with) the delivery it belongs to.
     WithDelivery,
-    /// A reminder of a paused tenant or draining channel: it may still be materialised.
-    HeldByOperator,
+    /// A reminder withheld by an operator (its tenant paused or its channel draining): it may
+    /// still be materialised. Named `held_by_operator` in the ledger and the CLI's output.
+    #[serde(rename = "held_by_operator")]
+    WithheldByOperator,
 }
 
 impl KeepReason {
@@ -134,7 +136,7 @@ impl KeepReason {
             "has_delivery" => KeepReason::HasDelivery,
             "in_use" => KeepReason::InUse,
             "with_delivery" => KeepReason::WithDelivery,
-            "held_by_operator" => KeepReason::HeldByOperator,
+            "held_by_operator" => KeepReason::WithheldByOperator,
             other => return Err(LedgerError::corrupt("retention", format!("reason {other}"))),
         })
     }
@@ -149,7 +151,7 @@ impl KeepReason {
             KeepReason::HasDelivery => "has_delivery",
             KeepReason::InUse => "in_use",
             KeepReason::WithDelivery => "with_delivery",
-            KeepReason::HeldByOperator => "held_by_operator",
+            KeepReason::WithheldByOperator => "held_by_operator",
         }
     }
 }
@@ -379,5 +381,23 @@ impl Ledger {
         let plan = plan_on(&mut tx, policy, now).await?;
         tx.commit().await?;
         Ok(plan)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_withheld_reminder_keeps_its_public_name_held_by_operator() {
+        let reason = KeepReason::WithheldByOperator;
+        assert_eq!(reason.as_str(), "held_by_operator");
+        assert_eq!(KeepReason::parse("held_by_operator").unwrap(), reason);
+        assert_eq!(
+            serde_json::to_string(&reason).unwrap(),
+            "\"held_by_operator\""
+        );
     }
 }

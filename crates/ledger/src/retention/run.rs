@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, RetentionPolicy};
+use nudge_domain::{Channel, RedriveId, RetentionPolicy};
 
 use super::{RetentionPlan, RetentionTable, plan_on, seconds};
 use crate::deliveries::LedgerTime;
@@ -20,7 +20,7 @@ pub enum Blocker {
         channel: Channel,
     },
     Redrive {
-        id: i64,
+        id: RedriveId,
         channel: Channel,
     },
     /// Owed deliveries of the channel under an owner other than the channel's.
@@ -224,7 +224,7 @@ impl Ledger {
         .await?;
         for (id, channel) in redrives {
             blockers.push(Blocker::Redrive {
-                id,
+                id: RedriveId::try_from(id).map_err(|e| LedgerError::corrupt("redrives", e))?,
                 channel: channel
                     .parse()
                     .map_err(|e| LedgerError::corrupt("redrives", e))?,
