@@ -127,7 +127,7 @@ async fn ambiguous(ledger: &Ledger, account: &str, channel: Channel) -> LeasedDe
     let cipher = cipher();
     let batch = LeaseBatch {
         channel,
-        owner: "worker",
+        lease_holder: "worker",
         lease_for: Duration::from_secs(60),
         routes: &routes,
         admission: &admission,
@@ -135,7 +135,7 @@ async fn ambiguous(ledger: &Ledger, account: &str, channel: Channel) -> LeasedDe
         at: LedgerTime::Database,
     };
     let lease = match ledger
-        .lease_batch(&batch, &[(due.id, due.generation)])
+        .lease_batch(&batch, &[due.message_pointer()])
         .await
         .unwrap()
         .outcomes

@@ -45,7 +45,7 @@ use nudge_config::{
     Validate,
 };
 use nudge_domain::{Channel, RandJitter, RetryPolicy};
-use nudge_ledger::{AutoPause, DeadLetter, Ledger, LedgerTime};
+use nudge_ledger::{AutoPause, DeadLetter, Ledger, LedgerTime, MessagePointer};
 use nudge_proto::Envelope;
 use nudge_telemetry::error_chain;
 use serde::{Deserialize, Serialize};
@@ -517,7 +517,13 @@ async fn record_one(
 ) {
     let payload = incoming.payload().to_vec();
     let (decode_error, delivery) = match Envelope::decode(&payload) {
-        Ok(envelope) => (None, Some((envelope.delivery_id, envelope.generation))),
+        Ok(envelope) => (
+            None,
+            Some(MessagePointer {
+                delivery_id: envelope.delivery_id,
+                generation: envelope.generation,
+            }),
+        ),
         Err(e) => (Some(e.reason_code().to_owned()), None),
     };
     let letter = DeadLetter {
@@ -559,7 +565,7 @@ async fn record_one(
     metrics.dead_letter(channel, &letter.death_reason);
     warn!(%channel, death_reason = %letter.death_reason,
           decode_error = letter.decode_error.as_deref(),
-          delivery_id = letter.delivery.map(|(id, _)| id.to_string()),
+          delivery_id = letter.delivery.map(|m| m.delivery_id.to_string()),
           ?action, "dead letter recorded");
     if let Err(e) = incoming.ack().await {
         warn!(error.cause_chain = %error_chain(&e), "failed to ack a recorded dead letter; it will be recorded again");

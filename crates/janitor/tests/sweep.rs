@@ -109,7 +109,7 @@ async fn a_sweep_expires_owed_work_returns_unsent_leases_and_decides_sent_ones(p
     let cipher = cipher();
     let batch = LeaseBatch {
         channel: Channel::Sms,
-        owner: "worker-that-died",
+        lease_holder: "worker-that-died",
         lease_for: Duration::from_secs(60),
         routes: &routes,
         admission: &settings,
@@ -119,10 +119,7 @@ async fn a_sweep_expires_owed_work_returns_unsent_leases_and_decides_sent_ones(p
     let result = ledger
         .lease_batch(
             &batch,
-            &[
-                (due[0].id, due[0].generation),
-                (due[1].id, due[1].generation),
-            ],
+            &[due[0].message_pointer(), due[1].message_pointer()],
         )
         .await
         .unwrap();

@@ -1,7 +1,7 @@
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, DeliveryId};
+use nudge_domain::Channel;
 
-use crate::{Ledger, LedgerError};
+use crate::{Ledger, LedgerError, MessagePointer};
 
 /// Kept of a dead-lettered message's bytes (it carries ids only, never PHI).
 const PAYLOAD_KEEP: usize = 4096;
@@ -16,7 +16,7 @@ pub struct DeadLetter {
     /// Why the envelope could not be used, when it did not decode.
     pub decode_error: Option<String>,
     /// The delivery it points at, when it decoded.
-    pub delivery: Option<(DeliveryId, u64)>,
+    pub delivery: Option<MessagePointer>,
     pub delivery_count: u64,
     pub payload: Vec<u8>,
 }
@@ -51,7 +51,11 @@ impl Ledger {
     ) -> Result<DeadLetterAction, LedgerError> {
         let mut tx = self.pool.begin().await?;
         let mut action = DeadLetterAction::Recorded;
-        if let Some((id, generation)) = letter.delivery {
+        if let Some(MessagePointer {
+            delivery_id,
+            generation,
+        }) = letter.delivery
+        {
             let reason = format!("poison_message: {}", letter.death_reason);
             let done = sqlx::query(
                 "UPDATE deliveries
@@ -59,7 +63,7 @@ impl Ledger {
                      last_error_class = 'poison', last_error_reason = $4
                  WHERE id = $1 AND generation = $2 AND state = 'queued'",
             )
-            .bind(id.as_uuid())
+            .bind(delivery_id.as_uuid())
             .bind(i64::try_from(generation).unwrap_or(i64::MAX))
             .bind(now)
             .bind(&reason)
@@ -79,11 +83,11 @@ impl Ledger {
         .bind(letter.channel.map(|c| c.as_str()))
         .bind(&letter.death_reason)
         .bind(letter.decode_error.as_deref())
-        .bind(letter.delivery.map(|(id, _)| id.as_uuid()))
+        .bind(letter.delivery.map(|m| m.delivery_id.as_uuid()))
         .bind(
             letter
                 .delivery
-                .map(|(_, g)| i64::try_from(g).unwrap_or(i64::MAX)),
+                .map(|m| i64::try_from(m.generation).unwrap_or(i64::MAX)),
         )
         .bind(i64::try_from(letter.delivery_count).unwrap_or(i64::MAX))
         .bind(kept)

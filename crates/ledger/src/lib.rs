@@ -48,8 +48,8 @@ pub use crypto::{Destination, DestinationCipher, DestinationDigest, SealedWith, 
 pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{
     Attempt, AttemptRecord, DeliveryRecord, DueDelivery, FenceRefused, LeaseBatch, LeaseOutcome,
-    LeaseResult, LeasedDelivery, LedgerTime, Material, OutcomeToRecord, Reaped, Recorded, SendSlot,
-    Slotted, WorkerRoutes,
+    LeaseResult, LeasedDelivery, LedgerTime, Material, MessagePointer, OutcomeToRecord, Reaped,
+    Recorded, SendSlot, Slotted, WorkerRoutes,
 };
 pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
 pub use error::LedgerError;

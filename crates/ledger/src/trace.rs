@@ -134,7 +134,9 @@ pub struct ReminderSummary {
 /// A worker's hold on a delivery (state `sending`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct LeaseHeld {
-    pub owner: String,
+    /// The worker holding the lease; `owner` in the JSON of `nudgectl trace`, as it always was.
+    #[serde(rename = "owner")]
+    pub lease_holder: String,
     pub expires_at: DateTime<Utc>,
     /// Stamped by the send fence: the request may have left.
     pub send_started_at: Option<DateTime<Utc>>,
@@ -541,8 +543,8 @@ impl Ledger {
             now,
         );
         let lease = match (row.lease_owner, row.lease_expires_at) {
-            (Some(owner), Some(expires_at)) => Some(LeaseHeld {
-                owner,
+            (Some(lease_holder), Some(expires_at)) => Some(LeaseHeld {
+                lease_holder,
                 expires_at,
                 send_started_at: row.send_started_at,
             }),

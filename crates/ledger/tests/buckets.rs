@@ -43,18 +43,26 @@ async fn due(ledger: &Ledger, n: usize) -> Vec<DueDelivery> {
         .unwrap()
 }
 
-/// Leases `messages` in one batch at `now`, as `owner`, waiting at most `settings.max_wait`.
+/// Leases `messages` in one batch at `now`, as `lease_holder`, waiting at most
+/// `settings.max_wait`.
 async fn lease_batch(
     ledger: &Ledger,
     messages: &[DueDelivery],
-    owner: &str,
+    lease_holder: &str,
     settings: &AdmissionSettings,
     now: DateTime<Utc>,
 ) -> Vec<LeaseOutcome> {
     let routes = routes(IdempotencySupport::Honoured);
     let cipher = cipher();
-    let batch = batch_of(Channel::Sms, owner, &routes, settings, &cipher, at(now));
-    let messages: Vec<_> = messages.iter().map(|d| (d.id, d.generation)).collect();
+    let batch = batch_of(
+        Channel::Sms,
+        lease_holder,
+        &routes,
+        settings,
+        &cipher,
+        at(now),
+    );
+    let messages: Vec<_> = messages.iter().map(DueDelivery::message_pointer).collect();
     ledger
         .lease_batch(&batch, &messages)
         .await
@@ -141,8 +149,10 @@ async fn replicas_leasing_at_once_share_one_bucket_exactly(pool: PgPool) {
             let mine = mine.to_vec();
             tokio::spawn(async move {
                 for batch in mine.chunks(5) {
-                    let owner = format!("replica-{replica}");
-                    for outcome in lease_batch(&ledger, batch, &owner, &wait(10_000), t0()).await {
+                    let lease_holder = format!("replica-{replica}");
+                    for outcome in
+                        lease_batch(&ledger, batch, &lease_holder, &wait(10_000), t0()).await
+                    {
                         match outcome {
                             LeaseOutcome::Leased {
                                 slot: SendSlot::Now,
@@ -578,7 +588,7 @@ async fn a_bucket_row_held_by_a_stalled_peer_stops_a_lease_at_the_lock_timeout(p
     );
     let started = std::time::Instant::now();
     let result = worker
-        .lease_batch(&batch, &[(due[0].id, due[0].generation)])
+        .lease_batch(&batch, &[due[0].message_pointer()])
         .await;
     let waited = started.elapsed();
 
@@ -595,7 +605,7 @@ async fn a_bucket_row_held_by_a_stalled_peer_stops_a_lease_at_the_lock_timeout(p
     );
     stalled.rollback().await.unwrap();
     let result = worker
-        .lease_batch(&batch, &[(due[0].id, due[0].generation)])
+        .lease_batch(&batch, &[due[0].message_pointer()])
         .await
         .unwrap();
     assert!(matches!(result.outcomes[0], LeaseOutcome::Leased { .. }));

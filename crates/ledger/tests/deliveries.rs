@@ -363,7 +363,7 @@ async fn a_delivered_outcome_settles_the_delivery_and_appends_one_attempt(pool: 
     let record = ledger.delivery(due.id).await.unwrap().unwrap();
     assert_eq!(record.state, DeliveryState::Delivered);
     assert_eq!(record.provider_message_id.as_deref(), Some("prov-123"));
-    assert_eq!(record.lease_owner, None);
+    assert_eq!(record.lease_holder, None);
     assert_eq!(
         record.settled_at,
         Some(t0() + secs(1)),
@@ -559,10 +559,7 @@ async fn a_delivery_twice_in_one_batch_is_leased_once(pool: PgPool) {
     );
 
     let result = ledger
-        .lease_batch(
-            &batch,
-            &[(due.id, due.generation), (due.id, due.generation)],
-        )
+        .lease_batch(&batch, &[due.message_pointer(), due.message_pointer()])
         .await
         .unwrap();
 
@@ -667,7 +664,7 @@ async fn one_batch_lease_explains_every_message_it_did_not_lease(pool: PgPool) {
         &cipher,
         at(t0()),
     );
-    let messages: Vec<_> = due.iter().map(|d| (d.id, d.generation)).collect();
+    let messages: Vec<_> = due.iter().map(DueDelivery::message_pointer).collect();
     let result = ledger.lease_batch(&batch, &messages).await.unwrap();
 
     // The tenant is routed to an account this worker lacks: nothing owed is leased.
@@ -779,10 +776,7 @@ async fn a_batch_holding_an_old_copy_before_the_republished_one_leases_the_newes
 
     // The broker delivered the stale copy first, then the republished one.
     let result = ledger
-        .lease_batch(
-            &batch,
-            &[(first.id, first.generation), (second.id, second.generation)],
-        )
+        .lease_batch(&batch, &[first.message_pointer(), second.message_pointer()])
         .await
         .unwrap();
 
@@ -847,6 +841,7 @@ async fn a_delivery_that_expires_while_the_lease_waits_for_its_bucket_is_not_fen
         .unwrap();
     let leasing = {
         let ledger = ledger.clone();
+        let message = due.message_pointer();
         tokio::spawn(async move {
             let settings = settings();
             let cipher = cipher();
@@ -860,7 +855,7 @@ async fn a_delivery_that_expires_while_the_lease_waits_for_its_bucket_is_not_fen
                 LedgerTime::Database,
             );
             ledger
-                .lease_batch(&batch, &[(due.id, due.generation)])
+                .lease_batch(&batch, &[message])
                 .await
                 .unwrap()
                 .outcomes

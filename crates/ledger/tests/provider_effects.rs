@@ -154,7 +154,7 @@ async fn an_answer_whose_lease_was_lost_flags_nothing(pool: PgPool) {
     contact(&ledger, tenant.id, "+15550100").await;
     owed(&ledger, tenant.id, "first", &[Channel::Sms], t0()).await;
     let (mut first, _) = leased_now(&ledger, t0()).await;
-    first.lease_owner = "someone-else".into();
+    first.lease_holder = "someone-else".into();
     assert_eq!(
         answer(&ledger, &first, Verdict::ContactOptedOut, 400).await,
         Recorded::LeaseLost

@@ -6,7 +6,9 @@ mod common;
 
 use common::*;
 use nudge_domain::{Channel, DeliveryState, FixedJitter, IdempotencySupport, RetryPolicy};
-use nudge_ledger::{DeadLetter, DeadLetterAction, LeaseOutcome, Ledger, Reaped, SendSlot};
+use nudge_ledger::{
+    DeadLetter, DeadLetterAction, LeaseOutcome, Ledger, MessagePointer, Reaped, SendSlot,
+};
 use sqlx::PgPool;
 
 /// A delivery leased by a worker that then vanished, through an account with `idem`
@@ -87,7 +89,7 @@ async fn an_expired_lease_is_retried_only_when_the_account_honours_idempotency_k
     );
     let record = ledger.delivery(unsafe_).await.unwrap().unwrap();
     assert!(record.settled_at.is_some());
-    assert_eq!(record.lease_owner, None);
+    assert_eq!(record.lease_holder, None);
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
@@ -124,7 +126,7 @@ async fn a_lease_whose_send_never_started_is_given_back_unsent_not_held_ambiguou
         &cipher,
         at(t0()),
     );
-    let messages: Vec<_> = due.iter().map(|d| (d.id, d.generation)).collect();
+    let messages: Vec<_> = due.iter().map(|d| d.message_pointer()).collect();
     let result = ledger.lease_batch(&batch, &messages).await.unwrap();
     let (mut sent, mut waiting) = (None, None);
     for (d, outcome) in due.iter().zip(&result.outcomes) {
@@ -176,7 +178,10 @@ async fn a_poison_message_for_owed_work_dead_letters_that_delivery(pool: PgPool)
         channel: Some(Channel::Sms),
         death_reason: "delivery_limit".into(),
         decode_error: None,
-        delivery: Some((due.id, generation)),
+        delivery: Some(MessagePointer {
+            delivery_id: due.id,
+            generation,
+        }),
         delivery_count: 3,
         payload: vec![1, 2, 3],
     };

@@ -571,7 +571,7 @@ async fn a_destination_is_stored_only_encrypted_and_opens_for_the_leased_deliver
             }
             let batch = batch_of(due.channel, "w", &routes, &settings, &key, at(t0()));
             let outcome = ledger
-                .lease_batch(&batch, &[(due.id, due.generation)])
+                .lease_batch(&batch, &[due.message_pointer()])
                 .await
                 .unwrap()
                 .outcomes

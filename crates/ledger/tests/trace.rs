@@ -476,7 +476,7 @@ async fn the_dead_letter_listing_counts_by_reason_and_age_band_with_samples_and_
         payload: vec![1, 2, 3],
     };
     ledger
-        .record_dead_letter(&letter(Some((poison.id, poison.generation)), None), op)
+        .record_dead_letter(&letter(Some(poison.message_pointer()), None), op)
         .await
         .unwrap();
     ledger

@@ -166,7 +166,7 @@ fn write_delivery(d: &DeliveryTrace, out: &mut impl Write) -> std::io::Result<()
         None => "none".to_owned(),
         Some(l) => format!(
             "held by {} until {}; send {}",
-            l.owner,
+            l.lease_holder,
             ts(l.expires_at),
             l.send_started_at.map_or_else(
                 || "not started".to_owned(),

@@ -53,7 +53,7 @@ async fn send_once(ledger: &Ledger, at: DateTime<Utc>, outcome: SendOutcome) -> 
     let cipher = cipher();
     let batch = LeaseBatch {
         channel: Channel::Sms,
-        owner: "worker-1",
+        lease_holder: "worker-1",
         lease_for: Duration::from_secs(60),
         routes: &routes,
         admission: &admission,
@@ -61,7 +61,7 @@ async fn send_once(ledger: &Ledger, at: DateTime<Utc>, outcome: SendOutcome) -> 
         at: LedgerTime::Fixed(at),
     };
     let LeaseOutcome::Leased { lease, .. } = ledger
-        .lease_batch(&batch, &[(due.id, due.generation)])
+        .lease_batch(&batch, &[due.message_pointer()])
         .await
         .unwrap()
         .outcomes

@@ -27,6 +27,7 @@ use anyhow::Context;
 use nudge_broker::{Broker, Incoming, QueueKind};
 use nudge_domain::{Channel, ProviderAccount};
 use nudge_ledger::{DestinationCipher, Ledger};
+use nudge_telemetry::error_chain;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -245,8 +246,8 @@ pub async fn run(
         )
         .await;
     drop(tx);
-    if batcher.await.is_err() {
-        warn!("the batching task failed");
+    if let Err(e) = batcher.await {
+        warn!(error.cause_chain = %error_chain(&e), "the batching task failed");
     }
     tracker.close();
     if tokio::time::timeout(settings.grace, tracker.wait())
@@ -269,6 +270,6 @@ async fn settle(incoming: Incoming, processed: &Processed) {
     if let Err(e) = settled {
         // The ledger holds the truth; a message we could not settle is redelivered and
         // dropped as stale, or republished if it was lost.
-        warn!(error.cause_chain = ?e, ?processed, "failed to settle a message");
+        warn!(error.cause_chain = %error_chain(&e), ?processed, "failed to settle a message");
     }
 }

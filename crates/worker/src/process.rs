@@ -1,24 +1,43 @@
-//! A batch of messages, start to finish: decode, lease (with routing, material and send slots,
-//! in one transaction), wait for a slot and fence, send, decide, record. The loop in `lib.rs`
-//! owns consuming, batching, concurrency and shutdown; [`Worker::process_batch`] is what tests
-//! call, through the same two steps the loop runs: [`Worker::lease_step`] for the batch, then
-//! [`Worker::send_step`] for each delivery it leased.
+//! A batch of messages, start to finish. The loop in `lib.rs` owns consuming, batching,
+//! concurrency and shutdown; [`Worker::process_batch`] is what tests call, through the same
+//! two steps the loop runs: [`Worker::lease_step`] for the batch, then [`Worker::finish_step`]
+//! for each message.
+//!
+//! The lease step decodes the envelopes (poison is dead-lettered) and leases the batch in one
+//! transaction that also returns routing and send material and takes the send slots; a message
+//! it does not lease ends there (stale, expired, cancelled, no slot in time). A leased
+//! delivery then meets the send phases, in this order, each a method that hands it on or ends
+//! its message:
+//! 1. [`Worker::provider_for`]: the provider of the account the lease was routed to.
+//! 2. [`Worker::open_material`]: the destination and content opened; a flagged contact, no
+//!    destination or unreadable material settles it without a send.
+//! 3. [`Worker::wait_and_fence`]: the wait for a slot reserved ahead, then the fence (the last
+//!    statement before the request: the lease still held, not expired, not cancelled, the
+//!    bucket still open); a slowed bucket reserves again.
+//! 4. [`Worker::call_provider`]: the request, bounded by the send window.
+//! 5. [`Worker::settle`]: decide, tell the bucket, raise an alert, record the outcome.
+//!
+//! A check that stops a send before its slot (quiet hours, consent) stands between the open
+//! material and the fence, and the fence checks it again with the database's clock.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use nudge_domain::{
-    AdmissionSettings, AttemptContext, AttemptFacts, BucketSignal, Channel, Decision, DeliveryId,
+    AdmissionSettings, AttemptContext, AttemptFacts, BucketSignal, Channel, Decision,
     DeliveryState, OutcomeClass, ProviderAccount, RandJitter, RetryPolicy, SendOutcome, decide,
 };
 use nudge_ledger::{
-    AttemptRecord, DestinationCipher, Feedback, FenceRefused, LeaseBatch, LeaseOutcome,
-    LeasedDelivery, Ledger, LedgerTime, Material, Recorded, SendSlot, Slotted, WorkerRoutes,
+    AttemptRecord, Destination, DestinationCipher, Feedback, FenceRefused, LeaseBatch,
+    LeaseOutcome, LeasedDelivery, Ledger, LedgerError, LedgerTime, Material, MessagePointer,
+    Recorded, SendSlot, Slotted, WorkerRoutes,
 };
 use nudge_proto::Envelope;
 use nudge_provider::{BoxSendFuture, DynProvider, SEND_DEADLINE_PASSED, SendRequest, SendWindow};
+use nudge_telemetry::error_chain;
 use tracing::{Instrument, debug, error, info, warn};
 
 use crate::clock::LedgerClock;
@@ -143,7 +162,7 @@ pub enum Step {
 #[derive(Debug)]
 pub struct ToSend {
     lease: LeasedDelivery,
-    material: Result<Material, nudge_ledger::LedgerError>,
+    material: Result<Material, LedgerError>,
     slot: SendSlot,
     /// When the slot was reserved (the database's clock): a 429 for a slot reserved before
     /// the bucket's last decrease does not lower it again.
@@ -152,6 +171,25 @@ pub struct ToSend {
     below_full_rate: bool,
     correlation_id: String,
     span: tracing::Span,
+}
+
+/// What a send phase hands on: `Continue` with what the next phase needs, or `Break` with how
+/// the delivery's message ended in this phase (given back, settled without a send, lost).
+type Phase<T> = ControlFlow<Processed, T>;
+
+/// What the request carries, opened just before it (never logged).
+struct Payload {
+    destination: Destination,
+    /// The reminder's content, when it has one that parses as JSON.
+    content: Option<serde_json::Value>,
+}
+
+/// A provider's answer, with when the request started and the answer came (the database's
+/// clock as this worker knows it).
+struct Answered {
+    outcome: SendOutcome,
+    started_at: DateTime<Utc>,
+    finished_at: DateTime<Utc>,
 }
 
 impl Worker {
@@ -192,7 +230,7 @@ impl Worker {
     fn lease_batch(&self) -> LeaseBatch<'_> {
         LeaseBatch {
             channel: self.channel,
-            owner: &self.worker_id,
+            lease_holder: &self.worker_id,
             lease_for: self.lease_for,
             routes: &self.providers.routes,
             admission: &self.admission,
@@ -218,16 +256,20 @@ impl Worker {
                     steps.push(Some(Step::Done(Processed::Poison("wrong_channel"))));
                 }
                 Err(e) => {
-                    warn!(channel = %self.channel, reason = e.reason_code(), error.cause_chain = ?e,
+                    warn!(channel = %self.channel, reason = e.reason_code(),
+                          error.cause_chain = %error_chain(&e),
                           "poison message: dead-lettering");
                     steps.push(Some(Step::Done(Processed::Poison(e.reason_code()))));
                 }
             }
         }
         if !envelopes.is_empty() {
-            let messages: Vec<(DeliveryId, u64)> = envelopes
+            let messages: Vec<MessagePointer> = envelopes
                 .iter()
-                .map(|(_, e)| (e.delivery_id, e.generation))
+                .map(|(_, e)| MessagePointer {
+                    delivery_id: e.delivery_id,
+                    generation: e.generation,
+                })
                 .collect();
             let sent = self.clock.local();
             let result = self
@@ -265,7 +307,8 @@ impl Worker {
                 Err(e) => {
                     // Nothing was leased (the transaction rolled back): the deliveries stay
                     // `queued` and the relay republishes them.
-                    error!(error.cause_chain = ?e, messages = messages.len(), "failed to lease");
+                    error!(error.cause_chain = %error_chain(&e), messages = messages.len(),
+                           "failed to lease");
                     for (i, _) in envelopes {
                         steps[i] = Some(Step::Done(Processed::Dropped("ledger_unavailable")));
                     }
@@ -370,26 +413,70 @@ impl Worker {
         Step::Done(done)
     }
 
-    /// Waits for the slot and fences (when the slot was not fenced with the lease), sends,
-    /// decides and records one leased delivery.
+    /// Takes one leased delivery through the send phases, in the order the module's `//!`
+    /// lists them. Each phase hands the delivery on or ends its message there.
     async fn send_leased(&self, send: ToSend) -> Processed {
         let ToSend {
             mut lease,
             material,
-            mut slot,
-            mut reserved_at,
+            slot,
+            reserved_at,
             below_full_rate,
             correlation_id,
-            ..
+            span: _,
         } = send;
-        let Some(provider) = self.providers.get(&lease.provider_account) else {
-            // The lease only takes accounts this worker has; a lease that says otherwise
-            // is given back rather than sent through the wrong account.
-            return self
-                .give_back(&lease, None, "unknown_provider_account")
+        let phases = async {
+            let provider = self.provider_for(&lease).await?;
+            let payload = self
+                .open_material(&lease, material, &correlation_id)
+                .await?;
+            // A check that stops a send before its slot is waited for (quiet hours, consent)
+            // stands here: after the material is open, before the fence, which checks it
+            // again with the database's clock.
+            let reserved_at = self.wait_and_fence(&mut lease, slot, reserved_at).await?;
+            let answered = self
+                .call_provider(provider, &lease, payload, &correlation_id)
                 .await;
+            ControlFlow::Continue(
+                self.settle(
+                    lease,
+                    answered,
+                    reserved_at,
+                    below_full_rate,
+                    &correlation_id,
+                )
+                .await,
+            )
         };
-        let (destination, content) = match material {
+        match phases.await {
+            ControlFlow::Continue(end) | ControlFlow::Break(end) => end,
+        }
+    }
+
+    /// The provider of the account the lease was routed to. The lease only takes accounts
+    /// this worker has; a lease that says otherwise is given back rather than sent through
+    /// the wrong account.
+    async fn provider_for(&self, lease: &LeasedDelivery) -> Phase<&dyn DynProvider> {
+        match self.providers.get(&lease.provider_account) {
+            Some(provider) => ControlFlow::Continue(provider),
+            None => ControlFlow::Break(
+                self.give_back(lease, None, "unknown_provider_account")
+                    .await,
+            ),
+        }
+    }
+
+    /// Opens what the request will carry: the destination, and the content (as JSON, when it
+    /// parses). A delivery with nothing to send to is settled here without a send: a contact
+    /// its provider flagged (opted out: cancelled; invalid: dead-lettered), no destination on
+    /// file for the channel, or material that did not open (dead-lettered).
+    async fn open_material(
+        &self,
+        lease: &LeasedDelivery,
+        material: Result<Material, LedgerError>,
+        correlation_id: &str,
+    ) -> Phase<Payload> {
+        match material {
             Ok(Material {
                 contact_flag: Some(flag),
                 ..
@@ -407,45 +494,61 @@ impl Worker {
                     contact_flag = flag.as_str(),
                     "contact flagged by its provider: settled without a send"
                 );
-                return self
-                    .record_unsendable(lease, state, reason, &correlation_id)
-                    .await;
+                ControlFlow::Break(
+                    self.record_unsendable(lease, state, reason, correlation_id)
+                        .await,
+                )
             }
             Ok(Material {
                 destination: Some(destination),
                 content,
                 ..
-            }) => (
+            }) => ControlFlow::Continue(Payload {
                 destination,
-                content.and_then(|c| serde_json::from_slice::<serde_json::Value>(&c).ok()),
-            ),
+                content: content.and_then(|c| serde_json::from_slice::<serde_json::Value>(&c).ok()),
+            }),
             Ok(Material {
                 destination: None, ..
             }) => {
                 warn!("no destination on file for this channel: dead-lettering the delivery");
-                return self
-                    .record_unsendable(
+                ControlFlow::Break(
+                    self.record_unsendable(
                         lease,
                         DeliveryState::DeadLettered,
                         "no_destination",
-                        &correlation_id,
+                        correlation_id,
                     )
-                    .await;
+                    .await,
+                )
             }
             Err(e) => {
-                error!(error.cause_chain = ?e, "the destination or content did not open: dead-lettering the delivery");
-                return self
-                    .record_unsendable(
+                error!(error.cause_chain = %error_chain(&e),
+                       "the destination or content did not open: dead-lettering the delivery");
+                ControlFlow::Break(
+                    self.record_unsendable(
                         lease,
                         DeliveryState::DeadLettered,
                         "material_unreadable",
-                        &correlation_id,
+                        correlation_id,
                     )
-                    .await;
+                    .await,
+                )
             }
-        };
+        }
+    }
 
-        // Wait for a reserved slot, then fence; a slowed bucket reserves again (a few times).
+    /// Waits for the reserved slot, then fences (a slot that had come at the lease was fenced
+    /// with it: nothing to wait for). The fence renews `lease`; a bucket slowed since the
+    /// reservation reserves again (a few times), which renews it too. Returns when the slot the
+    /// send goes out in was reserved (the database's clock), for the bucket's feedback. Ends
+    /// the message when the send may not go: shut down while waiting, the lease lost, the
+    /// delivery expired or cancelled, the bucket closed, no new slot in time.
+    async fn wait_and_fence(
+        &self,
+        lease: &mut LeasedDelivery,
+        mut slot: SendSlot,
+        mut reserved_at: DateTime<Utc>,
+    ) -> Phase<DateTime<Utc>> {
         let mut rounds = 0;
         while let SendSlot::At {
             send_at,
@@ -460,14 +563,14 @@ impl Worker {
                     // Shutting down: nothing was sent, so the lease goes back due now and
                     // another worker takes it, rather than this one sending while it stops.
                     () = self.shutdown.cancelled() => {
-                        return self.give_back(&lease, None, "shutdown").await;
+                        return ControlFlow::Break(self.give_back(lease, None, "shutdown").await);
                     }
                 }
             }
             let fenced = self
                 .ledger
                 .fence(
-                    &lease,
+                    lease,
                     reserved,
                     self.lease_for,
                     self.admission.closed_recheck,
@@ -481,62 +584,89 @@ impl Worker {
                 }
                 Ok(Err(FenceRefused::LeaseLost)) => {
                     warn!("lease lost while waiting for the send slot: not sent");
-                    return Processed::LeaseLost;
+                    return ControlFlow::Break(Processed::LeaseLost);
                 }
                 Ok(Err(FenceRefused::Expired)) => {
                     info!("expired while waiting for its slot: settled as expired, not sent");
-                    return Processed::Expired;
+                    return ControlFlow::Break(Processed::Expired);
                 }
                 Ok(Err(FenceRefused::Cancelled)) => {
                     info!("cancelled while waiting for its slot: settled as cancelled, not sent");
-                    return Processed::Cancelled;
+                    return ControlFlow::Break(Processed::Cancelled);
                 }
                 Ok(Err(FenceRefused::BucketClosedUntil(until))) => {
-                    return self
-                        .give_back(&lease, Some(until), "bucket_closed_while_waiting")
-                        .await;
+                    return ControlFlow::Break(
+                        self.give_back(lease, Some(until), "bucket_closed_while_waiting")
+                            .await,
+                    );
                 }
                 Ok(Err(FenceRefused::Slowed)) if rounds < 3 => {
-                    match self
-                        .ledger
-                        .readmit(&self.lease_batch(), lease.clone())
-                        .await
-                    {
-                        Ok(Slotted::Slot(slot, renewed)) => {
-                            lease = renewed;
-                            reserved_at = self.clock.now();
-                            slot
-                        }
-                        Ok(Slotted::Released { until, reason }) => {
-                            let reason = deferral_label(reason);
-                            self.metrics
-                                .deferral(&lease.provider_account, self.channel, reason);
-                            debug!(%until, reason, "no send slot in time after a slow-down: released");
-                            return Processed::Released(reason);
-                        }
-                        Ok(Slotted::Unfenced) => {
-                            return self.give_back(&lease, None, "fence_refused").await;
-                        }
-                        Err(e) => {
-                            error!(error.cause_chain = ?e, "failed to reserve a new send slot");
-                            return self.give_back(&lease, None, "ledger_unavailable").await;
-                        }
-                    }
+                    let slot = self.reserve_again(lease).await?;
+                    reserved_at = self.clock.now();
+                    slot
                 }
                 Ok(Err(FenceRefused::Slowed)) => {
-                    return self.give_back(&lease, None, "bucket_slowed").await;
+                    return ControlFlow::Break(self.give_back(lease, None, "bucket_slowed").await);
                 }
                 Err(e) => {
                     // No fence, no send: the lease goes back unsent (or, if the ledger is
                     // unreachable for that too, the reaper sees it was never sent).
-                    error!(error.cause_chain = ?e, "failed to fence the send");
-                    return self.give_back(&lease, None, "ledger_unavailable").await;
+                    error!(error.cause_chain = %error_chain(&e), "failed to fence the send");
+                    return ControlFlow::Break(
+                        self.give_back(lease, None, "ledger_unavailable").await,
+                    );
                 }
             };
         }
+        ControlFlow::Continue(reserved_at)
+    }
 
-        // The provider call, an HTTP client span (OpenTelemetry conventions) whose context
-        // goes to the provider as `traceparent`.
+    /// A new slot for a lease whose bucket slowed while it waited (part of
+    /// [`Worker::wait_and_fence`]): fenced at once when it has come (which renews `lease`), or
+    /// ahead to wait for; the lease is given back when there is none in time.
+    async fn reserve_again(&self, lease: &mut LeasedDelivery) -> Phase<SendSlot> {
+        match self
+            .ledger
+            .readmit(&self.lease_batch(), lease.clone())
+            .await
+        {
+            Ok(Slotted::Slot(slot, renewed)) => {
+                *lease = renewed;
+                ControlFlow::Continue(slot)
+            }
+            Ok(Slotted::Released { until, reason }) => {
+                let reason = deferral_label(reason);
+                self.metrics
+                    .deferral(&lease.provider_account, self.channel, reason);
+                debug!(%until, reason, "no send slot in time after a slow-down: released");
+                ControlFlow::Break(Processed::Released(reason))
+            }
+            Ok(Slotted::Unfenced) => {
+                ControlFlow::Break(self.give_back(lease, None, "fence_refused").await)
+            }
+            Err(e) => {
+                error!(error.cause_chain = %error_chain(&e), "failed to reserve a new send slot");
+                ControlFlow::Break(self.give_back(lease, None, "ledger_unavailable").await)
+            }
+        }
+    }
+
+    /// The provider request, bounded by its [`SendWindow`] (a request starts only if it can be
+    /// answered `admission.send_margin_ms` before the lease ends and the delivery expires; an
+    /// adapter that has not started it by then is stopped: [`bounded_send`]), in an HTTP client
+    /// span (OpenTelemetry conventions) whose context goes to the provider as `traceparent`.
+    /// The destination is dropped as soon as the answer is in, and the request is timed.
+    async fn call_provider(
+        &self,
+        provider: &dyn DynProvider,
+        lease: &LeasedDelivery,
+        payload: Payload,
+        correlation_id: &str,
+    ) -> Answered {
+        let Payload {
+            destination,
+            content,
+        } = payload;
         let request_span = tracing::info_span!("provider request",
             otel.name = "POST",
             otel.kind = "client",
@@ -561,7 +691,7 @@ impl Worker {
                 channel: self.channel,
                 destination: destination.expose(),
                 content: content.as_ref(),
-                correlation_id: &correlation_id,
+                correlation_id,
                 traceparent: traceparent.as_deref(),
                 window: Some(&window),
             }),
@@ -587,14 +717,73 @@ impl Worker {
         drop(request_span);
         drop(destination);
         let finished_at = self.clock.now();
-        let response_class = nudge_domain::response_class(&outcome);
         self.metrics.provider_request(
             &lease.provider_account,
             self.channel,
             (finished_at - started_at).as_seconds_f64(),
         );
+        Answered {
+            outcome,
+            started_at,
+            finished_at,
+        }
+    }
+
+    /// Settles an attempt: the domain decides what the answer means, the bucket hears about
+    /// it ([`Worker::feedback`]), an answer that needs an operator raises its alert, and the
+    /// outcome is recorded (in a group, [`Recorder`]).
+    async fn settle(
+        &self,
+        lease: LeasedDelivery,
+        answered: Answered,
+        reserved_at: DateTime<Utc>,
+        below_full_rate: bool,
+        correlation_id: &str,
+    ) -> Processed {
+        let Answered {
+            outcome,
+            started_at,
+            finished_at,
+        } = answered;
+        let response_class = nudge_domain::response_class(&outcome);
+        let decision = self.decide_attempt(&lease, &outcome, finished_at);
+        self.feedback(
+            &lease.provider_account,
+            &decision,
+            reserved_at,
+            below_full_rate,
+        )
+        .await;
+        self.raise_alert(&lease.provider_account, &decision);
+        info!(
+            attempt = lease.attempt_number,
+            provider_account = %lease.provider_account,
+            outcome_class = %decision.facts.outcome_class,
+            http_status = decision.facts.http_status,
+            next_state = %decision.next_state,
+            delay_ms = decision.facts.delay_chosen.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            send_ms = (finished_at - started_at).num_milliseconds(),
+            "attempt finished"
+        );
+        self.record(
+            lease,
+            decision,
+            (started_at, finished_at),
+            correlation_id,
+            response_class,
+        )
+        .await
+    }
+
+    /// The domain's decision on an answer (the retry policy's limit counted from the last
+    /// redrive), and the `Retry-After` it carried counted by validity.
+    fn decide_attempt(
+        &self,
+        lease: &LeasedDelivery,
+        outcome: &SendOutcome,
+        finished_at: DateTime<Utc>,
+    ) -> Decision {
         let ctx = AttemptContext {
-            // The retry policy's limit counts from the last redrive.
             attempt_number: lease
                 .attempt_number
                 .saturating_sub(lease.attempt_base)
@@ -603,7 +792,7 @@ impl Worker {
             idempotency: lease.idempotency,
         };
         let mut jitter = RandJitter::from_entropy();
-        let decision = decide(&ctx, &outcome, finished_at, &self.policy, &mut jitter);
+        let decision = decide(&ctx, outcome, finished_at, &self.policy, &mut jitter);
         if decision.facts.retry_after_seen.is_some() {
             let validity = if !decision.facts.retry_after_valid {
                 "invalid"
@@ -619,54 +808,37 @@ impl Worker {
             self.metrics
                 .retry_after(&lease.provider_account, self.channel, validity);
         }
-        self.feedback(
-            &lease.provider_account,
-            &decision,
-            reserved_at,
-            below_full_rate,
-        )
-        .await;
+        decision
+    }
+
+    /// An answer that needs an operator (credentials refused, say): counted and logged as an
+    /// error, once per attempt.
+    fn raise_alert(&self, account: &ProviderAccount, decision: &Decision) {
         if let Some(alert) = decision.effects.alert {
             self.metrics
-                .provider_alert(&lease.provider_account, self.channel, alert.as_str());
+                .provider_alert(account, self.channel, alert.as_str());
             error!(
-                provider_account = %lease.provider_account,
+                provider_account = %account,
                 channel = %self.channel,
                 alert = alert.as_str(),
                 reason = decision.facts.reason.as_deref(),
                 "provider answer needs an operator"
             );
         }
-        info!(
-            attempt = lease.attempt_number,
-            provider_account = %lease.provider_account,
-            outcome_class = %decision.facts.outcome_class,
-            http_status = decision.facts.http_status,
-            next_state = %decision.next_state,
-            delay_ms = decision.facts.delay_chosen.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-            send_ms = (finished_at - started_at).num_milliseconds(),
-            "attempt finished"
-        );
-        self.record(
-            lease,
-            decision,
-            (started_at, finished_at),
-            &correlation_id,
-            response_class,
-        )
-        .await
     }
 
+    /// Settles a delivery that is not attempted at all, through the same group write as an
+    /// attempt's outcome.
     async fn record_unsendable(
         &self,
-        lease: LeasedDelivery,
+        lease: &LeasedDelivery,
         state: DeliveryState,
         reason: &str,
         correlation_id: &str,
     ) -> Processed {
         let now = self.clock.now();
         self.record(
-            lease,
+            lease.clone(),
             without_send(state, reason),
             (now, now),
             correlation_id,
@@ -737,7 +909,8 @@ impl Worker {
             Err(e) => {
                 // Never sent and never fenced: when the lease runs out, the reaper gives it
                 // back the same way.
-                error!(error.cause_chain = ?e, "failed to give the lease back; the reaper returns it unsent");
+                error!(error.cause_chain = %error_chain(&e),
+                       "failed to give the lease back; the reaper returns it unsent");
                 Processed::Dropped("release_failed")
             }
         }
@@ -795,7 +968,8 @@ impl Worker {
             }
             Ok(None) => {}
             Err(e) => {
-                warn!(error.cause_chain = ?e, "failed to apply provider feedback to the bucket")
+                warn!(error.cause_chain = %error_chain(&e),
+                      "failed to apply provider feedback to the bucket")
             }
         }
     }

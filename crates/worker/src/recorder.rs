@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use nudge_domain::Decision;
 use nudge_ledger::{AttemptRecord, LeasedDelivery, Ledger, LedgerTime, OutcomeToRecord, Recorded};
+use nudge_telemetry::error_chain;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{error, info, warn};
 
@@ -179,14 +180,14 @@ async fn write_retrying(
                 return false;
             }
             Err(e) if e.is_data_refused() => {
-                warn!(error.cause_chain = ?e, outcomes = group.len(),
+                warn!(error.cause_chain = %error_chain(&e), outcomes = group.len(),
                       "the ledger refused the outcomes' data");
                 return true;
             }
             Err(e) => {
                 failures += 1;
                 if failures == 1 {
-                    warn!(error.cause_chain = ?e, outcomes = group.len(),
+                    warn!(error.cause_chain = %error_chain(&e), outcomes = group.len(),
                           "failed to record outcomes; holding them and trying again");
                 }
                 // Give up on outcomes whose lease will have ended by the next try: the

@@ -469,14 +469,14 @@ async fn an_outcome_the_ledger_refuses_costs_the_rest_of_its_group_nothing(pool:
     let lease_for = Duration::from_secs(20);
     let batch = nudge_ledger::LeaseBatch {
         channel: Channel::Sms,
-        owner: "recorder-test",
+        lease_holder: "recorder-test",
         lease_for,
         routes: &routes,
         admission: &admission,
         cipher: &cipher,
         at: LedgerTime::Database,
     };
-    let messages: Vec<_> = due.iter().map(|d| (d.id, d.generation)).collect();
+    let messages: Vec<_> = due.iter().map(|d| d.message_pointer()).collect();
     let leases: Vec<nudge_ledger::LeasedDelivery> = ledger
         .lease_batch(&batch, &messages)
         .await

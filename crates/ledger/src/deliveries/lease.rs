@@ -31,7 +31,7 @@ use nudge_domain::{
     IdempotencySupport, ProviderAccount, ReminderId, TenantId,
 };
 
-use super::{LeasedDelivery, LedgerTime, millis, parse, to_i64, to_u64};
+use super::{LeasedDelivery, LedgerTime, MessagePointer, millis, parse, to_i64, to_u64};
 use crate::buckets::{BucketReading, SlotRequest, admit_slots};
 use crate::contacts::destination_aad;
 use crate::reminders::content_aad;
@@ -50,7 +50,9 @@ pub struct WorkerRoutes {
 #[derive(Debug, Clone, Copy)]
 pub struct LeaseBatch<'a> {
     pub channel: Channel,
-    pub owner: &'a str,
+    /// The worker that holds the leases (stored as the column `lease_owner`); not the sender
+    /// that owns the deliveries, which is the ledger's own (`deliveries.owner`).
+    pub lease_holder: &'a str,
     /// How long a lease is held before the reaper may settle it; renewed by the fence.
     pub lease_for: Duration,
     pub routes: &'a WorkerRoutes,
@@ -206,7 +208,11 @@ impl Plan {
 }
 
 impl CandidateRow {
-    fn lease(&self, owner: &str, applied: &AppliedRow) -> Result<LeasedDelivery, LedgerError> {
+    fn lease(
+        &self,
+        lease_holder: &str,
+        applied: &AppliedRow,
+    ) -> Result<LeasedDelivery, LedgerError> {
         let corrupt = |e: String| LedgerError::corrupt("deliveries", e);
         Ok(LeasedDelivery {
             id: DeliveryId::from_uuid(self.id),
@@ -223,7 +229,7 @@ impl CandidateRow {
                 .map_err(|e| corrupt(e.to_string()))?,
             scheduled_at: self.scheduled_at,
             expires_at: self.expires_at,
-            lease_owner: owner.to_owned(),
+            lease_holder: lease_holder.to_owned(),
             lease_expires_at: applied
                 .lease_expires_at
                 .ok_or_else(|| corrupt("leased without expiry".into()))?,
@@ -483,27 +489,28 @@ const FENCE: &str = "UPDATE deliveries d
     RETURNING d.lease_expires_at";
 
 impl Ledger {
-    /// Leases a batch of messages (`(delivery, generation)` pairs) and takes their send slots,
-    /// in one transaction; see the module's protocol. Outcomes come back in message order.
+    /// Leases a batch of messages (what each points at) and takes their send slots, in one
+    /// transaction; see the module's protocol. Outcomes come back in message order.
     pub async fn lease_batch(
         &self,
         batch: &LeaseBatch<'_>,
-        messages: &[(DeliveryId, u64)],
+        messages: &[MessagePointer],
     ) -> Result<LeaseResult, LedgerError> {
         // A delivery twice in one batch (a republished copy arriving with its original) is
         // tried once, with the newest generation among its copies: an older copy is stale
         // whatever order the broker delivered them in.
         let mut newest: HashMap<uuid::Uuid, u64> = HashMap::with_capacity(messages.len());
         let mut order = Vec::with_capacity(messages.len());
-        for (id, generation) in messages {
-            match newest.entry(id.as_uuid()) {
+        for message in messages {
+            let id = message.delivery_id.as_uuid();
+            match newest.entry(id) {
                 std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(*generation);
-                    order.push(id.as_uuid());
+                    e.insert(message.generation);
+                    order.push(id);
                 }
                 std::collections::hash_map::Entry::Occupied(mut e) => {
-                    if *generation > *e.get() {
-                        e.insert(*generation);
+                    if message.generation > *e.get() {
+                        e.insert(message.generation);
                     }
                 }
             }
@@ -617,7 +624,7 @@ impl Ledger {
                 .bind(&actions)
                 .bind(&accounts)
                 .bind(&untils)
-                .bind(batch.owner)
+                .bind(batch.lease_holder)
                 .bind(millis(batch.lease_for))
                 .bind(batch.at.bind())
                 .bind(&honoured)
@@ -638,7 +645,7 @@ impl Ledger {
                             .map_err(|e| LedgerError::corrupt("deliveries", e))?,
                     },
                     Plan::Now if applied.started => LeaseOutcome::Leased {
-                        lease: row.lease(batch.owner, applied)?,
+                        lease: row.lease(batch.lease_holder, applied)?,
                         material: row.material(batch.cipher),
                         slot: SendSlot::Now,
                     },
@@ -647,7 +654,7 @@ impl Ledger {
                     Plan::Now => {
                         let decided_at = leased_at.unwrap_or(row.db_now);
                         LeaseOutcome::Leased {
-                            lease: row.lease(batch.owner, applied)?,
+                            lease: row.lease(batch.lease_holder, applied)?,
                             material: row.material(batch.cipher),
                             slot: SendSlot::At {
                                 send_at: decided_at,
@@ -659,7 +666,7 @@ impl Ledger {
                         send_at,
                         reserved_at,
                     } => LeaseOutcome::Leased {
-                        lease: row.lease(batch.owner, applied)?,
+                        lease: row.lease(batch.lease_holder, applied)?,
                         material: row.material(batch.cipher),
                         slot: SendSlot::At {
                             send_at,
@@ -680,14 +687,15 @@ impl Ledger {
         // other copy is stale.
         let outcomes = messages
             .iter()
-            .map(|(id, generation)| {
-                let tried = newest.get(&id.as_uuid()) == Some(generation);
+            .map(|message| {
+                let id = message.delivery_id.as_uuid();
+                let tried = newest.get(&id) == Some(&message.generation);
                 tried
-                    .then(|| by_id.remove(&id.as_uuid()))
+                    .then(|| by_id.remove(&id))
                     .flatten()
                     .unwrap_or(LeaseOutcome::Stale {
                         state: DeliveryState::Sending,
-                        generation: *generation,
+                        generation: message.generation,
                     })
             })
             .collect();
@@ -743,7 +751,7 @@ impl Ledger {
     ) -> Result<Result<DateTime<Utc>, FenceRefused>, LedgerError> {
         let fenced: Option<DateTime<Utc>> = sqlx::query_scalar(FENCE)
             .bind(lease.id.as_uuid())
-            .bind(&lease.lease_owner)
+            .bind(&lease.lease_holder)
             .bind(to_i64(lease.generation))
             .bind(reserved_at)
             .bind(millis(lease_for))
@@ -778,7 +786,7 @@ impl Ledger {
         };
         let now = row.db_now;
         let ours = row.state == "sending"
-            && row.lease_owner.as_deref() == Some(lease.lease_owner.as_str())
+            && row.lease_owner.as_deref() == Some(lease.lease_holder.as_str())
             && row.generation == to_i64(lease.generation)
             && row.lease_expires_at.is_some_and(|l| l > now);
         if !ours {
@@ -811,7 +819,7 @@ impl Ledger {
                    AND send_started_at IS NULL",
             )
             .bind(lease.id.as_uuid())
-            .bind(&lease.lease_owner)
+            .bind(&lease.lease_holder)
             .bind(to_i64(lease.generation))
             .bind(state.as_str())
             .bind(reason)
@@ -860,7 +868,7 @@ impl Ledger {
                AND send_started_at IS NULL",
         )
         .bind(lease.id.as_uuid())
-        .bind(&lease.lease_owner)
+        .bind(&lease.lease_holder)
         .bind(to_i64(lease.generation))
         .bind(until)
         .bind(at.bind())
@@ -986,7 +994,7 @@ async fn stamp_or_release(
         sqlx::query_as(STAMP_AND_RELEASE)
             .bind(&stamp.0)
             .bind(&stamp.1)
-            .bind(batch.owner)
+            .bind(batch.lease_holder)
             .bind(millis(batch.lease_for))
             .bind(&release.0)
             .bind(&release.1)

@@ -82,6 +82,26 @@ pub struct DueDelivery {
     pub correlation_id: Option<String>,
 }
 
+impl DueDelivery {
+    /// What the message published for this claim points at.
+    pub fn message_pointer(&self) -> MessagePointer {
+        MessagePointer {
+            delivery_id: self.id,
+            generation: self.generation,
+        }
+    }
+}
+
+/// What a queue message points at: a delivery, at the generation the relay published it with.
+/// A pointer, never the authority: the ledger leases (or dead-letters) the delivery only while
+/// it is still `queued` with that generation; a message with an older one is a stale copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MessagePointer {
+    pub delivery_id: DeliveryId,
+    /// The delivery's `generation` when the message was published (each claim raises it).
+    pub generation: u64,
+}
+
 /// A delivery held by one worker until `lease_expires_at`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeasedDelivery {
@@ -98,7 +118,8 @@ pub struct LeasedDelivery {
     pub idempotency_key: IdempotencyKey,
     pub scheduled_at: DateTime<Utc>,
     pub expires_at: DateTime<Utc>,
-    pub lease_owner: String,
+    /// The worker holding the lease (the column `lease_owner`).
+    pub lease_holder: String,
     /// By the database's clock, as of the last lease or fence statement.
     pub lease_expires_at: DateTime<Utc>,
     /// The provider account the send goes through (the tenant's routing, or the default).
@@ -135,7 +156,8 @@ pub struct DeliveryRecord {
     pub scheduled_at: DateTime<Utc>,
     pub expires_at: DateTime<Utc>,
     pub next_attempt_at: Option<DateTime<Utc>>,
-    pub lease_owner: Option<String>,
+    /// The worker holding its lease while it is `sending` (the column `lease_owner`).
+    pub lease_holder: Option<String>,
     pub provider_message_id: Option<String>,
     pub last_error_class: Option<String>,
     pub last_error_reason: Option<String>,
@@ -163,7 +185,7 @@ pub struct Attempt {
     pub provider_message_id: Option<String>,
     /// The account the send went through, as routed when it was leased.
     pub provider_account: Option<String>,
-    /// The worker that made the attempt (its lease owner name).
+    /// The worker that made the attempt (its lease holder name).
     pub worker: Option<String>,
     /// The incident (a redrive's or a drain's) the attempt was made under.
     pub incident: Option<String>,
@@ -247,7 +269,7 @@ impl TryFrom<DeliveryRow> for DeliveryRecord {
             scheduled_at: row.scheduled_at,
             expires_at: row.expires_at,
             next_attempt_at: row.next_attempt_at,
-            lease_owner: row.lease_owner,
+            lease_holder: row.lease_owner,
             provider_message_id: row.provider_message_id,
             last_error_class: row.last_error_class,
             last_error_reason: row.last_error_reason,

@@ -2,7 +2,7 @@
 //! for many sends in one statement (group commit).
 //!
 //! Each outcome is applied only if its lease is still held as it was leased (state `sending`,
-//! the same owner and generation); the attempt row is inserted only for the deliveries that
+//! the same lease holder and generation); the attempt row is inserted only for the deliveries that
 //! statement changed, so an outcome whose lease was lost writes nothing. A retry moves a
 //! delivery from the `new` lane to `retry`: the lane says whether an attempt failed, which a
 //! lease given back before its send does not.
@@ -33,7 +33,7 @@ pub enum Recorded {
 #[derive(Default)]
 pub(super) struct OutcomeColumns {
     ids: Vec<uuid::Uuid>,
-    owners: Vec<String>,
+    lease_holders: Vec<String>,
     generations: Vec<i64>,
     next_states: Vec<&'static str>,
     next_attempt_at: Vec<Option<DateTime<Utc>>>,
@@ -57,7 +57,7 @@ pub(super) struct OutcomeColumns {
 /// The identity of a held lease, as the conditional update checks it.
 pub(super) struct Held<'a> {
     pub id: uuid::Uuid,
-    pub owner: &'a str,
+    pub lease_holder: &'a str,
     pub generation: u64,
     pub lane: nudge_domain::Lane,
     pub attempt_number: u32,
@@ -73,7 +73,7 @@ impl OutcomeColumns {
         let next = DeliveryState::Sending.transition(decision.next_state)?;
         let facts = &decision.facts;
         self.ids.push(held.id);
-        self.owners.push(held.owner.to_owned());
+        self.lease_holders.push(held.lease_holder.to_owned());
         self.generations.push(to_i64(held.generation));
         self.next_states.push(next.as_str());
         self.next_attempt_at.push(decision.next_attempt_at);
@@ -194,7 +194,7 @@ pub(super) async fn apply(
     }
     Ok(sqlx::query_scalar(APPLY)
         .bind(&columns.ids)
-        .bind(&columns.owners)
+        .bind(&columns.lease_holders)
         .bind(&columns.generations)
         .bind(&columns.next_states)
         .bind(&columns.next_attempt_at)
@@ -240,7 +240,7 @@ impl Ledger {
             columns.push(
                 &Held {
                     id: o.lease.id.as_uuid(),
-                    owner: &o.lease.lease_owner,
+                    lease_holder: &o.lease.lease_holder,
                     generation: o.lease.generation,
                     lane: o.lease.lane,
                     attempt_number: o.lease.attempt_number,

@@ -111,7 +111,7 @@ impl Ledger {
         for row in &rows {
             let held = Held {
                 id: row.id,
-                owner: row.lease_owner.as_deref().unwrap_or_default(),
+                lease_holder: row.lease_owner.as_deref().unwrap_or_default(),
                 generation: to_u64(row.generation)?,
                 lane: parse(&row.lane)?,
                 attempt_number: u32::try_from(row.attempt_count)

@@ -113,10 +113,10 @@ pub async fn claim_all(ledger: &Ledger, now: DateTime<Utc>) -> Vec<DueDelivery> 
     all
 }
 
-/// A worker's batch lease: `owner` with `routes`, holding leases for [`LEASE`], at `now`.
+/// A worker's batch lease: `lease_holder` with `routes`, holding leases for [`LEASE`], at `now`.
 pub fn batch_of<'a>(
     channel: Channel,
-    owner: &'a str,
+    lease_holder: &'a str,
     routes: &'a WorkerRoutes,
     admission: &'a AdmissionSettings,
     cipher: &'a DestinationCipher,
@@ -124,7 +124,7 @@ pub fn batch_of<'a>(
 ) -> LeaseBatch<'a> {
     LeaseBatch {
         channel,
-        owner,
+        lease_holder,
         lease_for: LEASE,
         routes,
         admission,
@@ -133,19 +133,26 @@ pub fn batch_of<'a>(
     }
 }
 
-/// Leases one message through the worker's batch lease, as `owner`, with `routes`.
+/// Leases one message through the worker's batch lease, as `lease_holder`, with `routes`.
 pub async fn lease_as(
     ledger: &Ledger,
     due: &DueDelivery,
-    owner: &str,
+    lease_holder: &str,
     routes: &WorkerRoutes,
     now: DateTime<Utc>,
 ) -> LeaseOutcome {
     let settings = settings();
     let cipher = cipher();
-    let batch = batch_of(due.channel, owner, routes, &settings, &cipher, at(now));
+    let batch = batch_of(
+        due.channel,
+        lease_holder,
+        routes,
+        &settings,
+        &cipher,
+        at(now),
+    );
     ledger
-        .lease_batch(&batch, &[(due.id, due.generation)])
+        .lease_batch(&batch, &[due.message_pointer()])
         .await
         .unwrap()
         .outcomes
