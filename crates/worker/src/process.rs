@@ -2,7 +2,7 @@
 //! in one transaction), wait for a slot and fence, send, decide, record. The loop in `lib.rs`
 //! owns consuming, batching, concurrency and shutdown; [`Worker::process_batch`] is what tests
 //! call, through the same two steps the loop runs: [`Worker::lease_step`] for the batch, then
-//! [`Worker::send_step`] for each delivery it leased.
+//! [`Worker::finish_step`] for each delivery it leased.
 
 use std::collections::HashMap;
 use std::sync::Arc;
