@@ -24,7 +24,7 @@
 //! `n` sends take [`drain_s`]`(n, R) = n / R`: the end of the n-th slot.
 //!
 //! **Floor.** With B owed now, N more falling due during the drain and an admitted rate R, the
-//! drain takes at least T = (B + N) / R (DESIGN.md). N depends on T, so T is found by iterating
+//! drain takes at least T = (B + N) / R (docs/DESIGN.md). N depends on T, so T is found by iterating
 //! T ← (B + N(T)) / R from B / R until it stops growing ([`DrainIteration`]). It is a floor:
 //! every admitted slot is assumed to send this channel's owed work in due order, so failed
 //! sends, 429 slowdowns and lane reserves only lengthen it.
@@ -377,7 +377,7 @@ mod tests {
 
     #[test]
     fn the_seed_example_is_three_hundred_seconds() {
-        // DESIGN.md: 9,000 owed, 3,000 more arriving, 40 req/s.
+        // docs/DESIGN.md: 9,000 owed, 3,000 more arriving, 40 req/s.
         let floor = drain_floor(9000, 40.0, |t| (10.0 * t).min(3000.0) as u64).unwrap();
         assert!((299.0..=300.0).contains(&floor.floor_s), "{floor:?}");
     }

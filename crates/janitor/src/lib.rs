@@ -481,8 +481,8 @@ async fn sweep_loop(
 
 /// Consumes `dead.<channel>` until shutdown, recording every message before acking it.
 ///
-/// A message the ledger cannot take now is kept unacknowledged and recorded again with a
-/// growing pause (up to [`DEAD_LETTER_RETRY_MAX`]) until the ledger takes it; it is requeued
+/// A message the ledger cannot take now is held, unacknowledged, and recorded again with a
+/// growing pause (up to `DEAD_LETTER_RETRY_MAX`) until the ledger takes it; it is requeued
 /// only at shutdown. Requeueing it at each failure, as before, counted a delivery each time:
 /// on RabbitMQ 4.x, whose quorum queues have a default delivery limit of 20 and no
 /// dead-letter target for `dead.<channel>`, a ledger outage of about 20 seconds dropped dead

@@ -123,7 +123,7 @@ pub(crate) fn seal_contact(
 
 impl Ledger {
     /// Stores (or replaces) a subscriber's destination for one channel, encrypted (see
-    /// [`upsert_contacts`] for what happens to its flags). Needs the cipher's subscriber key.
+    /// `upsert_contacts` for what happens to its flags). Needs the cipher's subscriber key.
     pub async fn upsert_contact(
         &self,
         tenant_id: TenantId,

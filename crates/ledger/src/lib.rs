@@ -90,6 +90,9 @@ use sqlx::{ConnectOptions, PgPool};
 /// The schema, embedded at build time from the workspace's `migrations/`.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
 
+#[cfg(test)]
+mod migration_checksums;
+
 /// How long a pooled connection may sit idle and still be handed out without a ping.
 const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 

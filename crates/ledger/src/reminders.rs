@@ -333,7 +333,7 @@ impl Ledger {
     /// Marks a reminder cancelled and settles its owed deliveries as `cancelled`. A delivery
     /// already being sent finishes; one already settled keeps its state. Returns the number
     /// of deliveries cancelled, or None when the event is unknown. Times are the database's
-    /// ([`LedgerTime::Database`]) unless a test fixes them.
+    /// ([`LedgerTime::Database`](crate::LedgerTime::Database)) unless a test fixes them.
     pub async fn cancel_reminder(
         &self,
         tenant_id: TenantId,

@@ -5,7 +5,7 @@
 //! [`reason_code`](EnvelopeError::reason_code) a worker records when it dead-letters the message.
 //!
 //! It must never carry anything but ids: no destination, template or message text, and no
-//! subscriber reference (DESIGN.md, invariant 6). It does no I/O and never decides whether a
+//! subscriber reference (docs/DESIGN.md, invariant 6). It does no I/O and never decides whether a
 //! delivery is owed; the ledger does.
 
 use chrono::{DateTime, Utc};

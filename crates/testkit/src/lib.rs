@@ -99,7 +99,7 @@ impl FaultProxy {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// Holds (`true`) or releases (`false`) the bytes of every link; see [`Mode`].
+    /// Holds (`true`) or releases (`false`) the bytes of every link; see `Mode`.
     pub fn pause(&self, paused: bool) {
         self.mode.send_modify(|m| m.paused = paused);
     }

@@ -1,8 +1,9 @@
 //! The relay's side: claiming due work for publishing, and handing back what failed to publish.
 //!
 //! A claim commits before its message is published (see the module above and
-//! `docs/ARCHITECTURE.md`): a worker's lease never waits for an uncommitted claim, so a message
-//! must never point at a generation that is not yet committed.
+//! `docs/decisions/0405-a-claim-commits-before-its-message-is-published.md`): a worker's lease
+//! never waits for an uncommitted claim, so a message must never point at a generation that is
+//! not yet committed.
 
 use nudge_domain::Channel;
 

@@ -6,7 +6,7 @@
 //! what was lost (must be 0), how many keys the provider saw more than once (must be 0: the
 //! account does not dedup by key, so the ledger is the only guard), how the quorum queues were
 //! replicated, and the times to recover. Prints a table and writes
-//! bench/results/cluster-<time>.json and bench/results/cluster-latest.md.
+//! `bench/results/cluster-<time>.json` and `bench/results/cluster-latest.md`.
 //!
 //!   scripts/rabbitmq-cluster-test.sh [--deliveries N]   (builds the binaries, runs this)
 #![allow(
