@@ -33,7 +33,7 @@ use nudge_ledger::{
 };
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use crate::signature::{Refusal, SignatureHeader, Signed};
+use crate::signature::{self, Refusal, SignatureHeader, Signed};
 
 /// The most reminders imported in one transaction.
 pub const BATCH_MAX: usize = 64;
@@ -189,7 +189,7 @@ async fn commit(ledger: &Ledger, cipher: &DestinationCipher, now: DateTime<Utc>,
             target: &job.check.target,
             body: &job.check.body,
         };
-        let matched = crate::api::verify(&job.check.signature, tenant, &signed);
+        let matched = signature::verify(&job.check.signature, tenant, &signed);
         match tenant {
             Some(tenant) if matched && tenant.id == job.item.reminder.tenant_id() => {
                 items.push(job.item);

@@ -5,6 +5,8 @@
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use nudge_ledger::input::InputError;
+use nudge_telemetry::error_chain;
 use serde::Serialize;
 use utoipa::ToSchema;
 
@@ -24,6 +26,28 @@ impl Problem {
             path: path.into(),
             problem: problem.into(),
         }
+    }
+
+    /// A body that is not JSON: where it stopped being JSON and why. serde_json's syntax
+    /// messages never quote the input; the position is kept.
+    pub fn json(e: &serde_json::Error) -> Self {
+        let text = e.to_string();
+        let suffix = format!(" at line {} column {}", e.line(), e.column());
+        let problem = text.strip_suffix(&suffix).unwrap_or(&text);
+        Self::new(
+            "",
+            format!(
+                "invalid JSON at line {} column {}: {problem}",
+                e.line(),
+                e.column()
+            ),
+        )
+    }
+
+    /// A reminder format's error (its path and problem, never a value), its path under
+    /// `prefix`.
+    pub fn input(prefix: &str, e: &InputError) -> Self {
+        Self::new(format!("{prefix}{}", e.path()), e.to_string())
     }
 }
 
@@ -145,7 +169,7 @@ impl IntoResponse for ApiError {
                 "the request took too long to arrive",
             ),
             Self::Internal(e) => {
-                tracing::error!(error.cause_chain = %format!("{e:#}"), "request failed");
+                tracing::error!(error.cause_chain = %error_chain(e.as_ref()), "request failed");
                 error_body(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "internal",

@@ -1,20 +1,27 @@
 //! `nudge-intake`: the signed webhook through which a clinic's application hands nudge its
 //! reminders, cancels them, keeps its subscribers' destinations and erases a subscriber, over
-//! the same ledger as every other binary (see [`api`] for the routes, [`signature`] for the
-//! authentication, and `docs/openapi.json` for the contract, generated from this code), and
-//! through which providers' delivery receipts arrive ([`receipts`]).
+//! the same ledger as every other binary, and through which providers' delivery receipts
+//! arrive ([`receipts`]). The routes are in [`handlers`] (by resource), the state they share
+//! in [`state`], authentication in [`auth`] (over [`signature`]), the request and answer
+//! shapes in [`shapes`], and the contract, generated from this code, in [`openapi`]
+//! (committed as `docs/openapi.json`).
 //!
 //! It must never: answer 2xx before the ledger committed; write anything for a request it
 //! refused; echo, log or put in a metric a destination, subscriber reference or content; tell
 //! a client whether a tenant exists.
 
-pub mod api;
+pub mod auth;
 pub mod commit;
 mod config;
 pub mod error;
+pub mod extract;
+pub mod handlers;
 pub mod metrics;
+pub mod openapi;
 pub mod receipts;
+pub mod shapes;
 pub mod signature;
+pub mod state;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -29,105 +36,52 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use nudge_ledger::{DestinationCipher, SubscriberKey};
+use nudge_telemetry::error_chain;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 use tracing::{info, warn};
-use utoipa::OpenApi;
 
-pub use api::{AppState, Limits};
+use crate::handlers::{operations, receipts as receipt_routes, reminders, subscribers};
+
 pub use config::{IntakeConfig, IntakeSection};
 pub use metrics::IntakeMetrics;
-
-/// The OpenAPI document, generated from the handlers and types of [`api`].
-#[derive(Debug, OpenApi)]
-#[openapi(
-    info(
-        title = "nudge intake",
-        description = "Hand nudge reminders over HTTP. Every /v1 request carries \
-                       `Nudge-Signature: t=<unix seconds>,v2=<hex>`: HMAC-SHA256 of \
-                       `\"<t>\\n<METHOD>\\n<path>\\n<raw body>\"` (the method, the path \
-                       and query as sent, and the body, each after a line break) under one of \
-                       the tenant's signing secrets (several v2 entries may be sent while \
-                       rotating; entries of other schemes, such as the retired v1, are \
-                       ignored). Answers come after commit and never quote a destination, \
-                       subscriber reference or content.",
-        license(name = "Apache-2.0", identifier = "Apache-2.0"),
-    ),
-    paths(
-        api::post_reminders,
-        api::get_reminder,
-        api::cancel_reminder,
-        api::put_contacts,
-        api::erase_subscriber,
-        receipts::twilio,
-        receipts::sendgrid,
-        api::healthz,
-        api::readyz,
-        api::openapi,
-    ),
-    modifiers(&SignatureScheme),
-    tags(
-        (name = "reminders", description = "Post, read and cancel reminders"),
-        (name = "subscribers", description = "Destinations and erasure"),
-        (name = "receipts", description = "Providers' delivery receipts, signed by the provider"),
-        (name = "operations", description = "Health, readiness and this document"),
-    )
-)]
-pub struct ApiDoc;
-
-struct SignatureScheme;
-
-impl utoipa::Modify for SignatureScheme {
-    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
-        let components = openapi.components.get_or_insert_with(Default::default);
-        components.add_security_scheme(
-            "signature",
-            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
-                "Nudge-Signature",
-                "t=<unix seconds>,v2=<hex HMAC-SHA256 of \"<t>\\n<METHOD>\\n<path>\\n<raw body>\">",
-            ))),
-        );
-    }
-}
-
-/// The OpenAPI document as served at `/openapi.json` and committed as `docs/openapi.json`.
-pub fn openapi_json() -> String {
-    let mut text = ApiDoc::openapi()
-        .to_pretty_json()
-        .unwrap_or_else(|_| unreachable!("the document is built from types that serialise"));
-    text.push('\n');
-    text
-}
+pub use openapi::{ApiDoc, openapi_json};
+pub use state::{AppState, Limits};
 
 /// Every route, with the body limit and the request timeout.
 pub fn router(state: AppState, body_limit: usize, request_timeout: Duration) -> Router {
     Router::new()
-        .route("/v1/tenants/{tenant}/reminders", post(api::post_reminders))
+        .route(
+            "/v1/tenants/{tenant}/reminders",
+            post(reminders::post_reminders),
+        )
         .route(
             "/v1/tenants/{tenant}/reminders/{event_id}",
-            get(api::get_reminder),
+            get(reminders::get_reminder),
         )
         .route(
             "/v1/tenants/{tenant}/reminders/{event_id}/cancel",
-            post(api::cancel_reminder),
+            post(reminders::cancel_reminder),
         )
         .route(
             "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/contacts",
-            put(api::put_contacts),
+            put(subscribers::put_contacts),
         )
         .route(
             "/v1/tenants/{tenant}/subscribers/{subscriber_ref}",
-            delete(api::erase_subscriber),
+            delete(subscribers::erase_subscriber),
         )
-        .route("/receipts/twilio/{account}", post(receipts::twilio))
-        .route("/receipts/sendgrid/{account}", post(receipts::sendgrid))
-        .route("/healthz", get(api::healthz))
-        .route("/readyz", get(api::readyz))
-        .route("/openapi.json", get(api::openapi))
+        .route("/receipts/twilio/{account}", post(receipt_routes::twilio))
+        .route(
+            "/receipts/sendgrid/{account}",
+            post(receipt_routes::sendgrid),
+        )
+        .route("/healthz", get(operations::healthz))
+        .route("/readyz", get(operations::readyz))
+        .route("/openapi.json", get(openapi::openapi))
         .layer(axum::middleware::from_fn_with_state(
             (state.clone(), request_timeout),
             observe,
@@ -263,7 +217,7 @@ pub async fn serve(
                 Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of descriptors and the like: wait a little rather than spin.
-                    warn!(error.cause_chain = ?e, "failed to accept a connection");
+                    warn!(error.cause_chain = %error_chain(&e), "failed to accept a connection");
                     tokio::select! {
                         () = shutdown.cancelled() => break,
                         () = tokio::time::sleep(Duration::from_millis(50)) => continue,
@@ -290,13 +244,13 @@ pub async fn serve(
             tokio::select! {
                 result = connection.as_mut() => {
                     if let Err(e) = result {
-                        tracing::debug!(error = %e, "connection ended with an error");
+                        tracing::debug!(error.cause_chain = %error_chain(&e), "connection ended with an error");
                     }
                 }
                 () = close.cancelled() => {
                     connection.as_mut().graceful_shutdown();
                     if let Err(e) = connection.await {
-                        tracing::debug!(error = %e, "connection ended with an error");
+                        tracing::debug!(error.cause_chain = %error_chain(&e), "connection ended with an error");
                     }
                 }
             }

@@ -21,6 +21,7 @@
 //! [`Refusal::UnknownTenant`] for its own log and metric).
 
 use hmac::{Hmac, Mac};
+use nudge_ledger::IntakeTenant;
 use sha2::Sha256;
 
 /// The header's name.
@@ -202,6 +203,22 @@ pub fn sign(secret: &[u8], timestamp: i64, signed: &Signed<'_>) -> String {
         .finalize()
         .into_bytes();
     digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whether `signature` matches `signed` under one of `tenant`'s secrets; the same number of
+/// HMACs whether the tenant has one secret, two or none, or does not exist (see
+/// [`SignatureHeader::matches`]). Both the authentication of a request and the committer's
+/// check before its import verify with this.
+pub fn verify(
+    signature: &SignatureHeader,
+    tenant: Option<&IntakeTenant>,
+    signed: &Signed<'_>,
+) -> bool {
+    let secrets: Vec<&[u8]> = tenant
+        .iter()
+        .flat_map(|t| t.secrets.iter().map(|s| s.expose().as_bytes()))
+        .collect();
+    signature.matches(&secrets, signed) && tenant.is_some()
 }
 
 /// A whole header value for `signed` at `timestamp`, one `v2` per secret.

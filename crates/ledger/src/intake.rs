@@ -65,9 +65,11 @@ pub struct IntakeTenant {
     pub secrets: Vec<SigningSecret>,
 }
 
-/// One channel of a reminder, as the intake reports it: states and counts, never PHI.
+/// One channel of a reminder, as the intake reports it: its delivery's state, attempts and
+/// settlement, never PHI. (Not the operator's [`crate::ChannelStatus`], which counts a whole
+/// channel's work.)
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChannelStatus {
+pub struct ReminderChannelState {
     pub channel: Channel,
     /// `None` while no delivery exists yet (not due, tenant paused or channel draining).
     pub state: Option<DeliveryState>,
@@ -83,7 +85,7 @@ pub struct ReminderStatus {
     pub expires_at: DateTime<Utc>,
     pub cancelled_at: Option<DateTime<Utc>>,
     pub correlation_id: Option<String>,
-    pub channels: Vec<ChannelStatus>,
+    pub channels: Vec<ReminderChannelState>,
 }
 
 /// What a cancellation did, per channel.
@@ -528,7 +530,7 @@ async fn status_in(
             .parse()
             .map_err(|_| LedgerError::corrupt("reminders", "unknown channel"))?;
         let delivery = deliveries.iter().find(|d| d.channel == *name);
-        channels.push(ChannelStatus {
+        channels.push(ReminderChannelState {
             channel,
             state: delivery
                 .map(|d| {

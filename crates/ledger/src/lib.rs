@@ -57,8 +57,8 @@ pub use estimate::{Backlog, OwedDelivery};
 pub use export::IncidentAttempt;
 pub use gauges::{AwaitingOperator, BucketGauge, DrainFlag, LedgerGauges, TenantChannelWork};
 pub use intake::{
-    Cancellation, ChannelStatus as IntakeChannelStatus, Erasure, IntakeTenant, MAX_ACTIVE_SECRETS,
-    ReminderStatus, SigningSecret,
+    Cancellation, Erasure, IntakeTenant, MAX_ACTIVE_SECRETS, ReminderChannelState, ReminderStatus,
+    SigningSecret,
 };
 pub use receipts::{Receipt, ReceiptOutcome, ReceiptRecorded};
 pub use redrive::{

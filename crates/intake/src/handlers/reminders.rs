@@ -1,0 +1,439 @@
+//! The reminders of the `/v1` API: post (one or a batch), read and cancel.
+//!
+//! A single reminder goes to the committers ([`crate::commit`]) and is answered once the
+//! transaction holding it committed (202 new, 200 the same event again, 409 the event id with
+//! another body); a batch is imported here, at once, against its tenant as the ledger has it
+//! now, and answered per reminder. Every handler is authenticated by its [`SignedTenant`]
+//! before its body is parsed. Must never answer before commit, write anything for a refused
+//! request, or answer or log a destination, subscriber reference or content.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use nudge_domain::{Channel, EventId};
+use nudge_ledger::input::{ReminderInput, TenantField};
+use nudge_ledger::{ImportOutcome, ImportReminder, IntakeTenant, LedgerTime, ReminderStatus};
+use serde_json::Value;
+
+use crate::auth::{FromCache, SignedTenant};
+use crate::commit::{Check, CommitError};
+use crate::error::{ApiError, ErrorBody, InvalidRequest, Problem, Unauthorized};
+use crate::extract::{ApiPath, JsonContent};
+use crate::shapes::{
+    Accepted, BatchAnswer, BatchItem, CORRELATION_HEADER, CancelAnswer, ChannelName, ChannelState,
+    PostAnswer, PostReminders, ReminderState, Withheld, channel_name,
+};
+use crate::state::AppState;
+
+/// Post one reminder, or `{"reminders": [...]}`.
+///
+/// Answered after commit. One reminder: 202 when recorded, 200 with the original reminder id
+/// when the same event with the same body was recorded before, 409 when the event id is used
+/// for another reminder. A batch: 200 with an answer per reminder, in order. A reminder of a
+/// paused tenant or for a draining channel is recorded and held (`held` says so).
+#[utoipa::path(post, path = "/v1/tenants/{tenant}/reminders", tag = "reminders",
+    params(
+        ("tenant" = String, Path, description = "the tenant's name"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex HMAC-SHA256 of \"<t>\\n<METHOD>\\n<path>\\n<body>\">"),
+        ("X-Correlation-Id" = Option<String>, Header, description = "1 to 128 printable ASCII characters; generated when absent or invalid"),
+    ),
+    request_body(content = PostReminders, content_type = "application/json"),
+    responses(
+        (status = 202, description = "recorded", body = Accepted),
+        (status = 200, description = "the same event again, or a batch's answers", body = PostAnswer),
+        (status = 400, description = "invalid; nothing written", body = InvalidRequest),
+        (status = 401, description = "not authenticated; nothing written", body = Unauthorized),
+        (status = 408, description = "the body did not arrive in time", body = ErrorBody),
+        (status = 409, description = "the event id is used for another reminder", body = ErrorBody),
+        (status = 413, description = "the body is over the limit", body = ErrorBody),
+        (status = 415, description = "the body is not JSON", body = ErrorBody),
+        (status = 500, description = "unexpected; may be retried", body = ErrorBody),
+    ),
+    security(("signature" = [])))]
+pub async fn post_reminders(
+    State(state): State<AppState>,
+    ApiPath(tenant_name): ApiPath<String>,
+    _: JsonContent,
+    signed: SignedTenant<FromCache>,
+) -> Result<Response, ApiError> {
+    let correlation = correlation_id(&signed.headers);
+    let value: Value = serde_json::from_slice(&signed.body).map_err(|e| {
+        state.metrics().reminder("invalid");
+        ApiError::Invalid(vec![Problem::json(&e)])
+    })?;
+    let batch = matches!(&value, Value::Object(map) if map.contains_key("reminders"));
+    let mut response = if batch {
+        // A batch is imported here, at once: its tenant as the ledger has it now.
+        let tenant = signed.from_ledger(&state).await?;
+        post_batch(&state, &tenant, value, &correlation).await?
+    } else {
+        let request = signed.request();
+        let covered = request.signed();
+        let check = Check {
+            tenant: tenant_name,
+            signature: signed.signature.clone(),
+            method: covered.method.to_owned(),
+            target: covered.target.to_owned(),
+            body: signed.body.clone(),
+        };
+        post_one(
+            &state,
+            &signed.tenant,
+            value,
+            &signed.body,
+            check,
+            &correlation,
+        )
+        .await?
+    };
+    if let Ok(v) = HeaderValue::from_str(&correlation) {
+        response.headers_mut().insert(CORRELATION_HEADER, v);
+    }
+    Ok(response)
+}
+
+/// A reminder checked and ready to import, or its problems. `raw` is its text when it is the
+/// whole body: read from it, an unknown field's problem says where the field ends.
+fn prepare(
+    state: &AppState,
+    tenant: &IntakeTenant,
+    value: Value,
+    raw: Option<&[u8]>,
+    correlation: &str,
+    prefix: &str,
+) -> Result<ImportReminder, Vec<Problem>> {
+    let canonical = serde_json::to_vec(&value).map_err(|_| {
+        vec![Problem::new(
+            prefix,
+            "the reminder cannot be read back as JSON",
+        )]
+    })?;
+    let input = match raw {
+        Some(raw) => ReminderInput::parse(raw, TenantField::Absent),
+        None => ReminderInput::from_value(value, TenantField::Absent),
+    }
+    .map_err(|e| vec![Problem::input(prefix, &e)])?;
+    let ahead = state.now() + state.limits().max_schedule_ahead;
+    if input.scheduled_at > ahead {
+        return Err(vec![Problem::new(
+            format!("{prefix}/scheduled_at"),
+            format!(
+                "is more than {} days ahead (intake.max_schedule_ahead_days)",
+                state.limits().max_schedule_ahead.num_days()
+            ),
+        )]);
+    }
+    let mut item = input
+        .into_import(tenant.id)
+        .map_err(|e| vec![Problem::input(prefix, &e)])?;
+    let digest = state
+        .cipher()
+        .request_digest(tenant.id, &canonical)
+        .map_err(|_| vec![Problem::new(prefix, "the reminder cannot be accepted")])?;
+    item.reminder = item
+        .reminder
+        .with_correlation_id(correlation)
+        .map_err(|_| {
+            vec![Problem::new(
+                "X-Correlation-Id",
+                "is not a valid correlation id",
+            )]
+        })?
+        .with_request_digest(digest);
+    Ok(item)
+}
+
+/// Why a reminder of `tenant` for `channels` is withheld, if it is.
+fn withheld(tenant: &IntakeTenant, channels: &[Channel]) -> Option<Withheld> {
+    let draining: Vec<ChannelName> = channels
+        .iter()
+        .filter(|c| tenant.draining.contains(c))
+        .map(|c| channel_name(*c))
+        .collect();
+    (tenant.intake_paused || !draining.is_empty()).then_some(Withheld {
+        tenant_paused: tenant.intake_paused,
+        draining_channels: draining,
+    })
+}
+
+/// What one imported reminder's outcome answers: status and body, or a problem.
+fn answer(
+    state: &AppState,
+    tenant: &IntakeTenant,
+    item: &ImportReminder,
+    outcome: ImportOutcome,
+    correlation: &str,
+) -> Result<(StatusCode, Accepted), ApiError> {
+    let event_id = item.reminder.event_id().as_str().to_owned();
+    let accepted = |id: nudge_domain::ReminderId, status, deliveries_created| Accepted {
+        reminder_id: id.as_uuid(),
+        event_id: event_id.clone(),
+        status,
+        deliveries_created,
+        correlation_id: correlation.to_owned(),
+        withheld: withheld(tenant, item.reminder.channels()),
+    };
+    match outcome {
+        ImportOutcome::Created {
+            id,
+            deliveries_created,
+        } => {
+            state.metrics().reminder("accepted");
+            Ok((
+                StatusCode::ACCEPTED,
+                accepted(id, "accepted", deliveries_created),
+            ))
+        }
+        ImportOutcome::AlreadyPresent { id } => {
+            state.metrics().reminder("duplicate");
+            Ok((StatusCode::OK, accepted(id, "duplicate", 0)))
+        }
+        ImportOutcome::EventConflict => {
+            state.metrics().reminder("conflict");
+            Err(ApiError::EventConflict(event_id))
+        }
+        ImportOutcome::UnknownTenant => Err(ApiError::internal(anyhow::anyhow!(
+            "the tenant disappeared while its reminder was imported"
+        ))),
+    }
+}
+
+async fn post_one(
+    state: &AppState,
+    tenant: &IntakeTenant,
+    value: Value,
+    raw: &[u8],
+    check: Check,
+    correlation: &str,
+) -> Result<Response, ApiError> {
+    let item = prepare(state, tenant, value, Some(raw), correlation, "").map_err(|problems| {
+        state.metrics().reminder("invalid");
+        ApiError::Invalid(problems)
+    })?;
+    // Committed together with whatever other single posts are waiting, after the committer
+    // read the tenant and verified the signature again (see `commit`).
+    let committed = match state.committer().import(item.clone(), check).await {
+        Ok(committed) => committed,
+        Err(CommitError::Refused(refusal)) => {
+            state.metrics().refusal(refusal.internal());
+            return Err(ApiError::Unauthorized(refusal));
+        }
+        Err(e) => return Err(ApiError::internal(e)),
+    };
+    let (status, accepted) = answer(
+        state,
+        &committed.tenant,
+        &item,
+        committed.outcome,
+        correlation,
+    )?;
+    Ok((status, Json(accepted)).into_response())
+}
+
+async fn post_batch(
+    state: &AppState,
+    tenant: &IntakeTenant,
+    value: Value,
+    correlation: &str,
+) -> Result<Response, ApiError> {
+    let Value::Object(mut map) = value else {
+        return Err(ApiError::invalid("", "expected a JSON object"));
+    };
+    if map.keys().any(|k| k != "reminders") {
+        return Err(ApiError::invalid("", UNKNOWN_BATCH_FIELD));
+    }
+    let Some(Value::Array(items)) = map.remove("reminders") else {
+        return Err(ApiError::invalid(
+            "/reminders",
+            "must be an array of reminders",
+        ));
+    };
+    let max = state.limits().batch_max;
+    if items.is_empty() || items.len() > max {
+        return Err(ApiError::invalid(
+            "/reminders",
+            format!("must hold 1 to {max} reminders (intake.batch_max)"),
+        ));
+    }
+    let mut prepared: Vec<Result<ImportReminder, Vec<Problem>>> = Vec::with_capacity(items.len());
+    for (index, item) in items.into_iter().enumerate() {
+        prepared.push(prepare(
+            state,
+            tenant,
+            item,
+            None,
+            correlation,
+            &format!("/reminders/{index}"),
+        ));
+    }
+    let valid: Vec<ImportReminder> = prepared
+        .iter()
+        .filter_map(|p| p.as_ref().ok())
+        .cloned()
+        .collect();
+    let mut outcomes = state
+        .ledger()
+        .import_reminders(&valid, state.cipher(), state.now())
+        .await
+        .map_err(ApiError::internal)?
+        .into_iter();
+    let mut results = Vec::with_capacity(prepared.len());
+    for (index, p) in prepared.into_iter().enumerate() {
+        let item = match p {
+            Err(errors) => {
+                state.metrics().reminder("invalid");
+                results.push(BatchItem {
+                    index,
+                    status: 400,
+                    reminder: None,
+                    event_id: None,
+                    errors,
+                });
+                continue;
+            }
+            Ok(item) => item,
+        };
+        let outcome = outcomes
+            .next()
+            .ok_or_else(|| ApiError::internal(anyhow::anyhow!("the import answered too few")))?;
+        let event_id = item.reminder.event_id().as_str().to_owned();
+        results.push(match answer(state, tenant, &item, outcome, correlation) {
+            Ok((status, accepted)) => BatchItem {
+                index,
+                status: status.as_u16(),
+                reminder: Some(accepted),
+                event_id: Some(event_id),
+                errors: Vec::new(),
+            },
+            Err(ApiError::EventConflict(event_id)) => BatchItem {
+                index,
+                status: 409,
+                reminder: None,
+                errors: vec![Problem::new(
+                    format!("/reminders/{index}/event_id"),
+                    "is already used for a different reminder",
+                )],
+                event_id: Some(event_id),
+            },
+            Err(other) => return Err(other),
+        });
+    }
+    Ok((StatusCode::OK, Json(BatchAnswer { results })).into_response())
+}
+
+fn reminder_state(event_id: &EventId, status: ReminderStatus) -> ReminderState {
+    ReminderState {
+        reminder_id: status.id.as_uuid(),
+        event_id: event_id.as_str().to_owned(),
+        scheduled_at: status.scheduled_at,
+        expires_at: status.expires_at,
+        cancelled_at: status.cancelled_at,
+        correlation_id: status.correlation_id,
+        channels: status
+            .channels
+            .into_iter()
+            .map(|c| ChannelState {
+                channel: channel_name(c.channel),
+                state: c
+                    .state
+                    .map_or_else(|| "pending".to_owned(), |s| s.as_str().to_owned()),
+                attempts: c.attempts,
+                settled_at: c.settled_at,
+            })
+            .collect(),
+    }
+}
+
+fn event_id(text: &str) -> Result<EventId, ApiError> {
+    EventId::parse(text).map_err(|e| ApiError::invalid("event_id", e.to_string()))
+}
+
+/// The request's correlation id when it is 1 to 128 printable ASCII characters, else a new one.
+fn correlation_id(headers: &HeaderMap) -> String {
+    headers
+        .get(CORRELATION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| {
+            !v.is_empty()
+                && v.len() <= nudge_ledger::MAX_CORRELATION_ID_BYTES
+                && v.bytes().all(|b| b.is_ascii_graphic())
+        })
+        .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned)
+}
+
+// An unknown key is the client's text, and could be patient data typed as a key: never
+// repeated, here as in the reminder's own fields (`InputError::UnknownField`).
+const UNKNOWN_BATCH_FIELD: &str =
+    "has a field other than `reminders`; its name is not repeated, as it could be patient data";
+
+/// A reminder's state per channel (no PHI).
+#[utoipa::path(get, path = "/v1/tenants/{tenant}/reminders/{event_id}", tag = "reminders",
+    params(
+        ("tenant" = String, Path, description = "the tenant's name"),
+        ("event_id" = String, Path, description = "the client's event id", min_length = 1, max_length = 200, pattern = "^[!-~]+$"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path and the (empty) body"),
+    ),
+    responses(
+        (status = 200, description = "the reminder", body = ReminderState),
+        (status = 400, description = "invalid event id", body = InvalidRequest),
+        (status = 401, description = "not authenticated", body = Unauthorized),
+        (status = 404, description = "no such event", body = ErrorBody),
+        (status = 500, description = "unexpected", body = ErrorBody),
+    ),
+    security(("signature" = [])))]
+pub async fn get_reminder(
+    State(state): State<AppState>,
+    ApiPath((_, event)): ApiPath<(String, String)>,
+    SignedTenant { tenant, .. }: SignedTenant,
+) -> Result<Response, ApiError> {
+    let event_id = event_id(&event)?;
+    let status = state
+        .ledger()
+        .reminder_status(tenant.id, &event_id)
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or(ApiError::NotFound)?;
+    Ok(Json(reminder_state(&event_id, status)).into_response())
+}
+
+/// Cancel a reminder: every owed delivery is settled `cancelled`; one being sent finishes but
+/// is never retried. Cancelling again answers the same.
+#[utoipa::path(post, path = "/v1/tenants/{tenant}/reminders/{event_id}/cancel", tag = "reminders",
+    params(
+        ("tenant" = String, Path, description = "the tenant's name"),
+        ("event_id" = String, Path, description = "the client's event id", min_length = 1, max_length = 200, pattern = "^[!-~]+$"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path and the body (usually empty)"),
+    ),
+    responses(
+        (status = 200, description = "cancelled", body = CancelAnswer),
+        (status = 400, description = "invalid event id", body = InvalidRequest),
+        (status = 401, description = "not authenticated", body = Unauthorized),
+        (status = 404, description = "no such event", body = ErrorBody),
+        (status = 408, description = "the body did not arrive in time", body = ErrorBody),
+        (status = 413, description = "the body is over the limit", body = ErrorBody),
+        (status = 500, description = "unexpected", body = ErrorBody),
+    ),
+    security(("signature" = [])))]
+pub async fn cancel_reminder(
+    State(state): State<AppState>,
+    ApiPath((_, event)): ApiPath<(String, String)>,
+    SignedTenant { tenant, .. }: SignedTenant,
+) -> Result<Response, ApiError> {
+    let event_id = event_id(&event)?;
+    let cancellation = state
+        .ledger()
+        .cancel_reminder_by_channel(tenant.id, &event_id, LedgerTime::Database)
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or(ApiError::NotFound)?;
+    Ok(Json(CancelAnswer {
+        cancelled: cancellation
+            .cancelled
+            .iter()
+            .map(|c| channel_name(*c))
+            .collect(),
+        reminder: reminder_state(&event_id, cancellation.status),
+    })
+    .into_response())
+}

@@ -1,0 +1,149 @@
+//! The subscribers of the `/v1` API: store their destinations, erase them.
+//!
+//! Every handler is authenticated by its [`SignedTenant`] (its tenant as the ledger has it
+//! now) before its body is parsed. Must never answer, log or quote a destination or
+//! subscriber reference (not even an unknown key of a body: it could be one), or write
+//! anything for a refused request.
+
+use axum::Json;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use nudge_domain::{Channel, SubscriberRef};
+use nudge_ledger::input;
+use nudge_ledger::{LedgerTime, Operator};
+use serde_json::Value;
+
+use crate::auth::SignedTenant;
+use crate::error::{ApiError, ErrorBody, InvalidRequest, Problem, Unauthorized};
+use crate::extract::{ApiPath, JsonContent};
+use crate::shapes::{ContactsAnswer, ContactsBody, ErasureAnswer, channel_name};
+use crate::state::AppState;
+
+fn subscriber_ref(text: &str) -> Result<SubscriberRef, ApiError> {
+    // The message names the field and a position, never the text.
+    SubscriberRef::parse(text).map_err(|e| ApiError::invalid("subscriber_ref", e.to_string()))
+}
+
+// An unknown key is the client's text, and could be patient data typed as a key: never
+// repeated, here as in the reminder's own fields (`InputError::UnknownField`).
+const UNKNOWN_CONTACTS_FIELD: &str = "has a field other than `destinations`; its name is not \
+                                      repeated, as it could be patient data";
+
+/// Store a subscriber's destinations for the channels given.
+#[utoipa::path(put, path = "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/contacts", tag = "subscribers",
+    params(
+        ("tenant" = String, Path, description = "the tenant's name"),
+        ("subscriber_ref" = String, Path, description = "the client's reference of the subscriber", min_length = 1, max_length = 128, pattern = "^[!-~]+$"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path and the body"),
+    ),
+    request_body(content = ContactsBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "stored", body = ContactsAnswer),
+        (status = 400, description = "invalid; nothing written", body = InvalidRequest),
+        (status = 401, description = "not authenticated", body = Unauthorized),
+        (status = 408, description = "the body did not arrive in time", body = ErrorBody),
+        (status = 413, description = "the body is over the limit", body = ErrorBody),
+        (status = 415, description = "the body is not JSON", body = ErrorBody),
+        (status = 500, description = "unexpected", body = ErrorBody),
+    ),
+    security(("signature" = [])))]
+pub async fn put_contacts(
+    State(state): State<AppState>,
+    ApiPath((_, subscriber)): ApiPath<(String, String)>,
+    _: JsonContent,
+    SignedTenant { tenant, body, .. }: SignedTenant,
+) -> Result<Response, ApiError> {
+    let subscriber = subscriber_ref(&subscriber)?;
+    let value: Value =
+        serde_json::from_slice(&body).map_err(|e| ApiError::Invalid(vec![Problem::json(&e)]))?;
+    let Value::Object(mut map) = value else {
+        return Err(ApiError::invalid("", "expected a JSON object"));
+    };
+    if map.keys().any(|k| k != "destinations") {
+        return Err(ApiError::invalid("", UNKNOWN_CONTACTS_FIELD));
+    }
+    let destinations = map
+        .remove("destinations")
+        .ok_or_else(|| ApiError::invalid("/destinations", "missing field"))?;
+    let Some(given) = destinations.as_object() else {
+        return Err(ApiError::invalid(
+            "/destinations",
+            "must be an object of channel name to destination",
+        ));
+    };
+    let mut channels = Vec::with_capacity(given.len());
+    for key in given.keys() {
+        // Not quoted: it could be a destination typed in the wrong place.
+        let channel: Channel = key.parse().map_err(|_| {
+            ApiError::invalid(
+                "/destinations",
+                "has a key that is not one of push, email, sms",
+            )
+        })?;
+        channels.push(channel);
+    }
+    if channels.is_empty() {
+        return Err(ApiError::invalid(
+            "/destinations",
+            "must give at least one channel",
+        ));
+    }
+    let parsed = input::destinations(&destinations, &channels)
+        .map_err(|e| ApiError::Invalid(vec![Problem::input("", &e)]))?;
+    state
+        .ledger()
+        .set_contacts(tenant.id, &subscriber, &parsed, state.cipher(), state.now())
+        .await
+        .map_err(ApiError::internal)?;
+    channels.sort();
+    Ok(Json(ContactsAnswer {
+        channels: channels.into_iter().map(channel_name).collect(),
+    })
+    .into_response())
+}
+
+/// Erase a subscriber: their destinations are deleted, their owed deliveries cancelled, and
+/// their reminders keep only ids, states, times and classes. Erasing again answers zeros.
+#[utoipa::path(delete, path = "/v1/tenants/{tenant}/subscribers/{subscriber_ref}", tag = "subscribers",
+    params(
+        ("tenant" = String, Path, description = "the tenant's name"),
+        ("subscriber_ref" = String, Path, description = "the client's reference of the subscriber", min_length = 1, max_length = 128, pattern = "^[!-~]+$"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path and the (empty) body"),
+    ),
+    responses(
+        (status = 200, description = "erased", body = ErasureAnswer),
+        (status = 400, description = "invalid reference", body = InvalidRequest),
+        (status = 401, description = "not authenticated", body = Unauthorized),
+        (status = 500, description = "unexpected", body = ErrorBody),
+    ),
+    security(("signature" = [])))]
+pub async fn erase_subscriber(
+    State(state): State<AppState>,
+    ApiPath((tenant_name, subscriber)): ApiPath<(String, String)>,
+    SignedTenant { tenant, .. }: SignedTenant,
+) -> Result<Response, ApiError> {
+    let subscriber = subscriber_ref(&subscriber)?;
+    let by = Operator::new(
+        &format!("nudge-intake:{tenant_name}"),
+        Some("erasure requested by the tenant over the API"),
+        state.now(),
+    )
+    .map_err(ApiError::internal)?;
+    let erasure = state
+        .ledger()
+        .erase_subscriber(
+            tenant.id,
+            &subscriber,
+            state.cipher(),
+            &by,
+            LedgerTime::Database,
+        )
+        .await
+        .map_err(ApiError::internal)?;
+    Ok(Json(ErasureAnswer {
+        contacts_deleted: erasure.contacts_deleted,
+        reminders_erased: erasure.reminders_erased,
+        deliveries_cancelled: erasure.deliveries_cancelled,
+    })
+    .into_response())
+}

@@ -1,0 +1,208 @@
+//! The request and answer shapes of the `/v1` API, documented for OpenAPI by `utoipa` from
+//! these very types (`docs/openapi.json` is generated from them; a test keeps the committed
+//! one equal).
+//!
+//! The request types are the contract's description of a body: the handlers parse a body
+//! with the ledger's reminder format (`nudge_ledger::input`), whose errors name a JSON
+//! pointer and never a value, not with these types. The answers are what the handlers
+//! serialise. A shape never holds a destination, subscriber reference or content in an
+//! answer. This module must never read a request, touch the ledger or import a handler.
+
+use chrono::{DateTime, Utc};
+use nudge_domain::Channel;
+use serde::Serialize;
+use serde_json::Value;
+use utoipa::ToSchema;
+
+use crate::error::Problem;
+
+/// The correlation id header, read from requests and set on reminder answers.
+pub const CORRELATION_HEADER: &str = "x-correlation-id";
+
+/// A channel name.
+#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ChannelName {
+    Push,
+    Email,
+    Sms,
+}
+
+/// Destinations per channel: a phone number, an email address or a push token (each 1 to
+/// 1024 bytes, not blank). Stored encrypted; never echoed.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Destinations {
+    #[schema(min_length = 1, max_length = 1024)]
+    pub push: Option<String>,
+    #[schema(min_length = 1, max_length = 1024)]
+    pub email: Option<String>,
+    #[schema(min_length = 1, max_length = 1024)]
+    pub sms: Option<String>,
+}
+
+/// One reminder: the fields of a `nudgectl reminders load` line without `tenant` (the path
+/// names it). Every channel listed needs a destination, and no other channel may have one.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReminderBody {
+    /// The client's id for this event, unique per tenant: posting it again is safe.
+    #[schema(min_length = 1, max_length = 200, pattern = "^[!-~]+$")]
+    pub event_id: String,
+    /// The client's opaque identifier of the patient (stored only as a keyed hash).
+    #[schema(min_length = 1, max_length = 128, pattern = "^[!-~]+$")]
+    pub subscriber_ref: String,
+    #[schema(min_items = 1, max_items = 3)]
+    pub channels: Vec<ChannelName>,
+    /// When to send (RFC 3339 with an offset); at most `intake.max_schedule_ahead_days` ahead.
+    pub scheduled_at: DateTime<Utc>,
+    /// After this, never send (after `scheduled_at`).
+    pub expires_at: DateTime<Utc>,
+    pub destinations: Destinations,
+    /// Template parameters: a JSON object of at most 16 KiB as JSON text. Stored encrypted.
+    #[schema(value_type = Option<Object>)]
+    pub content: Option<Value>,
+}
+
+/// Several reminders in one request, each answered on its own.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReminderBatch {
+    /// 1 to `intake.batch_max` (default 500) reminders.
+    #[schema(min_items = 1)]
+    pub reminders: Vec<ReminderBody>,
+}
+
+/// The body of `POST /v1/tenants/{tenant}/reminders`: one reminder, or a batch.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum PostReminders {
+    One(ReminderBody),
+    Many(ReminderBatch),
+}
+
+/// Why a reminder is recorded but not scheduled yet: it is held until the tenant is resumed
+/// or the channel's drain ends, then scheduled at once if its time has come.
+///
+/// Withheld, not "held": in nudge's words a held delivery is an ambiguous one, waiting for an
+/// operator. The public API keeps its words: this is the field `held` of [`Accepted`] and the
+/// schema `Held` of the OpenAPI document, and both stay so named (clients read them).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[schema(
+    as = Held,
+    description = "Why a reminder is recorded but not scheduled yet: it is held until the tenant is resumed\nor the channel's drain ends, then scheduled at once if its time has come."
+)]
+pub struct Withheld {
+    pub tenant_paused: bool,
+    /// Those of the reminder's channels that are draining.
+    pub draining_channels: Vec<ChannelName>,
+}
+
+/// A reminder recorded (202, first time) or recognised (200, the same event and body again).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Accepted {
+    pub reminder_id: uuid::Uuid,
+    pub event_id: String,
+    /// `accepted` (recorded now) or `duplicate` (recorded before, nothing changed).
+    pub status: &'static str,
+    /// Deliveries created at once (the reminder is due, or its window has run).
+    pub deliveries_created: u64,
+    pub correlation_id: String,
+    /// Present when the reminder is recorded but held.
+    #[serde(rename = "held", skip_serializing_if = "Option::is_none")]
+    pub withheld: Option<Withheld>,
+}
+
+/// One reminder of a batch, answered on its own.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BatchItem {
+    /// Its position in `reminders`.
+    pub index: usize,
+    /// 202 accepted, 200 duplicate, 409 event id used for another reminder, 400 invalid.
+    pub status: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reminder: Option<Accepted>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_id: Option<String>,
+    /// Present with 400 (paths relative to this reminder) and 409.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<Problem>,
+}
+
+/// The answer to a batch: one item per reminder, in order. Everything accepted in it is
+/// committed together, before this answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BatchAnswer {
+    pub results: Vec<BatchItem>,
+}
+
+/// The 200 answer of `POST .../reminders`: a duplicate single reminder, or a batch.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum PostAnswer {
+    One(Accepted),
+    Many(BatchAnswer),
+}
+
+/// One channel of a reminder. `state` is a delivery state (`scheduled`, `queued`, `sending`,
+/// `retry_wait`, `delivered`, `dead_lettered`, `expired`, `cancelled`, `ambiguous`) or
+/// `pending` while no delivery exists yet (not due yet, or held).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChannelState {
+    pub channel: ChannelName,
+    pub state: String,
+    pub attempts: i32,
+    pub settled_at: Option<DateTime<Utc>>,
+}
+
+/// A reminder's state per channel. No destination, subscriber or content.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReminderState {
+    pub reminder_id: uuid::Uuid,
+    pub event_id: String,
+    pub scheduled_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    pub cancelled_at: Option<DateTime<Utc>>,
+    pub correlation_id: Option<String>,
+    pub channels: Vec<ChannelState>,
+}
+
+/// What a cancellation did: `cancelled` lists the channels settled now; `reminder` shows
+/// every channel after it (one already sent stays `delivered`; one being sent finishes and
+/// is never retried).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CancelAnswer {
+    pub cancelled: Vec<ChannelName>,
+    pub reminder: ReminderState,
+}
+
+/// The body of `PUT .../contacts`: destinations for one or more channels; channels not given
+/// keep theirs.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ContactsBody {
+    pub destinations: Destinations,
+}
+
+/// The channels whose destination was stored.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ContactsAnswer {
+    pub channels: Vec<ChannelName>,
+}
+
+/// What an erasure did (counts only).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErasureAnswer {
+    pub contacts_deleted: u64,
+    pub reminders_erased: u64,
+    pub deliveries_cancelled: u64,
+}
+
+/// The API's name of `c`.
+pub fn channel_name(c: Channel) -> ChannelName {
+    match c {
+        Channel::Push => ChannelName::Push,
+        Channel::Email => ChannelName::Email,
+        Channel::Sms => ChannelName::Sms,
+    }
+}
