@@ -159,7 +159,7 @@ pub(crate) async fn load(
             (None, Err(e)) => return Err(e),
             // The stop is the error to report; this one is handled by logging it.
             (Some(_), Err(e)) => {
-                tracing::error!(error.cause_chain = %error_chain(&e), "audit row for a stopped load not written");
+                tracing::error!(error.cause_chain = %error_chain(&*e), "audit row for a stopped load not written");
             }
         }
     }
