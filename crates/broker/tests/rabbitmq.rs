@@ -9,9 +9,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use nudge_broker::lapin::options::{
-    ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use nudge_broker::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use nudge_broker::lapin::types::FieldTable;
 use nudge_broker::lapin::{self, Connection, ConnectionProperties};
 use nudge_broker::test_support::{Cleanup, amqp_url};

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use nudge_broker::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions, QueuePurgeOptions};
+use nudge_broker::lapin::options::QueuePurgeOptions;
 use nudge_broker::lapin::{Connection, ConnectionProperties};
 use nudge_broker::test_support::{Cleanup, amqp_url};
 use nudge_broker::{Broker, Topology};

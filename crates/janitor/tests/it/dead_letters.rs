@@ -7,9 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nudge_broker::lapin::options::{
-    BasicPublishOptions, ExchangeDeleteOptions, QueueDeleteOptions,
-};
+use nudge_broker::lapin::options::BasicPublishOptions;
 use nudge_broker::lapin::{BasicProperties, Connection, ConnectionProperties};
 use nudge_broker::test_support::{amqp_url, delete_namespace};
 use nudge_broker::{Broker, Topology};

@@ -14,7 +14,8 @@ use nudge_ledger::{
     RedriveState, SubscriberKey,
 };
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
+
+use crate::common::as_janitor;
 
 fn ops() -> Operator {
     Operator::new("ops", Some("provider back"), Utc::now()).unwrap()

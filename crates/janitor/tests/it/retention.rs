@@ -10,9 +10,10 @@ use nudge_domain::{Channel, RetentionDays, RetentionPolicy};
 use nudge_janitor::retention::{RetentionOutcome, RetentionSettings, retention_once};
 use nudge_ledger::{Blocker, Ledger, LedgerTime, Operator, RetentionTable, RunState};
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+use crate::common::as_janitor;
 
 fn settings(batch_size: u32, export_dir: Option<std::path::PathBuf>) -> RetentionSettings {
     RetentionSettings {

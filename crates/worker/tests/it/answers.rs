@@ -9,10 +9,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use nudge_domain::{
-    AdmissionSettings, Channel, DeliveryState, EventId, IdempotencySupport, ProviderAccount,
-    ProviderAnswer, RetryPolicy, SendOutcome, SubscriberRef, Verdict,
+    AdmissionSettings, Channel, DeliveryState, IdempotencySupport, ProviderAccount, ProviderAnswer,
+    RetryPolicy, SendOutcome, Verdict,
 };
 use nudge_ledger::test_support::{self, DESTINATION_KEY as KEY, db_now};
 use nudge_ledger::{DestinationCipher, DueDelivery, Ledger};

@@ -6,10 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-use nudge_domain::{
-    AdmissionSettings, Channel, DeliveryState, EventId, ProviderAccount, RetryPolicy, SubscriberRef,
-};
+use chrono::Utc;
+use nudge_domain::{AdmissionSettings, Channel, DeliveryState, ProviderAccount, RetryPolicy};
 use nudge_ledger::test_support::{self, DESTINATION_KEY as KEY, db_now};
 use nudge_ledger::{DestinationCipher, DueDelivery, Ledger, LedgerTime};
 use nudge_provider::HttpProviderConfig;

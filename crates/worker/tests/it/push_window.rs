@@ -13,9 +13,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
 use nudge_config::Secret;
-use nudge_domain::{
-    AdmissionSettings, Channel, DeliveryState, EventId, ProviderAccount, RetryPolicy, SubscriberRef,
-};
+use nudge_domain::{AdmissionSettings, Channel, DeliveryState, ProviderAccount, RetryPolicy};
 use nudge_ledger::test_support::{self, DESTINATION_KEY as KEY, db_now, owed_from};
 use nudge_ledger::{DestinationCipher, DueDelivery, Ledger, LedgerTime};
 use nudge_provider::{FcmKeys, HttpProviderConfig, ProviderKind};
