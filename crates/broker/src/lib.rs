@@ -14,6 +14,8 @@ mod broker;
 mod consume;
 mod error;
 mod publish;
+#[cfg(feature = "test-support")]
+pub mod test_support;
 mod topology;
 
 pub use broker::Broker;

@@ -9,11 +9,10 @@
 use std::process::Command;
 use std::time::Duration;
 
-use nudge_broker::lapin::options::{
-    ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use nudge_broker::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use nudge_broker::lapin::types::FieldTable;
 use nudge_broker::lapin::{self, Connection, ConnectionProperties};
+use nudge_broker::test_support::{Cleanup, amqp_url};
 use nudge_broker::{
     Broker, BrokerError, Consumer, Incoming, OutgoingMessage, PublishError, QueueKind, Topology,
     declare,
@@ -26,56 +25,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Generous: quorum queues on a busy 2-core machine can take a while to answer.
 const DEADLINE: Duration = Duration::from_secs(30);
 const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
-
-fn amqp_url() -> String {
-    std::env::var("NUDGE_TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
-}
-
-/// Deletes the namespace's queues and exchanges on drop, on a thread with its own runtime and
-/// connection so that it also runs while a failed test unwinds.
-struct Cleanup {
-    topology: Topology,
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let topology = self.topology.clone();
-        let joined = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            runtime.block_on(delete_namespace(&topology));
-        })
-        .join();
-        if joined.is_err() && !std::thread::panicking() {
-            panic!("cleaning up the test namespace failed");
-        }
-    }
-}
-
-async fn delete_namespace(topology: &Topology) {
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    for ch in Channel::ALL {
-        for queue in [topology.work_queue(ch), topology.dead_queue(ch)] {
-            channel
-                .queue_delete(queue.into(), QueueDeleteOptions::default())
-                .await
-                .unwrap();
-        }
-    }
-    for exchange in [topology.work_exchange(), topology.dead_exchange()] {
-        channel
-            .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
-            .await
-            .unwrap();
-    }
-    connection.close(200, "test cleanup".into()).await.unwrap();
-}
 
 /// A fresh namespace, its cleanup guard, and a broker connected under a name unique to it.
 async fn setup(delivery_limit: u32) -> (Broker, Cleanup, String) {

@@ -37,6 +37,8 @@ mod retention;
 mod schedules;
 mod status;
 mod tenants;
+#[cfg(feature = "test-support")]
+pub mod test_support;
 mod trace;
 
 pub use age::AgeBand;

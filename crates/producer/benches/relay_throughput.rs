@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use nudge_broker::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use nudge_broker::lapin::{Connection, ConnectionProperties};
+use nudge_broker::test_support::delete_namespace;
 use nudge_broker::{Broker, Topology};
 use nudge_domain::Channel;
 use nudge_ledger::Ledger;
@@ -124,23 +125,5 @@ async fn main() {
     .execute(&admin)
     .await
     .unwrap();
-    let connection = Connection::connect(&amqp_url, ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    for ch in Channel::ALL {
-        for queue in [topology.work_queue(ch), topology.dead_queue(ch)] {
-            channel
-                .queue_delete(queue.into(), QueueDeleteOptions::default())
-                .await
-                .unwrap();
-        }
-    }
-    for exchange in [topology.work_exchange(), topology.dead_exchange()] {
-        channel
-            .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
-            .await
-            .unwrap();
-    }
-    connection.close(200, "bench cleanup".into()).await.unwrap();
+    delete_namespace(&topology).await;
 }

@@ -7,8 +7,9 @@
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use nudge_broker::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions, QueuePurgeOptions};
+use nudge_broker::lapin::options::QueuePurgeOptions;
 use nudge_broker::lapin::{Connection, ConnectionProperties};
+use nudge_broker::test_support::{Cleanup, amqp_url};
 use nudge_broker::{Broker, Topology};
 use nudge_domain::{Channel, EventId, SubscriberRef, TenantId};
 use nudge_ledger::{DestinationCipher, Ledger, NewReminder, SubscriberKey};
@@ -16,57 +17,22 @@ use nudge_producer::{ProducerSection, Relay};
 use nudge_testkit::FaultProxy;
 use sqlx::PgPool;
 
-fn amqp_url() -> String {
-    std::env::var("NUDGE_TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
-}
-
 /// A fresh namespace whose queues and exchanges are deleted on drop, failed test included.
 struct Namespace {
     topology: Topology,
+    _cleanup: Cleanup,
 }
 
 impl Namespace {
     fn new() -> Self {
         let id = &uuid::Uuid::new_v4().simple().to_string()[..10];
+        let topology = Topology::new(&format!("relay-{id}."), 3).unwrap();
         Self {
-            topology: Topology::new(&format!("relay-{id}."), 3).unwrap(),
+            _cleanup: Cleanup {
+                topology: topology.clone(),
+            },
+            topology,
         }
-    }
-}
-
-impl Drop for Namespace {
-    fn drop(&mut self) {
-        let topology = self.topology.clone();
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            runtime.block_on(async move {
-                let Ok(connection) =
-                    Connection::connect(&amqp_url(), ConnectionProperties::default()).await
-                else {
-                    return;
-                };
-                if let Ok(channel) = connection.create_channel().await {
-                    for ch in Channel::ALL {
-                        for queue in [topology.work_queue(ch), topology.dead_queue(ch)] {
-                            let _ = channel
-                                .queue_delete(queue.into(), QueueDeleteOptions::default())
-                                .await;
-                        }
-                    }
-                    for exchange in [topology.work_exchange(), topology.dead_exchange()] {
-                        let _ = channel
-                            .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
-                            .await;
-                    }
-                }
-                let _ = connection.close(200, "test cleanup".into()).await;
-            });
-        })
-        .join();
     }
 }
 

@@ -1,0 +1,7 @@
+//! The intake's integration tests, one binary: the HTTP API, the commit path, provider receipts and
+//! the server's limits, each against a fresh database.
+
+mod api;
+mod commit;
+mod receipts;
+mod server;

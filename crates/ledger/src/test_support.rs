@@ -1,0 +1,365 @@
+//! Fixtures for the tests of the ledger and of the crates built on it (the worker's, the
+//! janitor's): a tenant, a reminder owed, claimed as the relay claims it, leased as a worker
+//! leases it and its outcome recorded, against the database `#[sqlx::test]` gives each test,
+//! migrated with the real schema. Time is either fixed ([`t0`], [`at`]) or the database's
+//! ([`db_now`], [`published`]).
+//!
+//! Compiled only with the `test-support` feature, which the workspace turns on for
+//! dev-dependencies alone: it must never be part of a shipped binary. A failed unwrap here is a
+//! failed test, with its location.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use chrono::{DateTime, TimeZone, Utc};
+use nudge_domain::{
+    AdmissionSettings, Channel, Decision, EventId, IdempotencySupport, ProviderAccount, ReminderId,
+    SubscriberRef, TenantId,
+};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+use crate::{
+    AttemptRecord, Destination, DestinationCipher, DueDelivery, LeaseBatch, LeaseOutcome,
+    LeasedDelivery, Ledger, LedgerTime, NewReminder, Operator, OutcomeToRecord, Recorded,
+    SubscriberKey, Tenant, WorkerRoutes,
+};
+
+/// The fixed instant the tests that move time start from.
+pub fn t0() -> DateTime<Utc> {
+    Utc.with_ymd_and_hms(2026, 11, 29, 9, 0, 0).unwrap()
+}
+
+pub fn secs(n: i64) -> chrono::Duration {
+    chrono::Duration::seconds(n)
+}
+
+pub const LEASE: Duration = Duration::from_secs(60);
+
+/// The destination key of [`cipher`]: a worker opening what the fixtures sealed is given it.
+pub const DESTINATION_KEY: [u8; 32] = [42; 32];
+
+/// Seals destinations with [`DESTINATION_KEY`] and keys subscriber references.
+pub fn cipher() -> DestinationCipher {
+    DestinationCipher::new(&DESTINATION_KEY).with_subscriber_key(SubscriberKey::new(&[43u8; 32]))
+}
+
+/// The operator behind the tests' changes, acting at `at`.
+pub fn ops(at: DateTime<Utc>) -> Operator {
+    Operator::new("ops@clinic", Some("test"), at).unwrap()
+}
+
+pub async fn tenant(ledger: &Ledger) -> Tenant {
+    ledger.create_tenant("clinic-a", &ops(t0())).await.unwrap()
+}
+
+pub fn reminder(
+    tenant_id: TenantId,
+    event: &str,
+    channels: &[Channel],
+    scheduled_at: DateTime<Utc>,
+) -> NewReminder {
+    NewReminder::new(
+        tenant_id,
+        EventId::parse(event).unwrap(),
+        SubscriberRef::parse("patient-0001").unwrap(),
+        channels,
+        scheduled_at,
+        scheduled_at + secs(3600),
+    )
+    .unwrap()
+}
+
+/// Creates a reminder and materialises its deliveries; returns the reminder id.
+pub async fn owed(
+    ledger: &Ledger,
+    tenant_id: TenantId,
+    event: &str,
+    channels: &[Channel],
+    scheduled_at: DateTime<Utc>,
+) -> ReminderId {
+    let created = ledger
+        .create_reminder(
+            &reminder(tenant_id, event, channels, scheduled_at),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+    ledger
+        .materialise_reminder(tenant_id, created.id, t0())
+        .await
+        .unwrap();
+    created.id
+}
+
+/// The fixed instant a statement evaluates its time conditions at, in place of the database's
+/// clock: the same statements production runs, with time moved by the test.
+pub fn at(t: DateTime<Utc>) -> LedgerTime {
+    LedgerTime::Fixed(t)
+}
+
+pub fn account(name: &str) -> ProviderAccount {
+    ProviderAccount::parse(name).unwrap()
+}
+
+/// A worker's accounts: `main` (the default) and `other`, with the idempotency given.
+pub fn routes(idempotency: IdempotencySupport) -> WorkerRoutes {
+    WorkerRoutes {
+        default: account("main"),
+        accounts: vec![
+            (account("main"), idempotency),
+            (account("other"), idempotency),
+        ],
+    }
+}
+
+pub fn settings() -> AdmissionSettings {
+    AdmissionSettings::default()
+}
+
+/// Claims everything due at `now` on every channel (the relay claims per channel).
+pub async fn claim_all(ledger: &Ledger, now: DateTime<Utc>) -> Vec<DueDelivery> {
+    let mut all = Vec::new();
+    for channel in Channel::ALL {
+        all.extend(ledger.claim_due(channel, 1000, at(now)).await.unwrap());
+    }
+    all.sort_by_key(|d| d.next_attempt_at);
+    all
+}
+
+/// A worker's batch lease: `lease_holder` with `routes`, holding leases for [`LEASE`], at `now`.
+pub fn batch_of<'a>(
+    channel: Channel,
+    lease_holder: &'a str,
+    routes: &'a WorkerRoutes,
+    admission: &'a AdmissionSettings,
+    cipher: &'a DestinationCipher,
+    at: LedgerTime,
+) -> LeaseBatch<'a> {
+    LeaseBatch {
+        channel,
+        lease_holder,
+        lease_for: LEASE,
+        routes,
+        admission,
+        cipher,
+        at,
+    }
+}
+
+/// Leases one message through the worker's batch lease, as `lease_holder`, with `routes`.
+pub async fn lease_as(
+    ledger: &Ledger,
+    due: &DueDelivery,
+    lease_holder: &str,
+    routes: &WorkerRoutes,
+    now: DateTime<Utc>,
+) -> LeaseOutcome {
+    let settings = settings();
+    let cipher = cipher();
+    let batch = batch_of(due.channel, lease_holder, routes, &settings, &cipher, at(now));
+    ledger
+        .lease_batch(&batch, &[due.message_pointer()])
+        .await
+        .unwrap()
+        .outcomes
+        .remove(0)
+}
+
+/// Leases one message as `worker-1` on an idempotent default account.
+pub async fn lease(ledger: &Ledger, due: &DueDelivery, now: DateTime<Utc>) -> LeaseOutcome {
+    lease_as(
+        ledger,
+        due,
+        "worker-1",
+        &routes(IdempotencySupport::Honoured),
+        now,
+    )
+    .await
+}
+
+/// The lease of a `Leased` outcome; panics otherwise.
+pub fn leased(outcome: LeaseOutcome) -> LeasedDelivery {
+    match outcome {
+        LeaseOutcome::Leased { lease, .. } => lease,
+        other => panic!("expected a lease, got {other:?}"),
+    }
+}
+
+/// Records one outcome through the group-commit statement.
+pub async fn record(
+    ledger: &Ledger,
+    lease: &LeasedDelivery,
+    decision: &Decision,
+    attempt: &AttemptRecord,
+    now: DateTime<Utc>,
+) -> Recorded {
+    ledger
+        .record_outcomes(
+            &[OutcomeToRecord {
+                lease,
+                decision,
+                attempt,
+            }],
+            std::time::Duration::from_secs(60),
+            at(now),
+        )
+        .await
+        .unwrap()
+        .remove(0)
+}
+
+/// A worker's leasing kit, owned (its routes on [`routes`], the default admission settings and
+/// [`cipher`]), so that a test borrows a [`LeaseBatch`] from it in a line.
+#[derive(Debug)]
+pub struct Leaser {
+    pub routes: WorkerRoutes,
+    pub admission: AdmissionSettings,
+    pub cipher: DestinationCipher,
+}
+
+impl Leaser {
+    /// A worker on the accounts `main` (its default) and `other`, with `idempotency`.
+    pub fn new(idempotency: IdempotencySupport) -> Self {
+        Leaser {
+            routes: routes(idempotency),
+            admission: settings(),
+            cipher: cipher(),
+        }
+    }
+
+    /// Its batch lease of `channel` as `lease_holder`, holding leases for [`LEASE`], at `at`.
+    pub fn batch<'a>(&'a self, channel: Channel, lease_holder: &'a str, at: LedgerTime) -> LeaseBatch<'a> {
+        batch_of(
+            channel,
+            lease_holder,
+            &self.routes,
+            &self.admission,
+            &self.cipher,
+            at,
+        )
+    }
+}
+
+/// The same database as `pool`, connected as `role` (one of the roles the migrations create
+/// for each binary).
+pub async fn connected_as(pool: &PgPool, role: &str) -> Ledger {
+    let options = (*pool.connect_options()).clone().username(role);
+    let connected = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap();
+    Ledger::from_pool(connected)
+}
+
+/// Runs `sql` as `role` on its own connection of `pool`; the SQLSTATE it failed with, or `None`
+/// when it succeeded.
+pub async fn as_role(pool: &PgPool, role: &str, sql: &str) -> Option<String> {
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("SET ROLE {role}")))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let result = sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(&mut *conn)
+        .await;
+    // A statement that failed inside BEGIN leaves the transaction open and aborted.
+    sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.ok();
+    sqlx::query("RESET ROLE").execute(&mut *conn).await.unwrap();
+    result.err().map(|e| match e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()).unwrap_or_default(),
+        other => other.to_string(),
+    })
+}
+
+/// The database's clock, which the workers' statements use.
+pub async fn db_now(ledger: &Ledger) -> DateTime<Utc> {
+    ledger.clock(LedgerTime::Database).await.unwrap()
+}
+
+/// The tenant `clinic`, created on first use.
+pub async fn clinic(ledger: &Ledger) -> Tenant {
+    if let Some(tenant) = ledger.tenant_by_name("clinic").await.unwrap() {
+        return tenant;
+    }
+    let now = db_now(ledger).await;
+    ledger
+        .create_tenant("clinic", &Operator::new("ops", Some("test"), now).unwrap())
+        .await
+        .unwrap()
+}
+
+/// `subscriber`'s contact in [`clinic`] on `channel`: `destination`, sealed with [`cipher`].
+pub async fn contact(ledger: &Ledger, subscriber: &str, channel: Channel, destination: &str) {
+    let tenant = clinic(ledger).await;
+    ledger
+        .upsert_contact(
+            tenant.id,
+            &SubscriberRef::parse(subscriber).unwrap(),
+            channel,
+            &Destination::new(destination),
+            &cipher(),
+            db_now(ledger).await,
+        )
+        .await
+        .unwrap();
+}
+
+/// A reminder of [`clinic`] for `subscriber` on `channel`, due `due_in` from `now` and expiring
+/// `expires_in` from `now`, created and materialised at `now`; returns its id.
+pub async fn owed_from(
+    ledger: &Ledger,
+    now: DateTime<Utc>,
+    channel: Channel,
+    event: &str,
+    subscriber: &str,
+    due_in: chrono::Duration,
+    expires_in: chrono::Duration,
+) -> ReminderId {
+    let tenant = clinic(ledger).await;
+    let created = ledger
+        .create_reminder(
+            &NewReminder::new(
+                tenant.id,
+                EventId::parse(event).unwrap(),
+                SubscriberRef::parse(subscriber).unwrap(),
+                &[channel],
+                now + due_in,
+                now + expires_in,
+            )
+            .unwrap(),
+            &cipher(),
+            now,
+        )
+        .await
+        .unwrap();
+    ledger
+        .materialise_reminder(tenant.id, created.id, now)
+        .await
+        .unwrap();
+    created.id
+}
+
+/// [`owed_from`] the database's now, due by then and claimed, as the relay would: its delivery.
+pub async fn published(
+    ledger: &Ledger,
+    channel: Channel,
+    event: &str,
+    subscriber: &str,
+    due_in: chrono::Duration,
+    expires_in: chrono::Duration,
+) -> DueDelivery {
+    let now = db_now(ledger).await;
+    let reminder = owed_from(ledger, now, channel, event, subscriber, due_in, expires_in).await;
+    let mut claimed = ledger
+        .claim_due(channel, 100, LedgerTime::Database)
+        .await
+        .unwrap();
+    claimed
+        .iter()
+        .position(|d| d.reminder_id == reminder)
+        .map(|i| claimed.swap_remove(i))
+        .expect("claimed")
+}

@@ -1,0 +1,19 @@
+//! The ledger's integration tests, one binary: each test gets its own fresh database from
+//! `#[sqlx::test]`, migrated with the real schema.
+
+mod audit;
+mod buckets;
+mod deliveries;
+mod estimate;
+mod gauges;
+mod operations;
+mod provider_effects;
+mod recovery;
+mod redrive;
+mod reminders;
+mod retention;
+mod roles;
+mod schema;
+mod subscribers;
+mod tenant_secrets;
+mod trace;

@@ -1,0 +1,7 @@
+//! nudgectl's integration tests, one binary: its commands against a fresh database each.
+
+mod commands;
+mod rates;
+mod reminders_load;
+mod retention;
+mod trace;
