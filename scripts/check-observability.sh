@@ -2,7 +2,7 @@
 # Checks deploy/observability with promtool (Debian's `prometheus` package; scripts/services.sh
 # installs it): the Prometheus configuration, the alert rules, their unit tests, and that every
 # query of the Grafana dashboards parses. That every metric they read is exported is a Rust
-# test (tests/e2e/tests/observability_catalog.rs).
+# test (tests/e2e/tests/it/observability_catalog.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=deploy/observability

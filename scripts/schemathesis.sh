@@ -13,7 +13,7 @@
 # Checks: no server error, and every status code, content type, header and body as the
 # contract says. Not run: the checks of what a request must be refused for (ignored_auth,
 # missing_required_header: the hook signs every request, including the ones meant to go
-# unsigned; the refusals are tested in crates/intake/tests/api.rs), and of which generated
+# unsigned; the refusals are tested in crates/intake/tests/it/api.rs), and of which generated
 # bodies are accepted (negative_data_rejection, positive_data_acceptance: the contract cannot
 # express every rule, e.g. a destination per listed channel or the schedule-ahead limit, and
 # a batch answers 200 with a 400 per bad item by design).
