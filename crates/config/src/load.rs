@@ -113,6 +113,7 @@ pub const KNOWN_SECTIONS: &[&str] = &[
     "intake",
     "receipts",
     "retention",
+    "nudgectl",
 ];
 
 /// `NUDGE_` variables that are not configuration keys, read by name elsewhere: the file path

@@ -19,6 +19,11 @@
 //! - `retention.*`: the retention policy `retention plan` counts by (the janitor's; see
 //!   `nudge_config::RetentionConfig`). The janitor-only keys (pace, export) are read and
 //!   checked but unused here.
+//! - `nudgectl.require_synchronous_standby` (default `false`): when set, `status` warns unless
+//!   the server it reaches reports a synchronous standby (`synchronous_standby_names` set, a
+//!   standby `sync` or `quorum` in `pg_stat_replication`, `synchronous_commit` waiting for it).
+//!   Set it wherever the ledger runs with a replica that can be promoted; leave it off for a
+//!   single server.
 
 use nudge_config::{
     ConfigError, CryptoConfig, DatabaseConfig, RetentionConfig, TelemetryConfig, Validate,
@@ -32,10 +37,20 @@ pub struct CtlConfig {
     pub telemetry: TelemetryConfig,
     pub crypto: CryptoConfig,
     pub retention: RetentionConfig,
+    pub nudgectl: CtlSection,
+}
+
+/// `[nudgectl]`: what the operator's checks expect of the deployment.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CtlSection {
+    /// `status` warns when the server reports no synchronous standby.
+    pub require_synchronous_standby: bool,
 }
 
 impl CtlConfig {
-    pub const SECTIONS: &'static [&'static str] = &["database", "telemetry", "crypto", "retention"];
+    pub const SECTIONS: &'static [&'static str] =
+        &["database", "telemetry", "crypto", "retention", "nudgectl"];
 }
 
 impl Default for CtlConfig {
@@ -48,6 +63,7 @@ impl Default for CtlConfig {
             },
             crypto: CryptoConfig::default(),
             retention: RetentionConfig::default(),
+            nudgectl: CtlSection::default(),
         }
     }
 }

@@ -14,6 +14,7 @@ mod load;
 mod operations;
 mod rate;
 mod redrive;
+mod replication;
 mod retention;
 mod schedule;
 mod table;
@@ -84,7 +85,8 @@ pub enum Command {
     #[command(subcommand)]
     Rate(RateCommand),
     /// Per-channel counts of owed, in-flight, dead-lettered and ambiguous deliveries, then
-    /// the rate buckets.
+    /// the rate buckets. With `nudgectl.require_synchronous_standby` set, a warning when the
+    /// server reports no synchronous standby.
     Status {
         /// Print the per-channel counts as a JSON array instead of the tables (the buckets
         /// are in `rate list --json`).
@@ -452,6 +454,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Command::Retention(RetentionCommand::Plan { policy, .. }) = &mut command {
         *policy = Some(config.retention.policy()?);
     }
+    // `status --json` keeps its stdout for the JSON: the warning goes to stderr there.
+    let standby_check = match &command {
+        Command::Status { json } if config.nudgectl.require_synchronous_standby => Some(*json),
+        _ => None,
+    };
     let mut out = std::io::stdout().lock();
     // Unlocked: log lines may share stderr, and a load can take a while.
     let mut err = std::io::stderr();
@@ -463,7 +470,20 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         &mut out,
         &mut err,
     )
-    .await
+    .await?;
+    if let Some(json) = standby_check {
+        let standby = replication::SynchronousStandby::read(ledger.pool())
+            .await
+            .context("failed to read the server's replication state")?;
+        if let Some(warning) = standby.warning() {
+            if json {
+                writeln!(err, "{warning}")?;
+            } else {
+                writeln!(out, "\n{warning}")?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Subscribers converted per transaction by `migrate`.

@@ -5,6 +5,8 @@
 //! is stopped (and its directory removed) when its handle is dropped, a failed test included.
 //! A [`RabbitNode`] can join another into a cluster ([`rabbit_cluster`]). Both are started and
 //! stopped with the packages' own tools, so what a test does is what an operator would do.
+//! A [`PrivatePostgres`] can be given a streaming standby ([`PrivatePostgres::standby_of`]),
+//! killed like a lost machine and its standby promoted: the failover drill's pair.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -173,6 +175,111 @@ impl PrivatePostgres {
     /// Starts the stopped server again on the same port.
     pub fn restart(&self) -> anyhow::Result<()> {
         self.start_server()
+    }
+}
+
+/// A standby's and a primary's part in a failover drill: streaming replication from a
+/// [`PrivatePostgres`] to another, the primary killed as in a lost machine, the standby promoted.
+impl PrivatePostgres {
+    /// A hot standby of `primary` in a temporary directory of its own, on a free port:
+    /// `pg_basebackup -R` (the standby's `primary_conninfo` names it `application_name`, the name
+    /// the primary's `synchronous_standby_names` lists), started and streaming.
+    pub fn standby_of(primary: &PrivatePostgres, application_name: &str) -> anyhow::Result<Self> {
+        let dir = temp_dir("postgres-standby")?;
+        if is_root() {
+            let status = Command::new("chown")
+                .args(["postgres:postgres"])
+                .arg(&dir)
+                .status()?;
+            if !status.success() {
+                bail!("could not give {} to the postgres user", dir.display());
+            }
+        }
+        let standby = Self {
+            dir,
+            bin: primary.bin.clone(),
+            port: free_port(),
+        };
+        let data_arg = standby.data_arg();
+        let primary_port = primary.port.to_string();
+        run_as_postgres(
+            &standby.bin.join("pg_basebackup"),
+            &[
+                "-D",
+                &data_arg,
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &primary_port,
+                "-U",
+                "postgres",
+                "-X",
+                "stream",
+                "-R",
+                "--no-sync",
+            ],
+        )?;
+        // `-R` wrote a `primary_conninfo` without a name; the last setting in the file wins.
+        let conninfo = format!(
+            "\nprimary_conninfo = 'host=127.0.0.1 port={primary_port} user=postgres \
+             application_name={application_name}'\n"
+        );
+        let auto_conf = standby.dir.join("data").join("postgresql.auto.conf");
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&auto_conf)
+            .with_context(|| format!("failed to open {}", auto_conf.display()))?;
+        std::io::Write::write_all(&mut file, conninfo.as_bytes())?;
+        standby.start_server()?;
+        Ok(standby)
+    }
+
+    /// `postgres://postgres@127.0.0.1:<port>/<database>`.
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// SIGKILL to the postmaster and every process it started, at once, as when the machine
+    /// is lost: no shutdown checkpoint, no goodbye to the clients or the standby. The postmaster
+    /// is stopped (SIGSTOP) first, so it forks nothing between the listing and the kill.
+    pub fn kill(&self) -> anyhow::Result<()> {
+        let pid_file = self.dir.join("data").join("postmaster.pid");
+        let text = std::fs::read_to_string(&pid_file)
+            .with_context(|| format!("failed to read {}", pid_file.display()))?;
+        let postmaster = text
+            .lines()
+            .next()
+            .map(str::trim)
+            .filter(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+            .with_context(|| format!("{} names no process", pid_file.display()))?
+            .to_owned();
+        let stop = Command::new("kill").args(["-STOP", &postmaster]).status()?;
+        if !stop.success() {
+            bail!("could not stop the postmaster {postmaster}");
+        }
+        let children = Command::new("ps")
+            .args(["-o", "pid=", "--ppid", &postmaster])
+            .output()
+            .context("failed to list the postmaster's processes")?;
+        let mut pids = vec![postmaster.clone()];
+        pids.extend(
+            String::from_utf8_lossy(&children.stdout)
+                .split_whitespace()
+                .map(str::to_owned),
+        );
+        let status = Command::new("kill").arg("-KILL").args(&pids).status()?;
+        if !status.success() {
+            bail!("kill -KILL {} failed", pids.join(" "));
+        }
+        Ok(())
+    }
+
+    /// `pg_ctl promote -w`: returns once the standby has left recovery and takes writes.
+    pub fn promote(&self) -> anyhow::Result<()> {
+        run_as_postgres(
+            &self.bin.join("pg_ctl"),
+            &["-D", &self.data_arg(), "-w", "-t", "60", "promote"],
+        )
     }
 }
 

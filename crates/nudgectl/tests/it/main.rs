@@ -3,5 +3,6 @@
 mod commands;
 mod rates;
 mod reminders_load;
+mod replication;
 mod retention;
 mod trace;

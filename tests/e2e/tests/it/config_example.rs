@@ -161,8 +161,8 @@ fn the_example_has_every_key_of_nudgectl_with_its_default() {
     );
     assert_eq!(
         checked,
-        6 + 4 + 3 + 12,
-        "database, telemetry, crypto, retention"
+        6 + 4 + 3 + 12 + 1,
+        "database, telemetry, crypto, retention, nudgectl"
     );
 }
 

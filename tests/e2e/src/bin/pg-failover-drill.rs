@@ -1,0 +1,633 @@
+//! The PostgreSQL failover drill: a primary and a hot standby of this machine's Debian
+//! PostgreSQL (their own ports and data directories; the shared server is not touched), the
+//! standby synchronous (`synchronous_standby_names` names it, `synchronous_commit = on`) or,
+//! with `--replication async`, not. A loopback TCP proxy stands in for the read-write Service:
+//! the real producer, janitor and two SMS workers (each as its own database role) and the
+//! harness reach the ledger only through it. N SMS deliveries (default 10,000) go to a provider
+//! account that does not dedup by key. Once a quarter are delivered the primary is killed
+//! (SIGKILL to every process of it, as in a lost machine), the standby promoted
+//! (`pg_ctl promote`) and the proxy pointed at it, its old links cut.
+//!
+//! Reports what was lost, how many keys the provider saw more than once (the account does not
+//! dedup: the ledger is the only guard), how many deliveries were held `ambiguous`, how long
+//! after the promotion deliveries moved again, and the patient's view: how long after the
+//! promotion the last delivery owed at the fault was settled (delivered, or held for review).
+//! Also what each process logged (warnings and errors by message) from the fault on. Prints a
+//! table and writes bench/results/pg-failover-<mode>-<time>.json and
+//! bench/results/pg-failover-latest.md (the newest run of each mode).
+//!
+//!   scripts/postgres-failover-test.sh [--replication sync|async] [--deliveries N]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chrono::Utc;
+use clap::{Parser, ValueEnum};
+use nudge_domain::Channel;
+use nudge_e2e::private::PrivatePostgres;
+use nudge_e2e::{Services, TestEnv, WorkerOptions, keys_report, stats};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+/// The standby's name in the primary's `synchronous_standby_names` and `pg_stat_replication`.
+const STANDBY_NAME: &str = "standby1";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Replication {
+    /// The primary's commits wait until the standby has flushed them.
+    Sync,
+    /// The primary's commits return at once; the standby follows when it can.
+    Async,
+}
+
+impl Replication {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Sync => "sync",
+            Self::Async => "async",
+        }
+    }
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "Kills the PostgreSQL primary mid-run and promotes its standby")]
+struct Args {
+    /// Synchronous (the standby confirms each commit) or asynchronous replication.
+    #[arg(long, value_enum, default_value = "sync")]
+    replication: Replication,
+    /// SMS deliveries due at the start.
+    #[arg(long, default_value_t = 10_000)]
+    deliveries: usize,
+    /// Each provider answer takes this long (ms), so sends are in flight at the kill.
+    #[arg(long, default_value_t = 5)]
+    send_delay_ms: u64,
+    /// The account's bucket rate (sends/s): paces the run so the kill lands mid-run.
+    #[arg(long, default_value_t = 150.0)]
+    rate: f64,
+    /// How long after the promotion the drill waits for every delivery to settle before it
+    /// reports what is still owed.
+    #[arg(long, default_value_t = 600)]
+    settle_within_s: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Report {
+    replication: Replication,
+    deliveries: usize,
+    /// `synchronous_standby_names` on the primary, and the standby's `sync_state` before the run.
+    synchronous_standby_names: String,
+    standby_sync_state: String,
+    /// Delivered, read on the primary just before the kill.
+    delivered_before_kill: i64,
+    /// Delivered on the promoted standby when its promotion returned: fewer than before the
+    /// kill means outcomes the primary had committed were lost with it.
+    delivered_at_promotion: i64,
+    /// From the kill until `pg_ctl promote -w` returned.
+    promotion_took_ms: u128,
+    /// From the promotion until a delivery was recorded delivered on the new primary; None:
+    /// not within the settle time.
+    deliveries_resumed_after_ms: Option<u128>,
+    /// From the promotion until every process answered `/readyz`.
+    processes_ready_after_ms: Option<u128>,
+    /// The patient's view: from the promotion until the last delivery owed at the fault was
+    /// delivered or held for review; None: some were still owed after the settle time.
+    last_owed_settled_after_ms: Option<u128>,
+    /// Still scheduled, queued, sending or waiting to retry when the drill stopped waiting.
+    still_owed: i64,
+    total_s: f64,
+    states: HashMap<String, i64>,
+    /// Deliveries not delivered (any other state).
+    lost: i64,
+    provider_requests: u64,
+    provider_unique_keys: u64,
+    keys_sent_more_than_once: usize,
+    held_ambiguous: i64,
+    /// Warnings and errors each process logged from the kill on: message -> count.
+    logged_after_fault: BTreeMap<String, BTreeMap<String, usize>>,
+    /// Which binaries were used.
+    build: String,
+}
+
+/// A loopback TCP proxy to one upstream that can be pointed at another, as a Kubernetes
+/// Service follows the promoted instance. Dropping it cuts every link and stops listening.
+#[derive(Debug)]
+struct SwitchProxy {
+    port: u16,
+    upstream: Arc<Mutex<String>>,
+    links: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    accept: JoinHandle<()>,
+}
+
+impl SwitchProxy {
+    async fn start(upstream: String) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let upstream = Arc::new(Mutex::new(upstream));
+        let links: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let accept = {
+            let upstream = Arc::clone(&upstream);
+            let links = Arc::clone(&links);
+            tokio::spawn(async move {
+                while let Ok((mut client, _)) = listener.accept().await {
+                    let target = upstream
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clone();
+                    let link = tokio::spawn(async move {
+                        // A refused upstream (the primary is gone) closes the client's link.
+                        let Ok(mut server) = TcpStream::connect(target.as_str()).await else {
+                            return;
+                        };
+                        let _ = client.set_nodelay(true);
+                        let _ = server.set_nodelay(true);
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    });
+                    let mut links = links.lock().unwrap_or_else(PoisonError::into_inner);
+                    links.retain(|l| !l.is_finished());
+                    links.push(link);
+                }
+            })
+        };
+        Ok(Self {
+            port,
+            upstream,
+            links,
+            accept,
+        })
+    }
+
+    fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// New connections go to `upstream`; every link to the old one is cut. Returns how many.
+    fn retarget(&self, upstream: String) -> usize {
+        *self.upstream.lock().unwrap_or_else(PoisonError::into_inner) = upstream;
+        let mut links = self.links.lock().unwrap_or_else(PoisonError::into_inner);
+        let live = links.iter().filter(|l| !l.is_finished()).count();
+        for link in links.drain(..) {
+            link.abort();
+        }
+        live
+    }
+}
+
+impl Drop for SwitchProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        for link in self
+            .links
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain(..)
+        {
+            link.abort();
+        }
+    }
+}
+
+async fn delivered(pool: &PgPool) -> anyhow::Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM deliveries WHERE state = 'delivered'")
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+async fn live(pool: &PgPool) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM deliveries \
+         WHERE state IN ('scheduled','queued','sending','retry_wait')",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+/// A small pool straight to one server (not through the proxy), for the drill's own reads.
+async fn direct_pool(url: &str) -> anyhow::Result<PgPool> {
+    Ok(sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(3))
+        .connect(url)
+        .await?)
+}
+
+async fn all_ready(env: &TestEnv, names: &[String]) -> bool {
+    for name in names {
+        let Some(url) = env.admin_url(name) else {
+            return false;
+        };
+        let ok = env
+            .http
+            .get(format!("{url}/readyz"))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if !ok {
+            return false;
+        }
+    }
+    true
+}
+
+/// Polls `check` every 100 ms until it holds: how long that took, or None after `within`.
+async fn within<F, Fut>(within: Duration, mut check: F) -> Option<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while !check().await {
+        if started.elapsed() >= within {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Some(started.elapsed())
+}
+
+/// Polls `check` every 100 ms until it holds; fails after `limit`.
+async fn until<F, Fut>(what: &str, limit: Duration, check: F) -> anyhow::Result<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    within(limit, check)
+        .await
+        .with_context(|| format!("{what}: not within {limit:?}"))
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    // Interrupted, the drill's future is dropped: its servers and processes are stopped on the way.
+    tokio::select! {
+        result = drill(args) => result,
+        _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted; servers and processes stopped"),
+        _ = terminate.recv() => anyhow::bail!("terminated; servers and processes stopped"),
+    }
+}
+
+/// Sets the primary's replication mode and waits until the standby streams in it; returns
+/// `synchronous_standby_names` and the standby's `sync_state`.
+async fn replicate(primary: &PgPool, mode: Replication) -> anyhow::Result<(String, String)> {
+    let names = match mode {
+        Replication::Sync => format!("\"{STANDBY_NAME}\""),
+        Replication::Async => String::new(),
+    };
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER SYSTEM SET synchronous_standby_names = '{names}'"
+    )))
+    .execute(primary)
+    .await?;
+    sqlx::query("ALTER SYSTEM SET synchronous_commit = 'on'")
+        .execute(primary)
+        .await?;
+    sqlx::query("SELECT pg_reload_conf()")
+        .execute(primary)
+        .await?;
+    let expected = match mode {
+        Replication::Sync => "sync",
+        Replication::Async => "async",
+    };
+    until("the standby to stream", Duration::from_secs(60), || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT sync_state FROM pg_stat_replication \
+                 WHERE application_name = $1 AND state = 'streaming'",
+        )
+        .bind(STANDBY_NAME)
+        .fetch_optional(primary)
+        .await
+        .ok()
+        .flatten()
+        .is_some_and(|state| state == expected)
+    })
+    .await?;
+    // A new session reads the reloaded setting.
+    let mut conn = primary.acquire().await?;
+    let names: String = sqlx::query_scalar("SELECT current_setting('synchronous_standby_names')")
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok((names, expected.to_owned()))
+}
+
+async fn drill(args: Args) -> anyhow::Result<()> {
+    // Declared first, dropped last: the processes and the test database go before the servers.
+    eprintln!("starting a PostgreSQL primary and its standby");
+    let primary = PrivatePostgres::start()?;
+    let standby = PrivatePostgres::standby_of(&primary, STANDBY_NAME)?;
+    let primary_admin = direct_pool(&primary.admin_url()).await?;
+    let (standby_names, sync_state) = replicate(&primary_admin, args.replication).await?;
+    eprintln!("standby streaming ({sync_state}; synchronous_standby_names = '{standby_names}')");
+    let proxy = SwitchProxy::start(primary.addr()).await?;
+    let mut env = TestEnv::start_on(
+        "pgfailover",
+        Services {
+            admin_url: format!("postgres://postgres@{}/postgres", proxy.addr()),
+            ..Services::shared()
+        },
+    )
+    .await?;
+    env.admin_listeners = true;
+
+    eprintln!("seeding {} SMS reminders", args.deliveries);
+    let tenant = env.tenant("clinic-pgfailover", 2).await?;
+    let now = Utc::now();
+    for i in 0..args.deliveries {
+        env.reminder(
+            tenant,
+            &format!("f-{i}"),
+            &[Channel::Sms],
+            now,
+            now + chrono::Duration::hours(1),
+        )
+        .await?;
+    }
+    env.script(
+        "sms-main",
+        serde_json::json!({"default": {"status": 202, "delay_ms": args.send_delay_ms}}),
+    )
+    .await?;
+    let mut options = WorkerOptions::for_channel(Channel::Sms);
+    // The account does not dedup by key: a resend would be a second message to the patient.
+    options.accounts = vec![("sms-main".into(), false, true)];
+    options.lease_seconds = 15;
+    options.prefetch = 32;
+    options.rate = Some((args.rate, 10));
+
+    let started = Instant::now();
+    env.start_producer("producer")?;
+    env.start_janitor(200, 1_000)?;
+    env.start_worker(Channel::Sms, "worker-a", &options)?;
+    env.start_worker(Channel::Sms, "worker-b", &options)?;
+    let names = env.proc_names();
+
+    let primary_db = direct_pool(&primary.url(&env.db_name)).await?;
+    let quarter = i64::try_from(args.deliveries / 4).unwrap_or(i64::MAX);
+    until("a quarter delivered", Duration::from_secs(600), || async {
+        delivered(&primary_db).await.is_ok_and(|d| d >= quarter)
+    })
+    .await?;
+    let delivered_before_kill = delivered(&primary_db).await?;
+    primary_db.close().await;
+    primary_admin.close().await;
+    let log_offsets = log_sizes(&env.dir, &names);
+
+    eprintln!("killing the primary ({delivered_before_kill} delivered); promoting the standby");
+    let killed_at = Instant::now();
+    primary.kill()?;
+    tokio::task::block_in_place(|| standby.promote())?;
+    let promoted_at = Instant::now();
+    let cut = proxy.retarget(standby.addr());
+    let promotion_took = promoted_at - killed_at;
+    eprintln!(
+        "promoted in {} ms; the proxy now reaches the standby ({cut} links cut)",
+        promotion_took.as_millis()
+    );
+
+    let new_primary = direct_pool(&standby.url(&env.db_name)).await?;
+    let delivered_at_promotion = delivered(&new_primary).await?;
+    let settle = Duration::from_secs(args.settle_within_s);
+    let resumed = within(settle, || async {
+        delivered(&new_primary)
+            .await
+            .is_ok_and(|d| d > delivered_at_promotion)
+    })
+    .await
+    .map(|_| promoted_at.elapsed());
+    let ready = within(settle.saturating_sub(promoted_at.elapsed()), || async {
+        all_ready(&env, &names).await
+    })
+    .await
+    .map(|_| promoted_at.elapsed());
+    eprintln!(
+        "deliveries moved again {:?} ms after the promotion; every process ready after {:?} ms",
+        resumed.map(|d| d.as_millis()),
+        ready.map(|d| d.as_millis())
+    );
+    // No reminder is added after the seeding, so whatever is owed now was owed at the fault.
+    let settled = within(settle.saturating_sub(promoted_at.elapsed()), || async {
+        live(&new_primary).await.is_ok_and(|n| n == 0)
+    })
+    .await
+    .map(|_| promoted_at.elapsed());
+    let total_s = started.elapsed().as_secs_f64();
+    let still_owed = live(&new_primary).await?;
+    let states = env.states().await?;
+    let stub = stats(env.stub_stats().await?)?;
+    let keys = keys_report(env.stub_keys().await?)?;
+    new_primary.close().await;
+    let total = i64::try_from(args.deliveries).unwrap_or(i64::MAX);
+    let delivered_total = states.get("delivered").copied().unwrap_or(0);
+    let report = Report {
+        replication: args.replication,
+        deliveries: args.deliveries,
+        synchronous_standby_names: standby_names,
+        standby_sync_state: sync_state,
+        delivered_before_kill,
+        delivered_at_promotion,
+        promotion_took_ms: promotion_took.as_millis(),
+        deliveries_resumed_after_ms: resumed.map(|d| d.as_millis()),
+        processes_ready_after_ms: ready.map(|d| d.as_millis()),
+        last_owed_settled_after_ms: settled.map(|d| d.as_millis()),
+        still_owed,
+        total_s,
+        lost: total - delivered_total,
+        held_ambiguous: states.get("ambiguous").copied().unwrap_or(0),
+        states,
+        provider_requests: stub.total.requests,
+        provider_unique_keys: stub.total.unique_keys,
+        keys_sent_more_than_once: keys.keys.iter().filter(|k| k.requests.len() > 1).count(),
+        logged_after_fault: logged_since(&env.dir, &names, &log_offsets),
+        build: build_profile(),
+    };
+    env.stop_all(Duration::from_secs(10));
+    drop(env);
+    drop(proxy);
+    drop(standby);
+    drop(primary);
+    write_report(&report)?;
+    if args.replication == Replication::Sync {
+        anyhow::ensure!(report.lost == 0, "{} deliveries lost", report.lost);
+        anyhow::ensure!(
+            report.keys_sent_more_than_once == 0,
+            "{} keys sent more than once",
+            report.keys_sent_more_than_once
+        );
+        anyhow::ensure!(
+            report
+                .deliveries_resumed_after_ms
+                .is_some_and(|ms| ms <= 15_000),
+            "deliveries did not move again within 15 s of the promotion"
+        );
+    }
+    Ok(())
+}
+
+/// `debug` or `release`: the directory the binaries were taken from.
+fn build_profile() -> String {
+    let dir = nudge_e2e::bin_dir();
+    format!(
+        "{} binaries ({})",
+        dir.file_name()
+            .map_or_else(|| "?".into(), |n| n.to_string_lossy().into_owned()),
+        dir.display()
+    )
+}
+
+/// Each process's log size now, so what it logs from here on can be read alone.
+fn log_sizes(dir: &Path, names: &[String]) -> HashMap<String, u64> {
+    names
+        .iter()
+        .map(|name| {
+            let size = std::fs::metadata(dir.join(format!("{name}.log"))).map_or(0, |m| m.len());
+            (name.clone(), size)
+        })
+        .collect()
+}
+
+/// The warnings and errors each process logged after `offsets` (JSON lines), counted by
+/// level and message.
+fn logged_since(
+    dir: &Path,
+    names: &[String],
+    offsets: &HashMap<String, u64>,
+) -> BTreeMap<String, BTreeMap<String, usize>> {
+    let mut found = BTreeMap::new();
+    for name in names {
+        let text = std::fs::read(dir.join(format!("{name}.log"))).unwrap_or_default();
+        let from = offsets
+            .get(name)
+            .and_then(|o| usize::try_from(*o).ok())
+            .unwrap_or(0)
+            .min(text.len());
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for line in String::from_utf8_lossy(&text[from..]).lines() {
+            let Ok(entry) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            let level = entry["level"].as_str().unwrap_or_default();
+            if level != "WARN" && level != "ERROR" {
+                continue;
+            }
+            let message = entry["fields"]["message"].as_str().unwrap_or_default();
+            *counts.entry(format!("{level} {message}")).or_default() += 1;
+        }
+        found.insert(name.clone(), counts);
+    }
+    found
+}
+
+fn ms(value: Option<u128>) -> String {
+    value.map_or_else(
+        || "not within the settle time".to_owned(),
+        |ms| format!("{ms} ms"),
+    )
+}
+
+fn table(report: &Report) -> String {
+    let mut logged = String::new();
+    for (name, counts) in &report.logged_after_fault {
+        let lines: Vec<String> = counts.iter().map(|(m, n)| format!("{m} ×{n}")).collect();
+        logged.push_str(&format!(
+            "| {name} logged after the kill | {} |\n",
+            if lines.is_empty() {
+                "no warning or error".to_owned()
+            } else {
+                lines.join("; ")
+            }
+        ));
+    }
+    format!(
+        "| measure | value |\n|---|---|\n\
+         | replication | {} (`synchronous_standby_names = '{}'`, standby `{}`) |\n\
+         | deliveries | {} |\n\
+         | delivered before the kill (on the primary) | {} |\n\
+         | delivered on the standby at its promotion | {} |\n\
+         | kill to promotion done (`pg_ctl promote -w`) | {} ms |\n\
+         | deliveries moved again, after the promotion | {} |\n\
+         | every process ready again, after the promotion | {} |\n\
+         | last delivery owed at the fault settled, after the promotion | {} |\n\
+         | still owed when the drill stopped waiting | {} |\n\
+         | whole run | {:.1} s |\n\
+         | states | {:?} |\n\
+         | lost (not delivered) | {} |\n\
+         | provider requests / unique keys | {} / {} |\n\
+         | keys sent more than once | {} |\n\
+         | held ambiguous | {} |\n\
+         {logged}\
+         | binaries | {} |\n",
+        report.replication.name(),
+        report.synchronous_standby_names,
+        report.standby_sync_state,
+        report.deliveries,
+        report.delivered_before_kill,
+        report.delivered_at_promotion,
+        report.promotion_took_ms,
+        ms(report.deliveries_resumed_after_ms),
+        ms(report.processes_ready_after_ms),
+        ms(report.last_owed_settled_after_ms),
+        report.still_owed,
+        report.total_s,
+        report.states,
+        report.lost,
+        report.provider_requests,
+        report.provider_unique_keys,
+        report.keys_sent_more_than_once,
+        report.held_ambiguous,
+        report.build,
+    )
+}
+
+fn write_report(report: &Report) -> anyhow::Result<()> {
+    println!("{}", table(report));
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/results");
+    std::fs::create_dir_all(&dir)?;
+    let stamp = Utc::now().format("%Y%m%dT%H%M%SZ");
+    let mode = report.replication.name();
+    std::fs::write(
+        dir.join(format!("pg-failover-{mode}-{stamp}.json")),
+        serde_json::to_string_pretty(report)?,
+    )?;
+    // The newest run of each mode, side by side.
+    let mut latest = String::from("# PostgreSQL failover drill\n");
+    for mode in [Replication::Sync, Replication::Async] {
+        let prefix = format!("pg-failover-{}-", mode.name());
+        let newest = std::fs::read_dir(&dir)?
+            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+            .filter(|n| n.starts_with(&prefix) && n.ends_with(".json"))
+            .max();
+        let Some(file) = newest else {
+            continue;
+        };
+        let run: Report = serde_json::from_str(&std::fs::read_to_string(dir.join(&file))?)
+            .with_context(|| format!("failed to read {file}"))?;
+        latest.push_str(&format!(
+            "\n## {} replication ({file})\n\n`scripts/postgres-failover-test.sh --replication {} \
+             --deliveries {}` (a primary and a standby on one 2-core machine)\n\n{}",
+            match mode {
+                Replication::Sync => "Synchronous",
+                Replication::Async => "Asynchronous",
+            },
+            mode.name(),
+            run.deliveries,
+            table(&run)
+        ));
+    }
+    std::fs::write(dir.join("pg-failover-latest.md"), latest)?;
+    Ok(())
+}
