@@ -21,6 +21,7 @@ pub mod drain;
 pub mod ids;
 pub mod lane;
 pub mod policy;
+pub mod restore;
 pub mod retention;
 pub mod retry_after;
 pub mod state;
@@ -45,6 +46,7 @@ pub use ids::{
 };
 pub use lane::{Lane, UnknownLane};
 pub use policy::{FixedJitter, InvalidPolicy, Jitter, MaxJitter, RandJitter, RetryPolicy};
+pub use restore::{AfterRestore, HoldReason, KeepReason, RESTORED_REASON, after_restore};
 pub use retention::{InvalidRetention, RetentionDays, RetentionPolicy};
 pub use retry_after::{MalformedReason, MalformedRetryAfter, RetryAfter};
 pub use state::{DeliveryState, IllegalTransition};

@@ -31,6 +31,7 @@
 //! as, `nudge_janitor`, has no DELETE at all), touch a delivery that a live lease holds, or
 //! acknowledge a dead letter before it is recorded.
 
+mod heartbeat;
 pub mod metrics;
 pub mod retention;
 
@@ -273,6 +274,11 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
             shutdown.clone(),
         )));
     }
+    tasks.push(tokio::spawn(heartbeat::heartbeat_loop(
+        ledger.clone(),
+        heartbeat::HEARTBEAT_EVERY,
+        shutdown.clone(),
+    )));
     tasks.push(tokio::spawn(gauges_loop(
         ledger.clone(),
         metrics.clone(),

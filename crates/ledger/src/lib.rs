@@ -33,6 +33,7 @@ mod receipts;
 mod redrive;
 mod reminders;
 mod republish;
+mod restore;
 mod retention;
 mod schedules;
 mod status;
@@ -70,6 +71,10 @@ pub use redrive::{
 pub use reminders::{
     CreatedReminder, ImportOutcome, ImportReminder, MAX_CONTENT_BYTES, MAX_CORRELATION_ID_BYTES,
     MAX_DESTINATION_BYTES, NewReminder, WINDOW_BATCH, WindowOutcome,
+};
+pub use restore::{
+    ConfirmedSend, IdentityEvent, IdentityObservation, IdentityVerdict, RecordedIdentity,
+    RestoreCount, RestoreReconciliation, RestoreStatus, SendingRefused, ServerIdentity,
 };
 pub use retention::{
     Blocker, DeletedDelivery, DeliveryCount, KeepReason, RetentionBatch, RetentionPlan,

@@ -158,7 +158,14 @@ pub async fn lease_as(
 ) -> LeaseOutcome {
     let settings = settings();
     let cipher = cipher();
-    let batch = batch_of(due.channel, lease_holder, routes, &settings, &cipher, at(now));
+    let batch = batch_of(
+        due.channel,
+        lease_holder,
+        routes,
+        &settings,
+        &cipher,
+        at(now),
+    );
     ledger
         .lease_batch(&batch, &[due.message_pointer()])
         .await
@@ -230,7 +237,12 @@ impl Leaser {
     }
 
     /// Its batch lease of `channel` as `lease_holder`, holding leases for [`LEASE`], at `at`.
-    pub fn batch<'a>(&'a self, channel: Channel, lease_holder: &'a str, at: LedgerTime) -> LeaseBatch<'a> {
+    pub fn batch<'a>(
+        &'a self,
+        channel: Channel,
+        lease_holder: &'a str,
+        at: LedgerTime,
+    ) -> LeaseBatch<'a> {
         batch_of(
             channel,
             lease_holder,

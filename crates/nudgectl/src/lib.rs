@@ -15,6 +15,7 @@ mod operations;
 mod rate;
 mod redrive;
 mod replication;
+mod restore;
 mod retention;
 mod schedule;
 mod table;
@@ -34,6 +35,7 @@ pub use config::CtlConfig;
 pub use operations::{DrainCommand, OwnerCommand};
 pub use rate::{RateError, RatePerSecond};
 pub use redrive::{RedriveArgs, RedriveCommand};
+pub use restore::RestoreCommand;
 pub use retention::RetentionCommand;
 pub use schedule::{CronExpr, CronExprError};
 
@@ -157,6 +159,10 @@ pub enum Command {
     /// What retention would delete now, and what it keeps and why (read-only).
     #[command(subcommand)]
     Retention(RetentionCommand),
+    /// A ledger restored from a backup: whether it is (status), and reconciling it so the
+    /// workers start again without sending twice (reconcile, a dry run unless --execute).
+    #[command(subcommand)]
+    Restore(RestoreCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -839,6 +845,7 @@ pub async fn execute(
         Command::Retention(RetentionCommand::Plan { json, policy }) => {
             retention::plan(ledger, policy, json, out).await?;
         }
+        Command::Restore(command) => restore::command(ledger, actor, command, out).await?,
     }
     Ok(())
 }

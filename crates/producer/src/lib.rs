@@ -85,6 +85,10 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
     let metrics = Arc::new(ProducerMetrics::new());
     let app =
         nudge_runtime::Application::build("nudge-producer", config, metrics.registry()).await?;
+    // The relay publishes owed work: not from a restored ledger (nudge_runtime::restore_guard).
+    nudge_runtime::restore_guard::check_at_start(&app.ledger).await?;
+    let identity_watch =
+        nudge_runtime::restore_guard::watch(app.ledger.clone(), app.shutdown.clone());
     let broker = app.broker()?;
     let clock = Clock::new(app.ledger.clone()).with_metrics(metrics.clone());
     let relay =
@@ -97,7 +101,7 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
         relay.run(app.shutdown.clone()),
     );
     app.stop().await;
-    Ok(())
+    nudge_runtime::restore_guard::finish(identity_watch).await
 }
 
 /// Waits for a pass's windows, counts and logs what each did, then acknowledges the pass.

@@ -9,6 +9,7 @@
 //! watches the token and finishes or releases its own in-flight work.
 
 pub mod bootstrap;
+pub mod restore_guard;
 
 pub use bootstrap::{Application, ServiceConfig, load_config};
 

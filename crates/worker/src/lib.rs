@@ -76,6 +76,9 @@ async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
     };
     let metrics = Arc::new(WorkerMetrics::new());
     let app = nudge_runtime::Application::build(service, config, metrics.registry()).await?;
+    nudge_runtime::restore_guard::check_at_start(&app.ledger).await?;
+    let identity_watch =
+        nudge_runtime::restore_guard::watch(app.ledger.clone(), app.shutdown.clone());
     let worker = Arc::new(
         build(
             &app.config,
@@ -100,7 +103,7 @@ async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
     )
     .await;
     app.stop().await;
-    Ok(())
+    nudge_runtime::restore_guard::finish(identity_watch).await
 }
 
 /// Builds a worker for `channel` from its configuration, over `ledger` (already scoped to

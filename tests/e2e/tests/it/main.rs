@@ -16,5 +16,6 @@ mod phi_scan;
 mod pipeline;
 mod provider_kinds;
 mod push_providers;
+mod restore_refusal;
 mod retries;
 mod traces;
