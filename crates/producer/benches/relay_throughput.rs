@@ -11,8 +11,6 @@
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use nudge_broker::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
-use nudge_broker::lapin::{Connection, ConnectionProperties};
 use nudge_broker::test_support::delete_namespace;
 use nudge_broker::{Broker, Topology};
 use nudge_domain::Channel;

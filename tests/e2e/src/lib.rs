@@ -1136,6 +1136,31 @@ fn with_user(url: &str, user: &str) -> String {
     format!("{scheme}://{user}@{host}")
 }
 
+/// Delivery counts by state in `ledger`: [`TestEnv::states`] for the checks of
+/// [`TestEnv::wait_for`], which hold a clone of the ledger, not the environment.
+pub async fn states_in(ledger: &Ledger) -> anyhow::Result<HashMap<String, i64>> {
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state, count(*) FROM deliveries GROUP BY state")
+            .fetch_all(ledger.pool())
+            .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// The number of deliveries in `state` (`"delivered"`, `"sending"`, ...) in `ledger`.
+pub async fn count_in(ledger: &Ledger, state: &str) -> anyhow::Result<i64> {
+    Ok(states_in(ledger).await?.get(state).copied().unwrap_or(0))
+}
+
+/// Of counts by state ([`states_in`]), the deliveries that are settled: terminal, or held for
+/// review (not [`DeliveryState::is_live`]).
+pub fn settled(states: &HashMap<String, i64>) -> i64 {
+    DeliveryState::ALL
+        .iter()
+        .filter(|state| !state.is_live())
+        .filter_map(|state| states.get(state.as_str()))
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1216,29 +1241,4 @@ mod tests {
         assert_eq!(super::binary_role("nudgectl"), None);
         assert_eq!(super::binary_role("nudge-sms"), Some("nudge_worker"));
     }
-}
-
-/// Delivery counts by state in `ledger`: [`TestEnv::states`] for the checks of
-/// [`TestEnv::wait_for`], which hold a clone of the ledger, not the environment.
-pub async fn states_in(ledger: &Ledger) -> anyhow::Result<HashMap<String, i64>> {
-    let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT state, count(*) FROM deliveries GROUP BY state")
-            .fetch_all(ledger.pool())
-            .await?;
-    Ok(rows.into_iter().collect())
-}
-
-/// The number of deliveries in `state` (`"delivered"`, `"sending"`, ...) in `ledger`.
-pub async fn count_in(ledger: &Ledger, state: &str) -> anyhow::Result<i64> {
-    Ok(states_in(ledger).await?.get(state).copied().unwrap_or(0))
-}
-
-/// Of counts by state ([`states_in`]), the deliveries that are settled: terminal, or held for
-/// review (not [`DeliveryState::is_live`]).
-pub fn settled(states: &HashMap<String, i64>) -> i64 {
-    DeliveryState::ALL
-        .iter()
-        .filter(|state| !state.is_live())
-        .filter_map(|state| states.get(state.as_str()))
-        .sum()
 }

@@ -1,5 +1,6 @@
 //! A ledger restored from a backup: detection from the database's identity and heartbeat, the
 //! refusal to send, and the reconciliation (docs/decisions/0017-restored-ledger.md).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use nudge_domain::{Channel, DeliveryState, IdempotencyKey, ReminderId};
 use nudge_ledger::test_support::*;
