@@ -13,7 +13,7 @@
 //! after the promotion deliveries moved again, and the patient's view: how long after the
 //! promotion the last delivery owed at the fault was settled (delivered, or held for review).
 //! Also what each process logged (warnings and errors by message) from the fault on. Prints a
-//! table and writes bench/results/pg-failover-<mode>-<time>.json and
+//! table and writes `bench/results/pg-failover-<mode>-<time>.json` and
 //! bench/results/pg-failover-latest.md (the newest run of each mode).
 //!
 //!   scripts/postgres-failover-test.sh [--replication sync|async] [--deliveries N]

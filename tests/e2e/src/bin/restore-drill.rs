@@ -8,7 +8,7 @@
 //! settles, and the producer and the workers start again. Reports the keys the provider saw
 //! more than once (must be 0), every delivery by state (must add up to N), what the restored
 //! ledger believed was owed (what would have been sent twice without the reconciliation), and
-//! the times. Prints a table and writes bench/results/restore-<time>.json and
+//! the times. Prints a table and writes `bench/results/restore-<time>.json` and
 //! bench/results/restore-latest.md.
 //!
 //!   scripts/restore-test.sh [--deliveries N]   (builds the binaries, runs this)
