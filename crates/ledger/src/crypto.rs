@@ -24,6 +24,12 @@ use sha2::Sha256;
 
 use crate::LedgerError;
 
+/// What a reminder's sealed content is bound to: its tenant and its id, so a sealed body copied
+/// onto another reminder does not open.
+pub(crate) fn content_aad(tenant_id: TenantId, reminder_id: nudge_domain::ReminderId) -> Vec<u8> {
+    format!("content:{tenant_id}:{reminder_id}").into_bytes()
+}
+
 const NONCE_LEN: usize = 24;
 
 /// The key that turns a subscriber reference into its stored form. `Debug` never shows it.

@@ -189,10 +189,6 @@ pub enum WindowOutcome {
     Paused,
 }
 
-pub(crate) fn content_aad(tenant_id: TenantId, reminder_id: ReminderId) -> Vec<u8> {
-    format!("content:{tenant_id}:{reminder_id}").into_bytes()
-}
-
 /// A reminder as the producer reads it to materialise deliveries.
 #[derive(sqlx::FromRow)]
 struct WindowReminder {
@@ -564,7 +560,7 @@ async fn import_in(
         let content = reminder
             .content
             .as_deref()
-            .map(|c| cipher.seal(c, &content_aad(reminder.tenant_id, id)))
+            .map(|c| cipher.seal(c, &crate::crypto::content_aad(reminder.tenant_id, id)))
             .transpose()?;
         let channels: Vec<&str> = reminder.channels.iter().map(|c| c.as_str()).collect();
         prepared.push(Some(Prepared {

@@ -22,6 +22,7 @@ mod dispatch;
 pub mod fcm;
 mod http;
 mod push;
+pub mod reason;
 pub mod sendgrid;
 pub mod transport;
 pub mod twilio;
@@ -36,7 +37,7 @@ use url::Url;
 
 pub use config::{ApnsKeys, FcmKeys, HttpProviderConfig, ProviderKind};
 pub use dispatch::build;
-pub use http::{HttpProvider, NON_UTF8_RETRY_AFTER, reason};
+pub use http::{HttpProvider, NON_UTF8_RETRY_AFTER};
 pub use window::{SEND_DEADLINE_PASSED, SendWindow};
 
 /// When the message stops being worth sending, and the sender's view of the database's clock

@@ -7,7 +7,7 @@ use std::time::Duration;
 use nudge_domain::{ProviderAccount, SendOutcome};
 use nudge_telemetry::error_chain;
 
-use crate::http::reason;
+use crate::reason;
 use crate::{HttpProviderConfig, ProviderError};
 
 /// The most of an answer's body any adapter reads: a provider's answer is tiny.

@@ -34,7 +34,7 @@ use nudge_domain::{
 use super::{LeasedDelivery, LedgerTime, MessagePointer, millis, parse, to_i64, to_u64};
 use crate::buckets::{BucketReading, SlotRequest, admit_slots};
 use crate::contacts::destination_aad;
-use crate::reminders::content_aad;
+use crate::crypto::content_aad;
 use crate::{Destination, DestinationCipher, DestinationDigest, Ledger, LedgerError};
 
 /// The provider accounts a worker can send through.
