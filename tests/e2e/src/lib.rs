@@ -1136,6 +1136,34 @@ fn with_user(url: &str, user: &str) -> String {
     format!("{scheme}://{user}@{host}")
 }
 
+/// Polls `check` every 100 ms until it holds: how long that took, or `None` after `within`.
+/// The drills' one wait for an effect.
+pub async fn poll_within<F, Fut>(within: Duration, mut check: F) -> Option<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while !check().await {
+        if started.elapsed() >= within {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Some(started.elapsed())
+}
+
+/// [`poll_within`], failing with `what` after `within`.
+pub async fn until<F, Fut>(what: &str, within: Duration, check: F) -> anyhow::Result<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    poll_within(within, check)
+        .await
+        .ok_or_else(|| anyhow::anyhow!("{what}: not within {within:?}"))
+}
+
 /// Delivery counts by state in `ledger`: [`TestEnv::states`] for the checks of
 /// [`TestEnv::wait_for`], which hold a clone of the ledger, not the environment.
 pub async fn states_in(ledger: &Ledger) -> anyhow::Result<HashMap<String, i64>> {

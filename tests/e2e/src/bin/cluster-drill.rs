@@ -24,7 +24,7 @@ use chrono::Utc;
 use clap::Parser;
 use nudge_domain::Channel;
 use nudge_e2e::private::{RabbitNode, rabbit_cluster};
-use nudge_e2e::{Services, TestEnv, WorkerOptions, keys_report, stats};
+use nudge_e2e::{Services, TestEnv, WorkerOptions, keys_report, stats, until};
 use serde::Serialize;
 
 #[derive(Debug, Parser)]
@@ -121,20 +121,6 @@ async fn all_ready(env: &TestEnv, names: &[String]) -> bool {
         }
     }
     true
-}
-
-/// Polls `check` every 100 ms until it holds; fails after `within`.
-async fn until<F, Fut>(what: &str, within: Duration, mut check: F) -> anyhow::Result<Duration>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let started = Instant::now();
-    while !check().await {
-        anyhow::ensure!(started.elapsed() < within, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Ok(started.elapsed())
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -34,7 +34,9 @@ use chrono::Utc;
 use clap::{Parser, ValueEnum};
 use nudge_domain::Channel;
 use nudge_e2e::private::PrivatePostgres;
-use nudge_e2e::{Services, TestEnv, WorkerOptions, keys_report, stats};
+use nudge_e2e::{
+    Services, TestEnv, WorkerOptions, keys_report, poll_within as within, stats, until,
+};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use tokio::net::{TcpListener, TcpStream};
@@ -241,33 +243,6 @@ async fn all_ready(env: &TestEnv, names: &[String]) -> bool {
         }
     }
     true
-}
-
-/// Polls `check` every 100 ms until it holds: how long that took, or None after `within`.
-async fn within<F, Fut>(within: Duration, mut check: F) -> Option<Duration>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let started = Instant::now();
-    while !check().await {
-        if started.elapsed() >= within {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Some(started.elapsed())
-}
-
-/// Polls `check` every 100 ms until it holds; fails after `limit`.
-async fn until<F, Fut>(what: &str, limit: Duration, check: F) -> anyhow::Result<Duration>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    within(limit, check)
-        .await
-        .with_context(|| format!("{what}: not within {limit:?}"))
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -29,7 +29,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use clap::Parser;
 use nudge_domain::Channel;
 use nudge_e2e::private::{PrivatePostgres, with_private_postgres};
-use nudge_e2e::{TestEnv, WorkerOptions, keys_report};
+use nudge_e2e::{TestEnv, WorkerOptions, keys_report, until};
 use serde::Serialize;
 
 #[derive(Debug, Parser)]
@@ -86,20 +86,6 @@ struct Report {
     /// Deliveries in the ledger at the end; must be `deliveries`.
     accounted_for: i64,
     keys_sent_more_than_once: usize,
-}
-
-/// Polls `check` every 100 ms until it holds; fails after `within`.
-async fn until<F, Fut>(what: &str, within: Duration, mut check: F) -> anyhow::Result<Duration>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let started = Instant::now();
-    while !check().await {
-        anyhow::ensure!(started.elapsed() < within, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Ok(started.elapsed())
 }
 
 async fn delivered(env: &TestEnv) -> anyhow::Result<i64> {
