@@ -88,6 +88,32 @@ impl LedgerError {
         }
     }
 
+    /// The ledger is away rather than wrong: the connection failed or was cut, no connection
+    /// came free in time, or the server is shutting down, in recovery or read-only (a standby
+    /// not yet promoted, a primary demoted by a failover). The same statement may succeed once
+    /// the ledger is back, so a caller holding work keeps it and tries again; any other error
+    /// would fail the same way again.
+    ///
+    /// By SQLSTATE: class 08 (connection exception), 57P0x (admin or crash shutdown, cannot
+    /// connect now) and 25006 (read-only SQL transaction). Serialization failures and
+    /// deadlocks (40001, 40P01) are not "away": their statement's owner retries them.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            LedgerError::Database(e) => match e {
+                sqlx::Error::Io(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::WorkerCrashed => true,
+                sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+                    code.starts_with("08") || code.starts_with("57P") || code == "25006"
+                }),
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+
     /// The database refused the statement's data: a constraint (SQLSTATE class 23) or a
     /// value out of its type's range (class 22). Trying the same rows again fails the same
     /// way; trying them apart finds the one at fault.
@@ -98,5 +124,26 @@ impl LedgerError {
                 .is_some_and(|code| code.starts_with("23") || code.starts_with("22")),
             _ => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cut_connection_or_an_exhausted_pool_is_the_ledger_being_away() {
+        let cut = LedgerError::Database(sqlx::Error::Io(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        )));
+        assert!(cut.is_unavailable());
+        assert!(LedgerError::Database(sqlx::Error::PoolTimedOut).is_unavailable());
+    }
+
+    #[test]
+    fn a_refused_row_or_a_missing_row_is_not_the_ledger_being_away() {
+        assert!(!LedgerError::Database(sqlx::Error::RowNotFound).is_unavailable());
+        assert!(!LedgerError::InvalidInput("x").is_unavailable());
+        assert!(!LedgerError::corrupt("deliveries", "bad").is_unavailable());
     }
 }

@@ -1103,12 +1103,31 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-/// A loopback port that was free a moment ago (for a process that binds it itself).
+/// A loopback port that was free a moment ago, for a process that binds it itself.
+///
+/// Asking the kernel for port 0 and releasing it races: the kernel hands the same port to the
+/// next `bind(0)` or to an outgoing connection's local end, and two processes of one test once
+/// got the same admin port that way. So the ports come from below the kernel's ephemeral range
+/// (Linux's default is 32768-60999), walked from an offset of this process's id, and no port is
+/// handed out twice by one test process.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        (std::process::id().wrapping_mul(2_654_435_761)) % SPAN,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let port = (FIRST + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port between {FIRST} and {}", FIRST + SPAN)
 }
 
 /// The database role `binary` connects as in a deployment (docs/database-roles.md); `None`
