@@ -59,6 +59,11 @@ pub use metrics::JanitorMetrics;
 ///
 /// Keys, beyond the shared `database.*`, `amqp.*` and `telemetry.*`:
 /// - `janitor.interval_ms` (default 1000): how often the sweep and the reaper run.
+/// - `janitor.reaper_grace_ms` (default 5000, 0..=600000): after the janitor starts, and after
+///   the ledger comes back from being away, the reaper waits this long before it settles
+///   lapsed leases: workers that lost the ledger too renew theirs first (every
+///   `worker.heartbeat_ms`), so a send whose answer a live worker holds is never decided by
+///   the reaper. The expiry sweep does not wait.
 /// - `janitor.batch_size` (default 1000): deliveries settled per pass of each.
 /// - `janitor.metrics_interval_ms` (default 15000): how often the ledger's gauges are read
 ///   for `/metrics` (see [`metrics`]).
@@ -121,6 +126,12 @@ impl Validate for JanitorConfig {
             return Err(ConfigError::invalid(
                 "janitor.interval_ms",
                 "must be between 50 and 600000",
+            ));
+        }
+        if self.janitor.reaper_grace_ms > 600_000 {
+            return Err(ConfigError::invalid(
+                "janitor.reaper_grace_ms",
+                "must be at most 600000",
             ));
         }
         if !(100..=3_600_000).contains(&self.janitor.metrics_interval_ms) {
@@ -213,6 +224,7 @@ impl RedriveSection {
 #[serde(deny_unknown_fields, default)]
 pub struct JanitorSection {
     pub interval_ms: u64,
+    pub reaper_grace_ms: u64,
     pub batch_size: u32,
     pub metrics_interval_ms: u64,
 }
@@ -221,6 +233,7 @@ impl Default for JanitorSection {
     fn default() -> Self {
         Self {
             interval_ms: 1_000,
+            reaper_grace_ms: 5_000,
             batch_size: 1_000,
             metrics_interval_ms: 15_000,
         }
@@ -300,8 +313,7 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
         &metrics,
         &policy,
         &config.redrive.rules(),
-        Duration::from_millis(config.janitor.interval_ms),
-        config.janitor.batch_size,
+        &config.janitor,
         shutdown.clone(),
     )
     .await;
@@ -331,10 +343,33 @@ pub async fn sweep_once(
     batch_size: u32,
     at: LedgerTime,
 ) -> anyhow::Result<SweepReport> {
+    sweep_pass(ledger, policy, batch_size, at, Reaper::Reap).await
+}
+
+/// Whether a sweep pass runs the lease reaper too (see `janitor.reaper_grace_ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reaper {
+    Reap,
+    Wait,
+}
+
+async fn sweep_pass(
+    ledger: &Ledger,
+    policy: &RetryPolicy,
+    batch_size: u32,
+    at: LedgerTime,
+    reaper: Reaper,
+) -> anyhow::Result<SweepReport> {
     let expired = ledger
         .expire_overdue(batch_size, at)
         .await
         .context("expiry sweep failed")?;
+    if reaper == Reaper::Wait {
+        return Ok(SweepReport {
+            expired,
+            ..SweepReport::default()
+        });
+    }
     let mut jitter = RandJitter::from_entropy();
     let reaped = ledger
         .reap_expired_leases(batch_size, policy, &mut jitter, at)
@@ -443,13 +478,36 @@ async fn sweep_loop(
     metrics: &JanitorMetrics,
     policy: &RetryPolicy,
     redrive: &AutoPause,
-    every: Duration,
-    batch_size: u32,
+    section: &JanitorSection,
     shutdown: CancellationToken,
 ) {
+    let every = Duration::from_millis(section.interval_ms);
+    let reaper_grace = Duration::from_millis(section.reaper_grace_ms);
+    let batch_size = section.batch_size;
     let mut last_orphan_watch: Option<std::time::Instant> = None;
+    // The reaper's grace: from the start, and again from the first pass after the ledger was
+    // away, the workers renew their leases before any lapsed one is settled.
+    let mut reap_from = std::time::Instant::now() + reaper_grace;
+    let mut away = false;
     loop {
-        let swept = sweep_once(ledger, policy, batch_size, LedgerTime::Database).await;
+        let reaper = if std::time::Instant::now() >= reap_from {
+            Reaper::Reap
+        } else {
+            Reaper::Wait
+        };
+        let swept = sweep_pass(ledger, policy, batch_size, LedgerTime::Database, reaper).await;
+        match (&swept, away) {
+            (Ok(_), true) => {
+                away = false;
+                reap_from = std::time::Instant::now() + reaper_grace;
+                info!(
+                    grace_ms = reaper_grace.as_millis() as u64,
+                    "the ledger is back; the lease reaper waits its grace for the workers to renew their leases"
+                );
+            }
+            (Err(_), _) => away = true,
+            (Ok(_), false) => {}
+        }
         if let Ok(report) = &swept {
             metrics.expired(report.expired);
             metrics.lease_expiries(report.returned_unsent, report.reaped);

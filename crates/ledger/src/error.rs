@@ -89,7 +89,8 @@ impl LedgerError {
     }
 
     /// The ledger is away rather than wrong: the connection failed or was cut, no connection
-    /// came free in time, or the server is shutting down, in recovery or read-only (a standby
+    /// came free in time (a pool closed on purpose is not away: it never comes back), or the
+    /// server is shutting down, in recovery or read-only (a standby
     /// not yet promoted, a primary demoted by a failover). The same statement may succeed once
     /// the ledger is back, so a caller holding work keeps it and tries again; any other error
     /// would fail the same way again.
@@ -102,7 +103,6 @@ impl LedgerError {
             LedgerError::Database(e) => match e {
                 sqlx::Error::Io(_)
                 | sqlx::Error::PoolTimedOut
-                | sqlx::Error::PoolClosed
                 | sqlx::Error::Tls(_)
                 | sqlx::Error::WorkerCrashed => true,
                 sqlx::Error::Database(db) => db.code().is_some_and(|code| {

@@ -52,7 +52,7 @@ pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{
     Attempt, AttemptRecord, DeliveryRecord, DueDelivery, FenceRefused, LeaseBatch, LeaseOutcome,
     LeaseResult, LeasedDelivery, LedgerTime, Material, MessagePointer, OutcomeToRecord, Reaped,
-    Recorded, SendSlot, Slotted, WorkerRoutes,
+    Recorded, RenewedLease, SendSlot, Slotted, WorkerRoutes,
 };
 pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
 pub use error::LedgerError;

@@ -6,6 +6,7 @@ mod buckets;
 mod deliveries;
 mod estimate;
 mod gauges;
+mod heartbeat;
 mod operations;
 mod provider_effects;
 mod recovery;
