@@ -5,6 +5,7 @@ mod audit;
 mod buckets;
 mod deliveries;
 mod estimate;
+mod fairness;
 mod gauges;
 mod heartbeat;
 mod operations;

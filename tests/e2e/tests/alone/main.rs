@@ -10,6 +10,7 @@ mod admission_common;
 mod admission_isolation;
 mod admission_rate_zero;
 mod admission_shared_bucket;
+mod fair_claiming;
 mod hostile_provider;
 mod service_faults;
 
