@@ -12,7 +12,9 @@ use crate::{Ledger, LedgerError};
 
 /// Due work in weighted turns per tenant (invariant 14): each tenant with due work on the
 /// channel offers its oldest deliveries, the n-th of them at turn `(n - 1) / claim_weight`, and
-/// the claim takes the earliest turns, oldest first within a turn. So a tenant with a backlog
+/// the claim takes the earliest turns, oldest first within a turn. Deliveries due at the same
+/// instant (a batch imported for one time) go in the order they were created (their ids are
+/// UUIDv7), so one given back by the reaper keeps its place among them. So a tenant with a backlog
 /// of thousands and one with twenty due share each claim by weight, and the twenty go out in
 /// the next claim or two instead of after the backlog. Each tenant offers at most the claim's
 /// limit, so a claim reads at most `tenants with due work x limit` index entries.
@@ -28,13 +30,13 @@ const CLAIM_DUE: &str = "WITH due_tenants AS (
         FROM due_tenants t
         CROSS JOIN LATERAL (
             SELECT d.id, d.next_attempt_at,
-                   row_number() OVER (ORDER BY d.next_attempt_at) AS n
+                   row_number() OVER (ORDER BY d.next_attempt_at, d.id) AS n
             FROM deliveries d
             WHERE d.channel = $1 AND d.tenant_id = t.id AND d.state IN ('scheduled', 'retry_wait')
               AND d.next_attempt_at <= COALESCE($3, now()) AND d.owner = $4
-            ORDER BY d.next_attempt_at
+            ORDER BY d.next_attempt_at, d.id
             LIMIT $2) offered
-        ORDER BY turn, offered.next_attempt_at
+        ORDER BY turn, offered.next_attempt_at, offered.id
         LIMIT $2),
     due AS (
         SELECT d.id, turns.turn FROM deliveries d JOIN turns ON d.id = turns.id
@@ -108,6 +110,7 @@ impl Ledger {
             a.turn
                 .total_cmp(&b.turn)
                 .then(a.due.next_attempt_at.cmp(&b.due.next_attempt_at))
+                .then(a.due.id.cmp(&b.due.id))
         });
         rows.into_iter()
             .map(|r| DueDelivery::try_from(r.due))

@@ -164,3 +164,40 @@ async fn a_lapsed_lease_not_yet_reaped_is_renewed_by_its_holder_and_a_reaped_one
     );
     assert_eq!(reap(&ledger, t0() + secs(72)).await, Reaped::default());
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_dead_holders_sent_lease_is_retried_at_its_place_in_line_without_a_backoff(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let tenant = ledger.create_tenant("dead", &ops(t0())).await.unwrap();
+    owed(&ledger, tenant.id, "dead", &[Channel::Sms], t0()).await;
+    let due = ledger
+        .claim_due(Channel::Sms, 10, at(t0()))
+        .await
+        .unwrap()
+        .remove(0);
+    // Fenced at the lease (no bucket), through an account that honours the key.
+    let lease = leased(
+        lease_as(
+            &ledger,
+            &due,
+            "dead-worker",
+            &routes(IdempotencySupport::Honoured),
+            t0() + secs(30),
+        )
+        .await,
+    );
+
+    let reaped = reap(&ledger, lease.lease_expires_at + secs(1)).await;
+
+    assert_eq!(reaped.decided, vec![(lease.id, DeliveryState::RetryWait)]);
+    let record = ledger.delivery(lease.id).await.unwrap().unwrap();
+    assert_eq!(
+        record.next_attempt_at,
+        Some(t0()),
+        "due at the time it was due, ahead of what fell due while its holder was dying"
+    );
+    assert_eq!(
+        record.attempt_count, 1,
+        "the attempt that may have reached the provider counts"
+    );
+}

@@ -8,8 +8,8 @@
 //!
 //! "Owed at the fault" is what a fault can strand: the deliveries published (`queued`) or being
 //! sent (`sending`) when it struck, whose messages, leases and outcomes a crash or a cut loses.
-//! The bucket (50/s) keeps about a second of work in flight, so that set is what recovery
-//! decides; the rest is paced by the bucket whatever happens.
+//! The bucket (50/s; 25/s for the ten kills in turn) keeps about a second of work in flight, so
+//! that set is what recovery decides; the rest is paced by the bucket whatever happens.
 //!
 //! A test that stops a service stops its own ([`nudge_e2e::private`]): the machine's shared
 //! PostgreSQL and RabbitMQ stay up for every other test.
@@ -106,8 +106,9 @@ async fn delivered(env: &TestEnv) -> anyhow::Result<i64> {
 }
 
 /// Seeds `total` SMS reminders due now and starts a producer, a janitor and `workers` SMS
-/// workers with admin listeners, against an account that dedups by key.
-async fn start_pipeline(env: &mut TestEnv, total: usize, workers: usize) -> Pipeline {
+/// workers with admin listeners, against an account that dedups by key, its bucket at `rate`
+/// per second.
+async fn start_pipeline(env: &mut TestEnv, total: usize, workers: usize, rate: f64) -> Pipeline {
     env.admin_listeners = true;
     let tenant = env.tenant("clinic-faults", 2).await.unwrap();
     let now = Utc::now();
@@ -131,7 +132,7 @@ async fn start_pipeline(env: &mut TestEnv, total: usize, workers: usize) -> Pipe
     let mut options = WorkerOptions::for_channel(Channel::Sms);
     options.prefetch = 4;
     options.provider_timeout_ms = 2_000;
-    options.rate = Some((50.0, 10));
+    options.rate = Some((rate, 10));
     let mut procs = vec![
         env.start_producer("producer").unwrap(),
         env.start_janitor(200, 1_000).unwrap(),
@@ -271,7 +272,7 @@ async fn rabbitmq_restarted_mid_run_loses_nothing_and_every_process_reconnects_o
     let mut env = TestEnv::start_on("broker-restart", with_private_rabbit(&node))
         .await
         .unwrap();
-    let pipeline = start_pipeline(&mut env, 400, 1).await;
+    let pipeline = start_pipeline(&mut env, 400, 1, 50.0).await;
     let names = env.proc_names();
     wait_delivered(&mut env, 60, Duration::from_secs(90)).await;
 
@@ -299,7 +300,7 @@ async fn postgresql_restarted_mid_run_loses_nothing_and_every_process_reconnects
     let mut env = TestEnv::start_on("pg-restart", with_private_postgres(&postgres))
         .await
         .unwrap();
-    let pipeline = start_pipeline(&mut env, 400, 1).await;
+    let pipeline = start_pipeline(&mut env, 400, 1, 50.0).await;
     let names = env.proc_names();
     wait_delivered(&mut env, 60, Duration::from_secs(90)).await;
 
@@ -353,7 +354,7 @@ async fn connections_cut_and_delayed_between_the_processes_and_both_services_los
                 .amqp_url
                 .replacen(&amqp_upstream, &amqp_proxy.addr(), 1),
         ];
-    let pipeline = start_pipeline(&mut env, 500, 1).await;
+    let pipeline = start_pipeline(&mut env, 500, 1, 50.0).await;
     let names = env.proc_names();
     wait_delivered(&mut env, 40, Duration::from_secs(90)).await;
 
@@ -389,7 +390,9 @@ async fn connections_cut_and_delayed_between_the_processes_and_both_services_los
 async fn each_binary_sigkilled_in_turn_and_restarted_loses_nothing() {
     let _alone = crate::alone().await;
     let mut env = TestEnv::start("kill-loop").await.unwrap();
-    let pipeline = start_pipeline(&mut env, 700, 2).await;
+    // Ten kills, each waiting for its owed deliveries (a worker's a lease length): the bucket
+    // paces the run to last through all of them.
+    let pipeline = start_pipeline(&mut env, 1_200, 2, 25.0).await;
     let (intake, _) = env.start_intake("intake").await.unwrap();
     let mut procs = pipeline.procs.clone();
     procs.push(intake);
@@ -432,7 +435,7 @@ async fn each_binary_sigkilled_in_turn_and_restarted_loses_nothing() {
 async fn a_worker_sigkilled_and_not_restarted_strands_nothing_beyond_a_lease_length() {
     let _alone = crate::alone().await;
     let mut env = TestEnv::start("kill-one").await.unwrap();
-    let pipeline = start_pipeline(&mut env, 500, 2).await;
+    let pipeline = start_pipeline(&mut env, 500, 2, 50.0).await;
     wait_delivered(&mut env, 60, Duration::from_secs(90)).await;
     let killed = *pipeline.procs.last().unwrap();
 
