@@ -5,6 +5,7 @@ mod audit;
 mod buckets;
 mod deliveries;
 mod estimate;
+mod failover;
 mod gauges;
 mod operations;
 mod provider_effects;
