@@ -126,7 +126,7 @@ impl LedgerError {
 
 /// Every statement's error becomes a [`LedgerError`] here: one that says the ledger is away
 /// also tells the pools to check their connections before handing them out again
-/// ([`crate::failover`]), so that a connection to a server demoted under it is not reused.
+/// (the ledger's `failover` module), so that a connection to a server demoted under it is not reused.
 impl From<sqlx::Error> for LedgerError {
     fn from(e: sqlx::Error) -> Self {
         if sqlx_unavailable(&e) {
