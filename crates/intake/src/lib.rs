@@ -109,7 +109,7 @@ async fn observe(
     // A ledger outage is logged when it begins and when it ends, not per request.
     if let Some(error::LedgerAway(e)) = response.extensions().get::<error::LedgerAway>() {
         state.outage().away(e.as_ref().as_ref());
-    } else if response.status().is_success() && state.outage().is_away() {
+    } else if response.status().is_success() {
         state.outage().back();
     }
     state.metrics().request(

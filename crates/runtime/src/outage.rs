@@ -8,6 +8,7 @@
 //! `false` for those, and the loop logs them as it did.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use nudge_telemetry::error_chain;
@@ -23,6 +24,9 @@ pub struct Outage {
     /// The loop, as logged (`relay`, `sweep`...).
     task: &'static str,
     current: Mutex<Option<Away>>,
+    /// Whether `current` holds an outage: read without the lock by [`Outage::is_away`], which
+    /// a busy caller (the intake, per request) asks often.
+    away: AtomicBool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -36,6 +40,7 @@ impl Outage {
         Self {
             task,
             current: Mutex::new(None),
+            away: AtomicBool::new(false),
         }
     }
 
@@ -55,6 +60,7 @@ impl Outage {
                     since: Instant::now(),
                     failures: 1,
                 });
+                self.away.store(true, Ordering::Release);
             }
         }
         true
@@ -62,11 +68,14 @@ impl Outage {
 
     /// The loop's work succeeded: an outage under way has ended.
     pub fn back(&self) {
-        let ended = self
-            .current
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        if !self.is_away() {
+            return;
+        }
+        let ended = {
+            let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
+            self.away.store(false, Ordering::Release);
+            current.take()
+        };
         if let Some(away) = ended {
             info!(
                 task = self.task,
@@ -79,10 +88,7 @@ impl Outage {
 
     /// Whether an outage is under way.
     pub fn is_away(&self) -> bool {
-        self.current
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
+        self.away.load(Ordering::Acquire)
     }
 
     /// The pause before the loop's next try: `normal` while the ledger answers; during an
