@@ -27,6 +27,10 @@
 //!   counts what the policy lets go, records it, then deletes it in bounded batches through
 //!   the database's retention functions.
 //!
+//! The ledger away (a failover, a restart, a server turned read-only) is an outage, not an
+//! error per pass: each loop logs it once at warn when it begins and once when it ends, backs
+//! off up to a few seconds and goes on by itself ([`nudge_runtime::Outage`]).
+//!
 //! It must never delete anything except through those functions (the role it should connect
 //! as, `nudge_janitor`, has no DELETE at all), touch a delivery that a live lease holds, or
 //! acknowledge a dead letter before it is recorded.
@@ -48,6 +52,7 @@ use nudge_config::{
 use nudge_domain::{Channel, RandJitter, RetryPolicy};
 use nudge_ledger::{AutoPause, DeadLetter, Ledger, LedgerTime, MessagePointer};
 use nudge_proto::Envelope;
+use nudge_runtime::Outage;
 use nudge_telemetry::error_chain;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
@@ -462,9 +467,14 @@ async fn gauges_loop(
     every: Duration,
     shutdown: CancellationToken,
 ) {
+    let outage = Outage::new("gauges");
     loop {
-        if let Err(e) = metrics::refresh_gauges(&ledger, &metrics, LedgerTime::Database).await {
-            warn!(error.cause_chain = %error_chain(&e), "failed to read the ledger's gauges; retrying");
+        match metrics::refresh_gauges(&ledger, &metrics, LedgerTime::Database).await {
+            Ok(()) => outage.back(),
+            Err(e) if outage.away(&e) => {}
+            Err(e) => {
+                warn!(error.cause_chain = %error_chain(&e), "failed to read the ledger's gauges; retrying")
+            }
         }
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -489,6 +499,9 @@ async fn sweep_loop(
     // away, the workers renew their leases before any lapsed one is settled.
     let mut reap_from = std::time::Instant::now() + reaper_grace;
     let mut away = false;
+    // The ledger away is logged once, when the sweep first finds it, and its end once; the
+    // redrive feeder and the orphan watchdog fail the same way meanwhile, and say nothing.
+    let outage = Outage::new("sweep");
     loop {
         let reaper = if std::time::Instant::now() >= reap_from {
             Reaper::Reap
@@ -512,6 +525,9 @@ async fn sweep_loop(
             metrics.expired(report.expired);
             metrics.lease_expiries(report.returned_unsent, report.reaped);
         }
+        if swept.is_ok() {
+            outage.back();
+        }
         match swept {
             Ok(report) if report.expired > 0 || report.reaped > 0 || report.returned_unsent > 0 => {
                 info!(
@@ -522,15 +538,19 @@ async fn sweep_loop(
                 );
             }
             Ok(_) => {}
+            Err(e) if outage.away(e.as_ref()) => {}
             Err(e) => error!(error.cause_chain = %error_chain(&*e), "sweep failed; retrying"),
         }
-        if let Err(e) = redrive_once(ledger, redrive, batch_size, LedgerTime::Database).await {
+        if let Err(e) = redrive_once(ledger, redrive, batch_size, LedgerTime::Database).await
+            && !outage.away(e.as_ref())
+        {
             error!(error.cause_chain = %error_chain(&*e), "redrive feeder failed; retrying");
         }
         if last_orphan_watch.is_none_or(|at| at.elapsed() >= ORPHAN_EVERY) {
             last_orphan_watch = Some(std::time::Instant::now());
             match watch_orphans_once(ledger, batch_size).await {
                 Ok(repaired) => metrics.orphaned(repaired),
+                Err(e) if outage.away(e.as_ref()) => {}
                 Err(e) => {
                     error!(error.cause_chain = %error_chain(&*e), "orphan watchdog failed; retrying")
                 }
@@ -538,7 +558,7 @@ async fn sweep_loop(
         }
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(every) => {}
+            () = tokio::time::sleep(outage.pause(every)) => {}
         }
     }
 }
@@ -560,9 +580,12 @@ pub async fn record_dead_letters(
 ) {
     let queue = broker.topology().dead_queue(channel);
     let tag = format!("janitor-dead-{channel}-{}", std::process::id());
+    let outage = Outage::new("dead letters");
     broker
         .consume_until(QueueKind::Dead(channel), 16, &tag, &shutdown, |incoming| {
-            record_one(&ledger, &queue, channel, &metrics, incoming, &shutdown)
+            record_one(
+                &ledger, &queue, channel, &metrics, incoming, &outage, &shutdown,
+            )
         })
         .await;
 }
@@ -577,6 +600,7 @@ async fn record_one(
     channel: Channel,
     metrics: &JanitorMetrics,
     incoming: nudge_broker::Incoming,
+    outage: &Outage,
     shutdown: &CancellationToken,
 ) {
     let payload = incoming.payload().to_vec();
@@ -608,10 +632,15 @@ async fn record_one(
             Err(e) => Err(e),
         };
         match recorded {
-            Ok(action) => break action,
+            Ok(action) => {
+                outage.back();
+                break action;
+            }
             Err(e) => {
-                error!(error.cause_chain = %error_chain(&e), retry_in_ms = pause.as_millis() as u64,
-                       "failed to record a dead letter; holding it and trying again");
+                if !outage.away(&e) {
+                    error!(error.cause_chain = %error_chain(&e), retry_in_ms = pause.as_millis() as u64,
+                           "failed to record a dead letter; holding it and trying again");
+                }
                 tokio::select! {
                     () = shutdown.cancelled() => {
                         // Back to the queue for the next janitor: one delivery counted.

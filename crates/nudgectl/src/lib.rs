@@ -435,6 +435,22 @@ pub enum ScheduleCommand {
     },
 }
 
+/// What the operator reads when a command failed: the whole chain, once, and first, when the
+/// ledger is away or read-only (a failover or restart under way), that it is that and not the
+/// command.
+pub fn failure_message(e: &anyhow::Error) -> String {
+    let chain = format!("error: {e:#}");
+    if nudge_ledger::is_unavailable(e.as_ref()) {
+        format!(
+            "the ledger is away or read-only (PostgreSQL restarting, or a failover under way: \
+             database.url must reach the primary); the command did not complete: run it again \
+             once the ledger answers\n{chain}"
+        )
+    } else {
+        chain
+    }
+}
+
 /// Runs one command to completion.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let config: CtlConfig = nudge_config::load(cli.config.as_deref(), CtlConfig::SECTIONS)
