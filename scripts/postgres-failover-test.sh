@@ -7,9 +7,15 @@
 # standby and points the proxy at it. Writes bench/results/pg-failover-<mode>-*.json and
 # bench/results/pg-failover-latest.md; with synchronous replication (the default) it fails if
 # a delivery was lost, a key was sent twice or deliveries did not move within 15 s of the
-# promotion. `--replication async` runs the same drill without a synchronous standby, to show
-# what that costs (it reports, it does not fail). A few minutes after the build.
+# promotion, or if an outcome the primary had committed is missing on the promoted standby.
+# `--replication async` runs the same drill without a synchronous standby, to show what that
+# costs (it reports, it does not fail). The standby streams through a loopback proxy, stalled
+# `--standby-lag-ms` (3000 by default; 0: not stalled) before the kill, as a slow or congested
+# link: an asynchronous standby lacks those seconds of committed outcomes at its promotion, a
+# synchronous primary's commits wait instead. Every argument goes to the drill. A few minutes
+# after the build.
 #   scripts/postgres-failover-test.sh [--replication sync|async] [--deliveries N] [--rate R]
+#                                     [--standby-lag-ms MS] [--settle-within-s S]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh

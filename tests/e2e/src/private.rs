@@ -185,6 +185,17 @@ impl PrivatePostgres {
     /// `pg_basebackup -R` (the standby's `primary_conninfo` names it `application_name`, the name
     /// the primary's `synchronous_standby_names` lists), started and streaming.
     pub fn standby_of(primary: &PrivatePostgres, application_name: &str) -> anyhow::Result<Self> {
+        Self::standby_streaming_from(primary, application_name, primary.port)
+    }
+
+    /// As [`standby_of`](Self::standby_of), but the standby streams from `127.0.0.1:<port>`
+    /// (a proxy in front of `primary`, so a drill can slow or stall the replication link); the
+    /// base backup is still taken from `primary` itself.
+    pub fn standby_streaming_from(
+        primary: &PrivatePostgres,
+        application_name: &str,
+        port: u16,
+    ) -> anyhow::Result<Self> {
         let dir = temp_dir("postgres-standby")?;
         if is_root() {
             let status = Command::new("chown")
@@ -221,7 +232,7 @@ impl PrivatePostgres {
         )?;
         // `-R` wrote a `primary_conninfo` without a name; the last setting in the file wins.
         let conninfo = format!(
-            "\nprimary_conninfo = 'host=127.0.0.1 port={primary_port} user=postgres \
+            "\nprimary_conninfo = 'host=127.0.0.1 port={port} user=postgres \
              application_name={application_name}'\n"
         );
         let auto_conf = standby.dir.join("data").join("postgresql.auto.conf");

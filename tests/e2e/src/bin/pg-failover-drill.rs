@@ -8,6 +8,14 @@
 //! (SIGKILL to every process of it, as in a lost machine), the standby promoted
 //! (`pg_ctl promote`) and the proxy pointed at it, its old links cut.
 //!
+//! The standby streams from the primary through a second loopback proxy (its
+//! `primary_conninfo`), the replication link. `--standby-lag-ms` before the kill the drill
+//! stalls that link (bytes held, no error), as on a slow or congested network: an asynchronous
+//! standby then lacks the last seconds of what the primary committed when it is promoted, and
+//! the drill counts the outcomes it lacked and what became of each. A synchronous primary's
+//! commits wait for the stalled standby instead: the workers stall, and nothing they were told
+//! was committed is missing. The held bytes are dropped with the primary.
+//!
 //! Reports what was lost, how many keys the provider saw more than once (the account does not
 //! dedup: the ledger is the only guard), how many deliveries were held `ambiguous`, how long
 //! after the promotion deliveries moved again, and the patient's view: how long after the
@@ -17,6 +25,7 @@
 //! bench/results/pg-failover-latest.md (the newest run of each mode).
 //!
 //!   scripts/postgres-failover-test.sh [--replication sync|async] [--deliveries N]
+//!       [--standby-lag-ms MS]
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -24,7 +33,7 @@
     clippy::print_stderr
 )]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -37,6 +46,7 @@ use nudge_e2e::private::PrivatePostgres;
 use nudge_e2e::{
     Services, TestEnv, WorkerOptions, keys_report, poll_within as within, stats, until,
 };
+use nudge_testkit::FaultProxy;
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use tokio::net::{TcpListener, TcpStream};
@@ -82,6 +92,11 @@ struct Args {
     /// reports what is still owed.
     #[arg(long, default_value_t = 600)]
     settle_within_s: u64,
+    /// The replication link is stalled this long (ms) before the primary is killed: an
+    /// asynchronous standby lags by that much of what the primary committed; a synchronous
+    /// primary's commits wait for it. 0: no stall (the standby keeps up on loopback).
+    #[arg(long, default_value_t = 3_000)]
+    standby_lag_ms: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -91,8 +106,33 @@ struct Report {
     /// `synchronous_standby_names` on the primary, and the standby's `sync_state` before the run.
     synchronous_standby_names: String,
     standby_sync_state: String,
+    /// How long the replication link was stalled before the kill (0 in runs made before the
+    /// link could be stalled).
+    #[serde(default)]
+    standby_lag_ms: u64,
+    /// Delivered on the primary when the link was stalled; compared with
+    /// `delivered_before_kill`, what the workers recorded while the standby got nothing.
+    #[serde(default)]
+    delivered_at_stall: Option<i64>,
     /// Delivered, read on the primary just before the kill.
     delivered_before_kill: i64,
+    /// WAL the primary had written (read just before the kill) that the standby had not
+    /// replayed when it was promoted, in bytes.
+    #[serde(default)]
+    wal_missing_at_promotion_bytes: Option<i64>,
+    /// Deliveries settled (delivered, held or otherwise final) on the primary just before the
+    /// kill but not settled on the standby at its promotion: outcomes lost with the primary.
+    #[serde(default)]
+    outcomes_missing_at_promotion: Option<usize>,
+    /// What became of those deliveries: sent again (the provider saw their key more than
+    /// once), held `ambiguous` (sent once), delivered with one request; the rest are in
+    /// another state.
+    #[serde(default)]
+    missing_outcomes_sent_again: Option<usize>,
+    #[serde(default)]
+    missing_outcomes_held_ambiguous: Option<usize>,
+    #[serde(default)]
+    missing_outcomes_delivered_once: Option<usize>,
     /// Delivered on the promoted standby when its promotion returned: fewer than before the
     /// kill means outcomes the primary had committed were lost with it.
     delivered_at_promotion: i64,
@@ -110,11 +150,19 @@ struct Report {
     still_owed: i64,
     total_s: f64,
     states: HashMap<String, i64>,
-    /// Deliveries not delivered (any other state).
+    /// Deliveries not delivered (any other state, `ambiguous` included).
     lost: i64,
+    /// Deliveries not delivered whose key the provider never saw: no reminder reached the
+    /// patient.
+    #[serde(default)]
+    never_sent: Option<usize>,
     provider_requests: u64,
     provider_unique_keys: u64,
     keys_sent_more_than_once: usize,
+    /// The keys sent more than once that are not among the missing outcomes, by their state on
+    /// the primary at the kill and on the standby at its promotion.
+    #[serde(default)]
+    sent_again_unsettled_at_kill: Option<BTreeMap<String, usize>>,
     held_ambiguous: i64,
     /// Warnings and errors each process logged from the kill on: message -> count.
     logged_after_fault: BTreeMap<String, BTreeMap<String, usize>>,
@@ -206,6 +254,35 @@ async fn delivered(pool: &PgPool) -> anyhow::Result<i64> {
             .fetch_one(pool)
             .await?,
     )
+}
+
+/// Every delivery's state by idempotency key, `sending` split by whether its send was fenced
+/// as started.
+async fn states_by_key(pool: &PgPool) -> anyhow::Result<HashMap<String, String>> {
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT idempotency_key, CASE WHEN send_started_at IS NOT NULL \
+                THEN state || ' (send started)' ELSE state END \
+         FROM deliveries",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// The keys of `states` in a settled state (terminal or held).
+fn settled(states: &HashMap<String, String>) -> HashSet<&str> {
+    const SETTLED: [&str; 5] = [
+        "delivered",
+        "dead_lettered",
+        "expired",
+        "cancelled",
+        "ambiguous",
+    ];
+    states
+        .iter()
+        .filter(|(_, state)| SETTLED.contains(&state.as_str()))
+        .map(|(key, _)| key.as_str())
+        .collect()
 }
 
 async fn live(pool: &PgPool) -> anyhow::Result<i64> {
@@ -304,7 +381,9 @@ async fn drill(args: Args) -> anyhow::Result<()> {
     // Declared first, dropped last: the processes and the test database go before the servers.
     eprintln!("starting a PostgreSQL primary and its standby");
     let primary = PrivatePostgres::start()?;
-    let standby = PrivatePostgres::standby_of(&primary, STANDBY_NAME)?;
+    // The replication link: the standby streams through it, so the drill can stall it.
+    let link = FaultProxy::start(primary.addr()).await?;
+    let standby = PrivatePostgres::standby_streaming_from(&primary, STANDBY_NAME, link.port())?;
     let primary_admin = direct_pool(&primary.admin_url()).await?;
     let (standby_names, sync_state) = replicate(&primary_admin, args.replication).await?;
     eprintln!("standby streaming ({sync_state}; synchronous_standby_names = '{standby_names}')");
@@ -357,7 +436,25 @@ async fn drill(args: Args) -> anyhow::Result<()> {
         delivered(&primary_db).await.is_ok_and(|d| d >= quarter)
     })
     .await?;
+    let lag = Duration::from_millis(args.standby_lag_ms);
+    let delivered_at_stall = if lag.is_zero() {
+        None
+    } else {
+        let at_stall = delivered(&primary_db).await?;
+        link.pause(true);
+        eprintln!(
+            "replication link stalled ({at_stall} delivered); killing the primary in {} ms",
+            lag.as_millis()
+        );
+        // The fault itself lasts this long: nothing is awaited here.
+        tokio::time::sleep(lag).await;
+        Some(at_stall)
+    };
     let delivered_before_kill = delivered(&primary_db).await?;
+    let before_kill = states_by_key(&primary_db).await?;
+    let primary_lsn: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&primary_db)
+        .await?;
     primary_db.close().await;
     primary_admin.close().await;
     let log_offsets = log_sizes(&env.dir, &names);
@@ -365,6 +462,9 @@ async fn drill(args: Args) -> anyhow::Result<()> {
     eprintln!("killing the primary ({delivered_before_kill} delivered); promoting the standby");
     let killed_at = Instant::now();
     primary.kill()?;
+    // What the stalled link held is lost with the primary's machine.
+    link.refuse(true);
+    link.cut();
     tokio::task::block_in_place(|| standby.promote())?;
     let promoted_at = Instant::now();
     let cut = proxy.retarget(standby.addr());
@@ -376,6 +476,22 @@ async fn drill(args: Args) -> anyhow::Result<()> {
 
     let new_primary = direct_pool(&standby.url(&env.db_name)).await?;
     let delivered_at_promotion = delivered(&new_primary).await?;
+    let at_promotion = states_by_key(&new_primary).await?;
+    let missing: HashSet<String> = settled(&before_kill)
+        .difference(&settled(&at_promotion))
+        .map(|key| (*key).to_owned())
+        .collect();
+    // Static after the promotion: the last WAL record the standby replayed.
+    let wal_missing: Option<i64> =
+        sqlx::query_scalar("SELECT pg_wal_lsn_diff($1::pg_lsn, pg_last_wal_replay_lsn())::bigint")
+            .bind(&primary_lsn)
+            .fetch_one(&new_primary)
+            .await?;
+    eprintln!(
+        "{} outcomes settled on the primary are missing on the promoted standby ({:?} bytes of WAL)",
+        missing.len(),
+        wal_missing
+    );
     let settle = Duration::from_secs(args.settle_within_s);
     let resumed = within(settle, || async {
         delivered(&new_primary)
@@ -405,6 +521,45 @@ async fn drill(args: Args) -> anyhow::Result<()> {
     let states = env.states().await?;
     let stub = stats(env.stub_stats().await?)?;
     let keys = keys_report(env.stub_keys().await?)?;
+    let requests: HashMap<&str, usize> = keys
+        .keys
+        .iter()
+        .map(|k| (k.key.as_str(), k.requests.len()))
+        .collect();
+    let final_states: HashMap<String, String> =
+        sqlx::query_as::<_, (String, String)>("SELECT idempotency_key, state FROM deliveries")
+            .fetch_all(&new_primary)
+            .await?
+            .into_iter()
+            .collect();
+    let sent_again = |key: &String| requests.get(key.as_str()).is_some_and(|n| *n > 1);
+    let held = |key: &String| final_states.get(key).is_some_and(|s| s == "ambiguous");
+    let missing_sent_again = missing.iter().filter(|k| sent_again(k)).count();
+    let missing_held = missing.iter().filter(|k| !sent_again(k) && held(k)).count();
+    let missing_delivered_once = missing
+        .iter()
+        .filter(|k| !sent_again(k) && final_states.get(*k).is_some_and(|s| s == "delivered"))
+        .count();
+    let mut unsettled_sent_again: BTreeMap<String, usize> = BTreeMap::new();
+    for key in keys.keys.iter().filter(|k| k.requests.len() > 1) {
+        if missing.contains(&key.key) {
+            continue;
+        }
+        let state = |states: &HashMap<String, String>| {
+            states.get(&key.key).cloned().unwrap_or_else(|| "?".into())
+        };
+        *unsettled_sent_again
+            .entry(format!(
+                "{} on the primary, {} on the standby",
+                state(&before_kill),
+                state(&at_promotion)
+            ))
+            .or_default() += 1;
+    }
+    let never_sent = final_states
+        .iter()
+        .filter(|(key, state)| *state != "delivered" && !requests.contains_key(key.as_str()))
+        .count();
     new_primary.close().await;
     let total = i64::try_from(args.deliveries).unwrap_or(i64::MAX);
     let delivered_total = states.get("delivered").copied().unwrap_or(0);
@@ -413,7 +568,14 @@ async fn drill(args: Args) -> anyhow::Result<()> {
         deliveries: args.deliveries,
         synchronous_standby_names: standby_names,
         standby_sync_state: sync_state,
+        standby_lag_ms: args.standby_lag_ms,
+        delivered_at_stall,
         delivered_before_kill,
+        wal_missing_at_promotion_bytes: wal_missing,
+        outcomes_missing_at_promotion: Some(missing.len()),
+        missing_outcomes_sent_again: Some(missing_sent_again),
+        missing_outcomes_held_ambiguous: Some(missing_held),
+        missing_outcomes_delivered_once: Some(missing_delivered_once),
         delivered_at_promotion,
         promotion_took_ms: promotion_took.as_millis(),
         deliveries_resumed_after_ms: resumed.map(|d| d.as_millis()),
@@ -422,17 +584,20 @@ async fn drill(args: Args) -> anyhow::Result<()> {
         still_owed,
         total_s,
         lost: total - delivered_total,
+        never_sent: Some(never_sent),
         held_ambiguous: states.get("ambiguous").copied().unwrap_or(0),
         states,
         provider_requests: stub.total.requests,
         provider_unique_keys: stub.total.unique_keys,
         keys_sent_more_than_once: keys.keys.iter().filter(|k| k.requests.len() > 1).count(),
+        sent_again_unsettled_at_kill: Some(unsettled_sent_again),
         logged_after_fault: logged_since(&env.dir, &names, &log_offsets),
         build: build_profile(),
     };
     env.stop_all(Duration::from_secs(10));
     drop(env);
     drop(proxy);
+    drop(link);
     drop(standby);
     drop(primary);
     write_report(&report)?;
@@ -442,6 +607,11 @@ async fn drill(args: Args) -> anyhow::Result<()> {
             report.keys_sent_more_than_once == 0,
             "{} keys sent more than once",
             report.keys_sent_more_than_once
+        );
+        anyhow::ensure!(
+            report.outcomes_missing_at_promotion == Some(0),
+            "{:?} outcomes committed on the primary were missing on the promoted standby",
+            report.outcomes_missing_at_promotion
         );
         anyhow::ensure!(
             report
@@ -527,12 +697,48 @@ fn table(report: &Report) -> String {
             }
         ));
     }
+    let opt = |v: Option<usize>| v.map_or_else(|| "not measured".to_owned(), |n| n.to_string());
+    let stall = match (report.standby_lag_ms, report.delivered_at_stall) {
+        (0, _) => "none (the standby kept up on loopback)".to_owned(),
+        (ms, Some(at)) => format!(
+            "{ms} ms before the kill; {at} delivered on the primary when it began, {} at the \
+             kill",
+            report.delivered_before_kill
+        ),
+        (ms, None) => format!("{ms} ms before the kill"),
+    };
+    let missing = match report.outcomes_missing_at_promotion {
+        None => "not measured".to_owned(),
+        Some(n) => format!(
+            "{n} (of them: sent again {}, held ambiguous {}, delivered with one request {}); \
+             WAL not replayed: {} bytes",
+            opt(report.missing_outcomes_sent_again),
+            opt(report.missing_outcomes_held_ambiguous),
+            opt(report.missing_outcomes_delivered_once),
+            report
+                .wal_missing_at_promotion_bytes
+                .map_or_else(|| "not measured".to_owned(), |b| b.to_string()),
+        ),
+    };
+    let sent_again = match &report.sent_again_unsettled_at_kill {
+        Some(by_state) if !by_state.is_empty() => {
+            let parts: Vec<String> = by_state.iter().map(|(s, n)| format!("{s} ×{n}")).collect();
+            format!(
+                " ({} not among the missing outcomes: {})",
+                by_state.values().sum::<usize>(),
+                parts.join("; ")
+            )
+        }
+        _ => String::new(),
+    };
     format!(
         "| measure | value |\n|---|---|\n\
          | replication | {} (`synchronous_standby_names = '{}'`, standby `{}`) |\n\
          | deliveries | {} |\n\
+         | replication link stalled | {stall} |\n\
          | delivered before the kill (on the primary) | {} |\n\
          | delivered on the standby at its promotion | {} |\n\
+         | outcomes settled on the primary, missing on the standby at its promotion | {missing} |\n\
          | kill to promotion done (`pg_ctl promote -w`) | {} ms |\n\
          | deliveries moved again, after the promotion | {} |\n\
          | every process ready again, after the promotion | {} |\n\
@@ -540,9 +746,9 @@ fn table(report: &Report) -> String {
          | still owed when the drill stopped waiting | {} |\n\
          | whole run | {:.1} s |\n\
          | states | {:?} |\n\
-         | lost (not delivered) | {} |\n\
+         | lost (not delivered, ambiguous included) / never sent to the provider | {} / {} |\n\
          | provider requests / unique keys | {} / {} |\n\
-         | keys sent more than once | {} |\n\
+         | keys sent more than once | {}{sent_again} |\n\
          | held ambiguous | {} |\n\
          {logged}\
          | binaries | {} |\n",
@@ -560,6 +766,7 @@ fn table(report: &Report) -> String {
         report.total_s,
         report.states,
         report.lost,
+        opt(report.never_sent),
         report.provider_requests,
         report.provider_unique_keys,
         report.keys_sent_more_than_once,
@@ -578,29 +785,43 @@ fn write_report(report: &Report) -> anyhow::Result<()> {
         dir.join(format!("pg-failover-{mode}-{stamp}.json")),
         serde_json::to_string_pretty(report)?,
     )?;
-    // The newest run of each mode, side by side.
-    let mut latest = String::from("# PostgreSQL failover drill\n");
-    for mode in [Replication::Sync, Replication::Async] {
+    // The newest run of each mode and stall, side by side.
+    let mut newest: BTreeMap<(u8, u64), (String, Report)> = BTreeMap::new();
+    for (order, mode) in [Replication::Sync, Replication::Async]
+        .into_iter()
+        .enumerate()
+    {
         let prefix = format!("pg-failover-{}-", mode.name());
-        let newest = std::fs::read_dir(&dir)?
+        let mut files: Vec<String> = std::fs::read_dir(&dir)?
             .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
             .filter(|n| n.starts_with(&prefix) && n.ends_with(".json"))
-            .max();
-        let Some(file) = newest else {
-            continue;
-        };
-        let run: Report = serde_json::from_str(&std::fs::read_to_string(dir.join(&file))?)
-            .with_context(|| format!("failed to read {file}"))?;
+            .collect();
+        files.sort();
+        for file in files {
+            let run: Report = serde_json::from_str(&std::fs::read_to_string(dir.join(&file))?)
+                .with_context(|| format!("failed to read {file}"))?;
+            let order = u8::try_from(order).unwrap_or(u8::MAX);
+            newest.insert((order, run.standby_lag_ms), (file, run));
+        }
+    }
+    let mut latest = String::from(
+        "# PostgreSQL failover drill\n\nThe newest run of each replication mode and replication \
+         link stall (`--standby-lag-ms`; 0: not stalled, the standby kept up on loopback).\n",
+    );
+    for (file, run) in newest.values() {
         latest.push_str(&format!(
-            "\n## {} replication ({file})\n\n`scripts/postgres-failover-test.sh --replication {} \
-             --deliveries {}` (a primary and a standby on one 2-core machine)\n\n{}",
-            match mode {
+            "\n## {} replication, link stalled {} ms ({file})\n\n\
+             `scripts/postgres-failover-test.sh --replication {} --deliveries {} \
+             --standby-lag-ms {}` (a primary and a standby on one 2-core machine)\n\n{}",
+            match run.replication {
                 Replication::Sync => "Synchronous",
                 Replication::Async => "Asynchronous",
             },
-            mode.name(),
+            run.standby_lag_ms,
+            run.replication.name(),
             run.deliveries,
-            table(&run)
+            run.standby_lag_ms,
+            table(run)
         ));
     }
     std::fs::write(dir.join("pg-failover-latest.md"), latest)?;
