@@ -6,8 +6,9 @@
 # dedup by key. Once a quarter are delivered it kills the primary (SIGKILL), promotes the
 # standby and points the proxy at it. Writes bench/results/pg-failover-<mode>-*.json and
 # bench/results/pg-failover-latest.md; with synchronous replication (the default) it fails if
-# a delivery was lost, a key was sent twice or deliveries did not move within 15 s of the
-# promotion, or if an outcome the primary had committed is missing on the promoted standby.
+# a delivery was neither delivered nor held `ambiguous` for review, a key was sent twice,
+# deliveries did not move within 15 s of the promotion, or an outcome the primary had
+# committed is missing on the promoted standby.
 # `--replication async` runs the same drill without a synchronous standby, to show what that
 # costs (it reports, it does not fail). The standby streams through a loopback proxy, stalled
 # `--standby-lag-ms` (3000 by default; 0: not stalled) before the kill, as a slow or congested
