@@ -9,7 +9,7 @@
 //! file it was built from (cargo's dep-info file beside it lists them), fails the test by name.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -1181,6 +1181,61 @@ where
     poll_within(within, check)
         .await
         .ok_or_else(|| anyhow::anyhow!("{what}: not within {within:?}"))
+}
+
+/// Which binaries a drill or benchmark ran: the profile directory ([`bin_dir`]) and its path.
+pub fn build_profile() -> String {
+    let dir = bin_dir();
+    format!(
+        "{} binaries ({})",
+        dir.file_name()
+            .map_or_else(|| "?".into(), |n| n.to_string_lossy().into_owned()),
+        dir.display()
+    )
+}
+
+/// Each process's log size now (`<dir>/<name>.log`), so what it logs from here on can be read
+/// alone ([`logged_since`]).
+pub fn log_sizes(dir: &Path, names: &[String]) -> HashMap<String, u64> {
+    names
+        .iter()
+        .map(|name| {
+            let size = std::fs::metadata(dir.join(format!("{name}.log"))).map_or(0, |m| m.len());
+            (name.clone(), size)
+        })
+        .collect()
+}
+
+/// The warnings and errors each process logged after `offsets` (JSON lines), counted by
+/// level and message.
+pub fn logged_since(
+    dir: &Path,
+    names: &[String],
+    offsets: &HashMap<String, u64>,
+) -> BTreeMap<String, BTreeMap<String, usize>> {
+    let mut found = BTreeMap::new();
+    for name in names {
+        let text = std::fs::read(dir.join(format!("{name}.log"))).unwrap_or_default();
+        let from = offsets
+            .get(name)
+            .and_then(|o| usize::try_from(*o).ok())
+            .unwrap_or(0)
+            .min(text.len());
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for line in String::from_utf8_lossy(&text[from..]).lines() {
+            let Ok(entry) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            let level = entry["level"].as_str().unwrap_or_default();
+            if level != "WARN" && level != "ERROR" {
+                continue;
+            }
+            let message = entry["fields"]["message"].as_str().unwrap_or_default();
+            *counts.entry(format!("{level} {message}")).or_default() += 1;
+        }
+        found.insert(name.clone(), counts);
+    }
+    found
 }
 
 /// Delivery counts by state in `ledger`: [`TestEnv::states`] for the checks of

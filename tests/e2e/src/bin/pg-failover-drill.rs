@@ -459,7 +459,7 @@ async fn drill(args: Args) -> anyhow::Result<()> {
         tokio::time::sleep(lag).await;
         Some(at_stall)
     };
-    let log_offsets = log_sizes(&env.dir, &names);
+    let log_offsets = nudge_e2e::log_sizes(&env.dir, &names);
     // Every delivery's state on the primary, read as close to the kill as the drill can: what
     // the workers do on the primary between this read and the kill is not among them.
     let read_at = Utc::now();
@@ -635,8 +635,8 @@ async fn drill(args: Args) -> anyhow::Result<()> {
         keys_sent_more_than_once: keys.keys.iter().filter(|k| k.requests.len() > 1).count(),
         sent_again_unsettled_at_kill: Some(unsettled_sent_again),
         not_delivered_by_path: Some(not_delivered),
-        logged_after_fault: logged_since(&env.dir, &names, &log_offsets),
-        build: build_profile(),
+        logged_after_fault: nudge_e2e::logged_since(&env.dir, &names, &log_offsets),
+        build: nudge_e2e::build_profile(),
     };
     env.stop_all(Duration::from_secs(10));
     drop(env);
@@ -672,60 +672,6 @@ async fn drill(args: Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// `debug` or `release`: the directory the binaries were taken from.
-fn build_profile() -> String {
-    let dir = nudge_e2e::bin_dir();
-    format!(
-        "{} binaries ({})",
-        dir.file_name()
-            .map_or_else(|| "?".into(), |n| n.to_string_lossy().into_owned()),
-        dir.display()
-    )
-}
-
-/// Each process's log size now, so what it logs from here on can be read alone.
-fn log_sizes(dir: &Path, names: &[String]) -> HashMap<String, u64> {
-    names
-        .iter()
-        .map(|name| {
-            let size = std::fs::metadata(dir.join(format!("{name}.log"))).map_or(0, |m| m.len());
-            (name.clone(), size)
-        })
-        .collect()
-}
-
-/// The warnings and errors each process logged after `offsets` (JSON lines), counted by
-/// level and message.
-fn logged_since(
-    dir: &Path,
-    names: &[String],
-    offsets: &HashMap<String, u64>,
-) -> BTreeMap<String, BTreeMap<String, usize>> {
-    let mut found = BTreeMap::new();
-    for name in names {
-        let text = std::fs::read(dir.join(format!("{name}.log"))).unwrap_or_default();
-        let from = offsets
-            .get(name)
-            .and_then(|o| usize::try_from(*o).ok())
-            .unwrap_or(0)
-            .min(text.len());
-        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
-        for line in String::from_utf8_lossy(&text[from..]).lines() {
-            let Ok(entry) = serde_json::from_str::<serde_json::Value>(line) else {
-                continue;
-            };
-            let level = entry["level"].as_str().unwrap_or_default();
-            if level != "WARN" && level != "ERROR" {
-                continue;
-            }
-            let message = entry["fields"]["message"].as_str().unwrap_or_default();
-            *counts.entry(format!("{level} {message}")).or_default() += 1;
-        }
-        found.insert(name.clone(), counts);
-    }
-    found
 }
 
 fn ms(value: Option<u128>) -> String {
