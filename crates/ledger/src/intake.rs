@@ -9,13 +9,16 @@
 //! reference after erasure.
 
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, DeliveryState, EventId, ReminderId, SubscriberRef, TenantId};
+use nudge_domain::{
+    CancelChange, Channel, DeliveryState, EventId, ReminderId, SubscriberRef, TenantId,
+};
 use rand::RngExt;
 
 use crate::audit::{self, Operator};
 use crate::contacts::{seal_contact, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher, SealedWith};
 use crate::deliveries::LedgerTime;
+use crate::reschedule::{cancel_locked, lock_deliveries};
 use crate::{Ledger, LedgerError};
 
 /// The most signing secrets a tenant has at once (the current one and the one it replaces).
@@ -93,6 +96,8 @@ pub struct ReminderStatus {
 pub struct Cancellation {
     /// Deliveries settled `cancelled` by this request.
     pub cancelled: Vec<Channel>,
+    /// Every channel of the reminder, in channel order, with what the cancellation could do.
+    pub channels: Vec<(Channel, CancelChange)>,
     /// The reminder after the cancellation: what had already gone, or is being sent and will
     /// finish (never retried: its reminder is cancelled).
     pub status: ReminderStatus,
@@ -325,10 +330,15 @@ impl Ledger {
         status_in(&mut conn, tenant_id, event_id).await
     }
 
-    /// Cancels a reminder ([`Ledger::cancel_reminder`]'s rules) and answers per channel, in
-    /// one transaction; `None` when the tenant has no such event. `cancelled_at` and the
-    /// deliveries' `settled_at` are the database's time ([`LedgerTime::Database`]), like every
-    /// other settlement.
+    /// Cancels a reminder and answers per channel, in one transaction; `None` when the tenant
+    /// has no such event. Every delivery of the reminder is locked (see `reschedule`): one
+    /// that nothing can have been sent for (owed, or leased and waiting for its slot) is
+    /// settled `cancelled`, and its fence, if it comes, finds no lease of its own; one whose
+    /// send started, or that was delivered or is held as maybe sent, is answered `too_late`
+    /// (it is never retried: its reminder is cancelled); one settled before is
+    /// `already_settled`. A channel with no delivery yet is `cancelled` (none will be made).
+    /// `cancelled_at` and the deliveries' `settled_at` are the database's time
+    /// ([`LedgerTime::Database`]), like every other settlement.
     pub async fn cancel_reminder_by_channel(
         &self,
         tenant_id: TenantId,
@@ -336,41 +346,60 @@ impl Ledger {
         at: LedgerTime,
     ) -> Result<Option<Cancellation>, LedgerError> {
         let mut tx = self.pool.begin().await?;
-        let id: Option<uuid::Uuid> = sqlx::query_scalar(
+        let row: Option<(uuid::Uuid, Vec<String>, DateTime<Utc>)> = sqlx::query_as(
             "UPDATE reminders SET cancelled_at = COALESCE(cancelled_at, $3, now())
-             WHERE tenant_id = $1 AND event_id = $2 RETURNING id",
+             WHERE tenant_id = $1 AND event_id = $2
+             RETURNING id, channels, COALESCE($3, now())",
         )
         .bind(tenant_id.as_uuid())
         .bind(event_id.as_str())
         .bind(at.bind())
         .fetch_optional(&mut *tx)
         .await?;
-        let Some(id) = id else {
+        let Some((id, names, now)) = row else {
             return Ok(None);
         };
-        let cancelled: Vec<String> = sqlx::query_scalar(
-            "UPDATE deliveries
-             SET state = 'cancelled', settled_at = COALESCE($2, now()),
-                 updated_at = COALESCE($2, now()), next_attempt_at = NULL,
-                 last_error_reason = 'cancelled_by_client'
-             WHERE reminder_id = $1 AND state IN ('scheduled', 'queued', 'retry_wait')
-             RETURNING channel",
-        )
-        .bind(id)
-        .bind(at.bind())
-        .fetch_all(&mut *tx)
-        .await?;
+        let locked = lock_deliveries(&mut tx, id).await?;
+        let mut movable = Vec::new();
+        for delivery in &locked {
+            if delivery.found()?.movable() {
+                movable.push(delivery.id);
+            }
+        }
+        cancel_locked(&mut tx, &movable, "cancelled_by_client", now).await?;
         let status = status_in(&mut tx, tenant_id, event_id)
             .await?
             .ok_or_else(|| LedgerError::corrupt("reminders", "cancelled row vanished"))?;
         tx.commit().await?;
-        let mut cancelled = cancelled
+        let mut channels = Vec::with_capacity(names.len());
+        for name in &names {
+            let channel: Channel = name
+                .parse()
+                .map_err(|_| LedgerError::corrupt("reminders", "unknown channel"))?;
+            let found = locked
+                .iter()
+                .find(|d| d.channel == *name)
+                .map(crate::reschedule::LockedDelivery::found)
+                .transpose()?;
+            let now_state = status
+                .channels
+                .iter()
+                .find(|c| c.channel == channel)
+                .and_then(|c| c.state);
+            channels.push((channel, nudge_domain::change::cancelled(found, now_state)));
+        }
+        channels.sort_by_key(|(c, _)| *c);
+        let cancelled = channels
             .iter()
-            .map(|c| c.parse::<Channel>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|_| LedgerError::corrupt("deliveries", "unknown channel"))?;
-        cancelled.sort();
-        Ok(Some(Cancellation { cancelled, status }))
+            .filter(|(_, change)| *change == CancelChange::Cancelled)
+            .filter(|(c, _)| locked.iter().any(|d| d.channel == c.as_str()))
+            .map(|(c, _)| *c)
+            .collect();
+        Ok(Some(Cancellation {
+            cancelled,
+            channels,
+            status,
+        }))
     }
 
     /// Replaces a subscriber's destinations for the channels given (others are kept), in one
@@ -464,7 +493,7 @@ impl Ledger {
         let reminders_erased = sqlx::query(
             "UPDATE reminders r
              SET subscriber_ref = p.placeholder, subscriber_ref_keyed = true,
-                 content_ciphertext = NULL, request_digest = NULL,
+                 content_ciphertext = NULL, request_digest = NULL, revision_digest = NULL,
                  cancelled_at = COALESCE(r.cancelled_at, $3), erased_at = $3
              FROM UNNEST($1::uuid[], $2::text[]) AS p(id, placeholder)
              WHERE r.id = p.id",

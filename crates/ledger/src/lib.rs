@@ -33,6 +33,7 @@ mod receipts;
 mod redrive;
 mod reminders;
 mod republish;
+mod reschedule;
 mod restore;
 mod retention;
 mod schedules;
@@ -72,6 +73,7 @@ pub use reminders::{
     CreatedReminder, ImportOutcome, ImportReminder, MAX_CONTENT_BYTES, MAX_CORRELATION_ID_BYTES,
     MAX_DESTINATION_BYTES, NewReminder, WINDOW_BATCH, WindowOutcome,
 };
+pub use reschedule::{ReplacedBy, Replacement, RescheduleOutcome, Rescheduled};
 pub use restore::{
     ConfirmedSend, IdentityEvent, IdentityObservation, IdentityVerdict, RecordedIdentity,
     RestoreCount, RestoreReconciliation, RestoreStatus, SendingRefused, ServerIdentity,
