@@ -345,6 +345,28 @@ impl Ledger {
         event_id: &EventId,
         at: LedgerTime,
     ) -> Result<Option<Cancellation>, LedgerError> {
+        self.cancel_audited(tenant_id, event_id, None, at).await
+    }
+
+    /// [`Ledger::cancel_reminder_by_channel`] by an operator (`nudgectl reminders cancel`),
+    /// audited with what it answered in the same transaction.
+    pub async fn cancel_reminder_as(
+        &self,
+        tenant_id: TenantId,
+        event_id: &EventId,
+        by: &Operator,
+        at: LedgerTime,
+    ) -> Result<Option<Cancellation>, LedgerError> {
+        self.cancel_audited(tenant_id, event_id, Some(by), at).await
+    }
+
+    async fn cancel_audited(
+        &self,
+        tenant_id: TenantId,
+        event_id: &EventId,
+        by: Option<&Operator>,
+        at: LedgerTime,
+    ) -> Result<Option<Cancellation>, LedgerError> {
         let mut tx = self.pool.begin().await?;
         let row: Option<(uuid::Uuid, Vec<String>, DateTime<Utc>)> = sqlx::query_as(
             "UPDATE reminders SET cancelled_at = COALESCE(cancelled_at, $3, now())
@@ -370,7 +392,6 @@ impl Ledger {
         let status = status_in(&mut tx, tenant_id, event_id)
             .await?
             .ok_or_else(|| LedgerError::corrupt("reminders", "cancelled row vanished"))?;
-        tx.commit().await?;
         let mut channels = Vec::with_capacity(names.len());
         for name in &names {
             let channel: Channel = name
@@ -389,6 +410,20 @@ impl Ledger {
             channels.push((channel, nudge_domain::change::cancelled(found, now_state)));
         }
         channels.sort_by_key(|(c, _)| *c);
+        if let Some(by) = by {
+            let answers: serde_json::Map<String, serde_json::Value> = channels
+                .iter()
+                .map(|(c, change)| (c.as_str().to_owned(), change.as_str().into()))
+                .collect();
+            let mut entry = by.entry(
+                "reminder_cancel",
+                format!("reminder:{id}"),
+                serde_json::json!({ "channels": answers }),
+            );
+            entry.at = now;
+            audit::insert(&mut tx, &entry).await?;
+        }
+        tx.commit().await?;
         let cancelled = channels
             .iter()
             .filter(|(_, change)| *change == CancelChange::Cancelled)

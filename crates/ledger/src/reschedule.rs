@@ -49,6 +49,21 @@ impl ReplacedBy {
     }
 }
 
+/// A replacement as the transaction applies it: `None` keeps the reminder's own (channels,
+/// content, subscriber check, revision: the current + 1).
+struct Target<'a> {
+    tenant_id: nudge_domain::TenantId,
+    event_id: &'a nudge_domain::EventId,
+    revision: Option<Revision>,
+    digest: Option<&'a [u8]>,
+    subscriber: Option<&'a SubscriberRef>,
+    channels: Option<&'a [nudge_domain::Channel]>,
+    scheduled_at: DateTime<Utc>,
+    expires_at: DateTime<Utc>,
+    content: Option<Option<&'a [u8]>>,
+    contacts: &'a [(nudge_domain::Channel, crate::Destination)],
+}
+
 /// What a replacement did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rescheduled {
@@ -189,7 +204,69 @@ impl Ledger {
         at: LedgerTime,
     ) -> Result<RescheduleOutcome, LedgerError> {
         let reminder = &replacement.item.reminder;
-        let tenant_id = reminder.tenant_id();
+        let target = Target {
+            tenant_id: reminder.tenant_id(),
+            event_id: reminder.event_id(),
+            revision: Some(replacement.revision),
+            digest: reminder.request_digest.as_deref(),
+            subscriber: Some(reminder.subscriber_ref()),
+            channels: Some(reminder.channels()),
+            scheduled_at: reminder.scheduled_at,
+            expires_at: reminder.expires_at,
+            content: Some(reminder.content.as_deref()),
+            contacts: &replacement.item.contacts,
+        };
+        self.replace(&target, cipher, by, at).await
+    }
+
+    /// Moves a reminder to a new schedule and expiry, keeping its channels, destinations and
+    /// content, as an operator (`nudgectl reminders reschedule`): [`Ledger::reschedule_reminder`]'s
+    /// rules, at `revision` or, without one, the current revision + 1; audited in the same
+    /// transaction.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn move_reminder(
+        &self,
+        tenant_id: nudge_domain::TenantId,
+        event_id: &nudge_domain::EventId,
+        scheduled_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+        revision: Option<Revision>,
+        cipher: &DestinationCipher,
+        by: &Operator,
+        at: LedgerTime,
+    ) -> Result<RescheduleOutcome, LedgerError> {
+        use chrono::SubsecRound;
+        let (scheduled_at, expires_at) =
+            (scheduled_at.trunc_subsecs(6), expires_at.trunc_subsecs(6));
+        if expires_at <= scheduled_at {
+            return Err(LedgerError::InvalidInput(
+                "expires_at must be after scheduled_at",
+            ));
+        }
+        let target = Target {
+            tenant_id,
+            event_id,
+            revision,
+            digest: None,
+            subscriber: None,
+            channels: None,
+            scheduled_at,
+            expires_at,
+            content: None,
+            contacts: &[],
+        };
+        self.replace(&target, cipher, &ReplacedBy::Operator(by.clone()), at)
+            .await
+    }
+
+    async fn replace(
+        &self,
+        target: &Target<'_>,
+        cipher: &DestinationCipher,
+        by: &ReplacedBy,
+        at: LedgerTime,
+    ) -> Result<RescheduleOutcome, LedgerError> {
+        let tenant_id = target.tenant_id;
         let mut tx = self.pool.begin().await?;
         // Shared with creations, exclusive with a window (see `reminders`): a reminder moved
         // into a window being run is either read by it or sees its run intent here.
@@ -209,7 +286,7 @@ impl Ledger {
              FROM reminders WHERE tenant_id = $1 AND event_id = $2 FOR NO KEY UPDATE",
         )
         .bind(tenant_id.as_uuid())
-        .bind(reminder.event_id().as_str())
+        .bind(target.event_id.as_str())
         .bind(at.bind())
         .fetch_optional(&mut *tx)
         .await?;
@@ -224,8 +301,13 @@ impl Ledger {
         } else {
             &current.revision_digest
         };
-        let same_body = made_by.is_some() && *made_by == reminder.request_digest;
-        match nudge_domain::change::order(revision, replacement.revision, same_body) {
+        let same_body = made_by.is_some() && made_by.as_deref() == target.digest;
+        let wanted = match target.revision {
+            Some(wanted) => wanted,
+            None => Revision::new(revision.get().saturating_add(1))
+                .map_err(|_| LedgerError::corrupt("reminders", "revision out of range"))?,
+        };
+        match nudge_domain::change::order(revision, wanted, same_body) {
             RevisionOrder::Conflict => {
                 return Ok(RescheduleOutcome::RevisionConflict { current: revision });
             }
@@ -248,22 +330,27 @@ impl Ledger {
         if current.cancelled_at.is_some() {
             return Ok(RescheduleOutcome::Cancelled);
         }
-        let stored_ref = cipher.stored_ref(tenant_id, reminder.subscriber_ref())?;
-        if !same_subscriber(&current, &stored_ref, reminder.subscriber_ref()) {
-            return Ok(RescheduleOutcome::SubscriberDiffers);
+        if let Some(subscriber) = target.subscriber {
+            let stored_ref = cipher.stored_ref(tenant_id, subscriber)?;
+            if !same_subscriber(&current, &stored_ref, subscriber) {
+                return Ok(RescheduleOutcome::SubscriberDiffers);
+            }
         }
         let now = current.db_now;
-        let time_changed = current.scheduled_at != reminder.scheduled_at
-            || current.expires_at != reminder.expires_at;
-        if current.scheduled_at != reminder.scheduled_at && reminder.scheduled_at < now {
+        let (scheduled_at, expires_at) = (target.scheduled_at, target.expires_at);
+        let time_changed = current.scheduled_at != scheduled_at || current.expires_at != expires_at;
+        if current.scheduled_at != scheduled_at && scheduled_at < now {
             return Ok(RescheduleOutcome::ScheduledInThePast);
         }
-        if reminder.expires_at <= now {
+        if expires_at <= now {
             return Ok(RescheduleOutcome::ExpiresInThePast);
         }
 
         let old_channels = parse_channels(&current.channels)?;
-        let new_channels = reminder.channels().to_vec();
+        let new_channels = match target.channels {
+            Some(channels) => channels.to_vec(),
+            None => old_channels.clone(),
+        };
         let locked = lock_deliveries(&mut tx, current.id).await?;
         let mut to_move = Vec::new();
         let mut to_cancel = Vec::new();
@@ -279,49 +366,51 @@ impl Ledger {
                 to_cancel.push(delivery.id);
             }
         }
-        move_locked(
-            &mut tx,
-            &to_move,
-            reminder.scheduled_at,
-            reminder.expires_at,
-            now,
-        )
-        .await?;
+        move_locked(&mut tx, &to_move, scheduled_at, expires_at, now).await?;
         cancel_locked(&mut tx, &to_cancel, "channel_removed", now).await?;
 
-        let content = reminder
-            .content
-            .as_deref()
-            .map(|c| cipher.seal(c, &content_aad(tenant_id, id)))
-            .transpose()?;
+        // Content: sealed again when given (None: the reminder has none now), else kept.
+        let content = match target.content {
+            Some(content) => Some(
+                content
+                    .map(|c| cipher.seal(c, &content_aad(tenant_id, id)))
+                    .transpose()?,
+            ),
+            None => None,
+        };
         let channel_names: Vec<&str> = new_channels.iter().map(|c| c.as_str()).collect();
         sqlx::query(
             "UPDATE reminders
-             SET channels = $2, scheduled_at = $3, expires_at = $4, content_ciphertext = $5,
+             SET channels = $2, scheduled_at = $3, expires_at = $4,
+                 content_ciphertext = CASE WHEN $8 THEN $5 ELSE content_ciphertext END,
                  revision = $6, revision_digest = $7
              WHERE id = $1",
         )
         .bind(current.id)
         .bind(&channel_names)
-        .bind(reminder.scheduled_at)
-        .bind(reminder.expires_at)
-        .bind(content)
-        .bind(replacement.revision.get())
-        .bind(reminder.request_digest.as_deref())
+        .bind(scheduled_at)
+        .bind(expires_at)
+        .bind(content.clone().flatten())
+        .bind(wanted.get())
+        .bind(target.digest)
+        .bind(content.is_some())
         .execute(&mut *tx)
         .await?;
 
-        let mut sealed = Vec::with_capacity(replacement.item.contacts.len());
-        for (channel, destination) in &replacement.item.contacts {
-            sealed.push(seal_contact(
-                cipher,
-                tenant_id,
-                stored_ref.clone(),
-                *channel,
-                destination,
-            )?);
+        if let Some(subscriber) = target.subscriber {
+            let stored_ref = cipher.stored_ref(tenant_id, subscriber)?;
+            let mut sealed = Vec::with_capacity(target.contacts.len());
+            for (channel, destination) in target.contacts {
+                sealed.push(seal_contact(
+                    cipher,
+                    tenant_id,
+                    stored_ref.clone(),
+                    *channel,
+                    destination,
+                )?);
+            }
+            upsert_contacts(&mut tx, &sealed, now).await?;
         }
-        upsert_contacts(&mut tx, &sealed, now).await?;
 
         // A channel added, or a reminder moved into a window that ran (or to now), gets its
         // deliveries now; later windows take the rest (their insert skips what exists).
@@ -331,7 +420,7 @@ impl Ledger {
                    AND ri.window_start <= $2 AND ri.window_end > $2)",
         )
         .bind(tenant_id.as_uuid())
-        .bind(reminder.scheduled_at)
+        .bind(scheduled_at)
         .bind(now)
         .fetch_one(&mut *tx)
         .await?;
@@ -339,8 +428,8 @@ impl Ledger {
             let window = WindowReminder {
                 id: current.id,
                 channels: channel_names.iter().map(|c| (*c).to_owned()).collect(),
-                scheduled_at: reminder.scheduled_at,
-                expires_at: reminder.expires_at,
+                scheduled_at,
+                expires_at,
             };
             insert_deliveries(&mut tx, tenant_id, std::slice::from_ref(&window), now).await?
         } else {
@@ -364,11 +453,11 @@ impl Ledger {
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
         .bind(current.id)
-        .bind(replacement.revision.get())
+        .bind(wanted.get())
         .bind(current.scheduled_at)
-        .bind(reminder.scheduled_at)
+        .bind(scheduled_at)
         .bind(current.expires_at)
-        .bind(reminder.expires_at)
+        .bind(expires_at)
         .bind(&added)
         .bind(&removed)
         .bind(by.source())
@@ -380,9 +469,9 @@ impl Ledger {
                 "reminder_reschedule",
                 format!("reminder:{id}"),
                 serde_json::json!({
-                    "revision": replacement.revision.get(),
+                    "revision": wanted.get(),
                     "from": current.scheduled_at,
-                    "to": reminder.scheduled_at,
+                    "to": scheduled_at,
                     "channels_added": added,
                     "channels_removed": removed,
                 }),
@@ -417,9 +506,9 @@ impl Ledger {
         tx.commit().await?;
         Ok(RescheduleOutcome::Applied(Rescheduled {
             id,
-            revision: replacement.revision,
-            scheduled_at: reminder.scheduled_at,
-            expires_at: reminder.expires_at,
+            revision: wanted,
+            scheduled_at,
+            expires_at,
             channels,
             deliveries_created,
         }))

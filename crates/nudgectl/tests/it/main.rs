@@ -2,6 +2,7 @@
 
 mod commands;
 mod rates;
+mod reminders_change;
 mod reminders_load;
 mod replication;
 mod retention;
