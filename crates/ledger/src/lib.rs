@@ -87,8 +87,8 @@ pub use status::ChannelStatus;
 pub use tenants::Tenant;
 pub use trace::{
     AttemptTiming, CLOCK_TOLERANCE_MS, DeliveryTrace, EarlyStart, Findings, LeaseHeld, MatchedAs,
-    RedriveMembership, ReminderSummary, Timeline, Trace, TraceError, TraceId, TraceIdError,
-    findings,
+    RedriveMembership, ReminderSummary, RescheduleEntry, Timeline, Trace, TraceError, TraceId,
+    TraceIdError, findings,
 };
 
 use std::time::Duration;

@@ -232,4 +232,22 @@ async fn a_reschedule_by_event_id_or_from_a_file_moves_the_reminder_under_a_new_
         ]
     );
     assert_eq!(audited(&pool, "reminder_reschedule").await.len(), 2);
+
+    // The trace shows each reschedule: when, by whom, the revision, from and to.
+    let (result, shown) = run(
+        &ledger,
+        Command::Trace {
+            id: "clinic-a/appt-1".parse().unwrap(),
+            json: false,
+        },
+    )
+    .await;
+    result.unwrap();
+    assert!(shown.contains("  revision 5\n"), "{shown}");
+    assert!(
+        shown.contains(
+            "by nudgectl to revision 5: 2099-11-30T09:00:00.000Z -> 2099-12-02T09:00:00.000Z"
+        ),
+        "{shown}"
+    );
 }
