@@ -729,3 +729,136 @@ async fn a_pending_reminder_moved_to_now_gets_its_deliveries(pool: PgPool) {
     assert_eq!(done.deliveries_created, 1);
     assert_eq!(claim_all(&ledger, soon).await.len(), 1);
 }
+
+/// Runs `first` and then `second` against a delivery row a test transaction holds locked, each
+/// queued for the row in that order, then lets them go: PostgreSQL grants the row to the first
+/// waiter first.
+async fn race_for_the_row<A, B, FA, FB>(
+    pool: &PgPool,
+    delivery: uuid::Uuid,
+    first: FA,
+    second: FB,
+) -> (A, B)
+where
+    FA: std::future::Future<Output = A> + Send + 'static,
+    FB: std::future::Future<Output = B> + Send + 'static,
+    A: Send + 'static,
+    B: Send + 'static,
+{
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM deliveries WHERE id = $1 FOR UPDATE")
+        .bind(delivery)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let first = tokio::spawn(first);
+    assert!(
+        poll_until(Duration::from_secs(10), || async {
+            lock_waiters(pool).await >= 1
+        })
+        .await
+    );
+    let second = tokio::spawn(second);
+    assert!(
+        poll_until(Duration::from_secs(10), || async {
+            lock_waiters(pool).await >= 2
+        })
+        .await
+    );
+    holder.commit().await.unwrap();
+    (first.await.unwrap(), second.await.unwrap())
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn of_a_cancel_and_a_waiting_leases_fence_whichever_takes_the_row_first_the_other_yields(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await.id;
+    let (lease, reserved_at, event) = waiting_lease(&ledger, tenant).await;
+    let fence = {
+        let (ledger, lease) = (ledger.clone(), lease.clone());
+        async move {
+            ledger
+                .fence(
+                    &lease,
+                    reserved_at,
+                    LEASE,
+                    Duration::from_secs(10),
+                    at(t0() + secs(1)),
+                )
+                .await
+                .unwrap()
+        }
+    };
+    let cancel = {
+        let ledger = ledger.clone();
+        let event = EventId::parse(&event).unwrap();
+        async move {
+            ledger
+                .cancel_reminder_by_channel(tenant, &event, at(t0() + secs(1)))
+                .await
+                .unwrap()
+                .unwrap()
+        }
+    };
+
+    // The fence first: it stamps the send; the cancel finds it too late.
+    let (fenced, cancellation) = race_for_the_row(&pool, lease.id.as_uuid(), fence, cancel).await;
+    assert!(fenced.is_ok(), "the fence took the row first: {fenced:?}");
+    assert_eq!(
+        cancellation.channels,
+        vec![(Channel::Sms, CancelChange::TooLate(DeliveryState::Sending))]
+    );
+    let record = ledger.delivery(lease.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::Sending, "its send goes on");
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn of_a_cancel_and_a_waiting_leases_fence_the_cancel_first_leaves_nothing_to_send(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await.id;
+    let (lease, reserved_at, event) = waiting_lease(&ledger, tenant).await;
+    let fence = {
+        let (ledger, lease) = (ledger.clone(), lease.clone());
+        async move {
+            ledger
+                .fence(
+                    &lease,
+                    reserved_at,
+                    LEASE,
+                    Duration::from_secs(10),
+                    at(t0() + secs(1)),
+                )
+                .await
+                .unwrap()
+        }
+    };
+    let cancel = {
+        let ledger = ledger.clone();
+        let event = EventId::parse(&event).unwrap();
+        async move {
+            ledger
+                .cancel_reminder_by_channel(tenant, &event, at(t0() + secs(1)))
+                .await
+                .unwrap()
+                .unwrap()
+        }
+    };
+
+    let (cancellation, fenced) = race_for_the_row(&pool, lease.id.as_uuid(), cancel, fence).await;
+    assert_eq!(
+        cancellation.channels,
+        vec![(Channel::Sms, CancelChange::Cancelled)]
+    );
+    assert_eq!(
+        fenced,
+        Err(FenceRefused::LeaseLost),
+        "no send after the cancel won"
+    );
+    let record = ledger.delivery(lease.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::Cancelled);
+    assert_eq!(record.attempt_count, 0);
+}
