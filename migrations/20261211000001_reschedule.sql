@@ -1,8 +1,9 @@
 -- Reschedule (docs/decisions/0309-reschedule-and-truthful-cancel.md): a client replaces a
 -- reminder's schedule and body under a revision that must grow. The first post is revision 0
 -- unless it gives one. `revision_digest` is the keyed digest of the body that made the current
--- revision (NULL for revision 0: the post's own `request_digest` stands for it), so that the
--- same revision sent again is told apart from another body under it.
+-- revision (until the first replacement the post's own `request_digest` stands for it; NULL
+-- after an operator's move, which has no body), so that the same revision sent again is told
+-- apart from another body under it.
 ALTER TABLE reminders
     ADD COLUMN revision        bigint NOT NULL DEFAULT 0 CHECK (revision >= 0),
     ADD COLUMN revision_digest bytea NULL;

@@ -111,6 +111,7 @@ struct CurrentRow {
     revision: i64,
     revision_digest: Option<Vec<u8>>,
     request_digest: Option<Vec<u8>>,
+    replaced: bool,
     db_now: DateTime<Utc>,
 }
 
@@ -282,8 +283,10 @@ impl Ledger {
         let current: Option<CurrentRow> = sqlx::query_as(
             "SELECT id, subscriber_ref, subscriber_ref_keyed, channels, scheduled_at, expires_at,
                     cancelled_at, erased_at, revision, revision_digest, request_digest,
+                    EXISTS (SELECT 1 FROM reminder_revisions h WHERE h.reminder_id = r.id)
+                        AS replaced,
                     COALESCE($3, now()) AS db_now
-             FROM reminders WHERE tenant_id = $1 AND event_id = $2 FOR NO KEY UPDATE",
+             FROM reminders r WHERE tenant_id = $1 AND event_id = $2 FOR NO KEY UPDATE",
         )
         .bind(tenant_id.as_uuid())
         .bind(target.event_id.as_str())
@@ -296,10 +299,11 @@ impl Ledger {
         let id = ReminderId::from_uuid(current.id);
         let revision = Revision::new(current.revision)
             .map_err(|_| LedgerError::corrupt("reminders", "negative revision"))?;
-        let made_by = if revision == Revision::FIRST {
-            &current.request_digest
-        } else {
+        // Until its first replacement, the post made the current revision (0, or what it gave).
+        let made_by = if current.replaced {
             &current.revision_digest
+        } else {
+            &current.request_digest
         };
         let same_body = made_by.is_some() && made_by.as_deref() == target.digest;
         let wanted = match target.revision {

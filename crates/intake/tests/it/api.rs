@@ -1138,6 +1138,23 @@ async fn a_reschedule_moves_every_owed_channel_and_orders_revisions(pool: PgPool
     assert_eq!(retried.status, StatusCode::OK, "{}", retried.text);
     assert_eq!(retried.body["status"], "duplicate");
 
+    // A post that gives its revision starts there.
+    let mut numbered = reminder("appt-n");
+    numbered["revision"] = json!(3);
+    assert_eq!(intake.post(&numbered).await.status, StatusCode::ACCEPTED);
+    let numbered_uri = "/v1/tenants/clinic/reminders/appt-n";
+    let repeat = intake.call("PUT", numbered_uri, &numbered).await;
+    assert_eq!(repeat.status, StatusCode::OK, "{}", repeat.text);
+    assert_eq!(
+        repeat.body["status"], "unchanged",
+        "revision 3 with its own body"
+    );
+    let older = intake
+        .call("PUT", numbered_uri, &replacement("appt-n", later, json!(2)))
+        .await;
+    assert_eq!(older.status, StatusCode::CONFLICT, "{}", older.text);
+    assert_eq!(older.body["current_revision"], 3);
+
     let unknown = intake
         .call(
             "PUT",
