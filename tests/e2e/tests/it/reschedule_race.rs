@@ -253,7 +253,20 @@ async fn a_cancel_or_reschedule_racing_the_send_and_the_providers_requests_agree
             ));
         }
     }
-    eprintln!("reschedule race over {REMINDERS} reminders, answers: {counts:?}");
+    // How many leases waiting for their slot lost to a change (their fence found no lease).
+    let lost_while_waiting: usize = ["worker-sms-1", "worker-sms-2"]
+        .iter()
+        .map(|name| {
+            std::fs::read_to_string(env.dir.join(format!("{name}.log")))
+                .unwrap_or_default()
+                .matches("lease lost while waiting for the send slot")
+                .count()
+        })
+        .sum();
+    eprintln!(
+        "reschedule race over {REMINDERS} reminders, answers: {counts:?}; waiting leases that \
+         lost to a change: {lost_while_waiting}"
+    );
     assert!(
         disagreements.is_empty(),
         "{} answers disagree with the provider:\n{}",
