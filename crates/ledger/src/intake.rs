@@ -368,17 +368,21 @@ impl Ledger {
         at: LedgerTime,
     ) -> Result<Option<Cancellation>, LedgerError> {
         let mut tx = self.pool.begin().await?;
-        let row: Option<(uuid::Uuid, Vec<String>, DateTime<Utc>)> = sqlx::query_as(
-            "UPDATE reminders SET cancelled_at = COALESCE(cancelled_at, $3, now())
-             WHERE tenant_id = $1 AND event_id = $2
-             RETURNING id, channels, COALESCE($3, now())",
+        // `before`: whether it was cancelled already (a repeated cancel answers as the first).
+        let row: Option<(uuid::Uuid, Vec<String>, DateTime<Utc>, bool)> = sqlx::query_as(
+            "WITH before AS (
+                 SELECT id, cancelled_at IS NOT NULL AS cancelled FROM reminders
+                 WHERE tenant_id = $1 AND event_id = $2 FOR NO KEY UPDATE)
+             UPDATE reminders r SET cancelled_at = COALESCE(r.cancelled_at, $3, now())
+             FROM before b WHERE r.id = b.id
+             RETURNING r.id, r.channels, COALESCE($3, now()), b.cancelled",
         )
         .bind(tenant_id.as_uuid())
         .bind(event_id.as_str())
         .bind(at.bind())
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((id, names, now)) = row else {
+        let Some((id, names, now, cancelled_before)) = row else {
             return Ok(None);
         };
         let locked = lock_deliveries(&mut tx, id).await?;
@@ -397,9 +401,8 @@ impl Ledger {
             let channel: Channel = name
                 .parse()
                 .map_err(|_| LedgerError::corrupt("reminders", "unknown channel"))?;
-            let found = locked
-                .iter()
-                .find(|d| d.channel == *name)
+            let delivery = locked.iter().find(|d| d.channel == *name);
+            let found = delivery
                 .map(crate::reschedule::LockedDelivery::found)
                 .transpose()?;
             let now_state = status
@@ -407,7 +410,18 @@ impl Ledger {
                 .iter()
                 .find(|c| c.channel == channel)
                 .and_then(|c| c.state);
-            channels.push((channel, nudge_domain::change::cancelled(found, now_state)));
+            // Settled by an earlier cancel of this reminder: answered as that cancel was.
+            let by_earlier_cancel = cancelled_before
+                && delivery.is_some_and(|d| {
+                    d.state == DeliveryState::Cancelled.as_str()
+                        && d.reason.as_deref() == Some("cancelled_by_client")
+                });
+            let change = if by_earlier_cancel {
+                CancelChange::Cancelled
+            } else {
+                nudge_domain::change::cancelled(found, now_state)
+            };
+            channels.push((channel, change));
         }
         channels.sort_by_key(|(c, _)| *c);
         if let Some(by) = by {

@@ -122,6 +122,7 @@ pub(crate) struct LockedDelivery {
     pub(crate) channel: String,
     pub(crate) state: String,
     pub(crate) fenced: bool,
+    pub(crate) reason: Option<String>,
 }
 
 impl LockedDelivery {
@@ -149,7 +150,8 @@ pub(crate) async fn lock_deliveries(
     reminder_id: uuid::Uuid,
 ) -> Result<Vec<LockedDelivery>, LedgerError> {
     Ok(sqlx::query_as(
-        "SELECT id, channel, state, send_started_at IS NOT NULL AS fenced
+        "SELECT id, channel, state, send_started_at IS NOT NULL AS fenced,
+                last_error_reason AS reason
          FROM deliveries WHERE reminder_id = $1 ORDER BY id FOR UPDATE",
     )
     .bind(reminder_id)

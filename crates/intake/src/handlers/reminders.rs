@@ -420,8 +420,10 @@ pub async fn get_reminder(
     Ok(Json(reminder_state(&event_id, status)).into_response())
 }
 
-/// Cancel a reminder: every owed delivery is settled `cancelled`; one being sent finishes but
-/// is never retried. Cancelling again answers the same.
+/// Cancel a reminder, answered per channel: `cancelled` (settled now, or none will be made: no
+/// request will ever be made for it), `too_late` with its state (its send started, and
+/// finishes but is never retried; or it was delivered, or is held as maybe sent), or
+/// `already_settled` with its state. Cancelling again answers the same.
 #[utoipa::path(post, path = "/v1/tenants/{tenant}/reminders/{event_id}/cancel", tag = "reminders",
     params(
         ("tenant" = String, Path, description = "the tenant's name"),

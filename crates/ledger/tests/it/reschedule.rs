@@ -862,3 +862,38 @@ async fn of_a_cancel_and_a_waiting_leases_fence_the_cancel_first_leaves_nothing_
     assert_eq!(record.state, DeliveryState::Cancelled);
     assert_eq!(record.attempt_count, 0);
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn cancelling_again_answers_as_the_first_cancel(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await.id;
+    posted(
+        &ledger,
+        tenant,
+        "appt-1",
+        &[Channel::Sms, Channel::Email],
+        t0(),
+    )
+    .await;
+    sqlx::query(
+        "UPDATE deliveries SET state = 'expired', settled_at = now(), next_attempt_at = NULL
+         WHERE channel = 'email'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let event = EventId::parse("appt-1").unwrap();
+    let first = ledger
+        .cancel_reminder_by_channel(tenant, &event, at(t0()))
+        .await
+        .unwrap()
+        .unwrap();
+    let again = ledger
+        .cancel_reminder_by_channel(tenant, &event, at(t0() + secs(5)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.channels, again.channels);
+    assert_eq!(first.cancelled, again.cancelled);
+    assert_eq!(again.status.cancelled_at, Some(t0()), "stamped once");
+}
