@@ -229,6 +229,8 @@ pub struct ReminderState {
     pub expires_at: DateTime<Utc>,
     pub cancelled_at: Option<DateTime<Utc>>,
     pub correlation_id: Option<String>,
+    /// The current revision: a reschedule (`PUT`) must give a higher one.
+    pub revision: i64,
     pub channels: Vec<ChannelState>,
 }
 

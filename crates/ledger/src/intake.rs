@@ -88,6 +88,8 @@ pub struct ReminderStatus {
     pub expires_at: DateTime<Utc>,
     pub cancelled_at: Option<DateTime<Utc>>,
     pub correlation_id: Option<String>,
+    /// The client's current revision (a reschedule must give a higher one).
+    pub revision: i64,
     pub channels: Vec<ReminderChannelState>,
 }
 
@@ -150,6 +152,7 @@ struct StatusRow {
     expires_at: DateTime<Utc>,
     cancelled_at: Option<DateTime<Utc>>,
     correlation_id: Option<String>,
+    revision: i64,
 }
 
 #[derive(sqlx::FromRow)]
@@ -586,7 +589,7 @@ async fn status_in(
     event_id: &EventId,
 ) -> Result<Option<ReminderStatus>, LedgerError> {
     let row: Option<StatusRow> = sqlx::query_as(
-        "SELECT id, channels, scheduled_at, expires_at, cancelled_at, correlation_id
+        "SELECT id, channels, scheduled_at, expires_at, cancelled_at, correlation_id, revision
          FROM reminders WHERE tenant_id = $1 AND event_id = $2",
     )
     .bind(tenant_id.as_uuid())
@@ -628,6 +631,7 @@ async fn status_in(
         expires_at: row.expires_at,
         cancelled_at: row.cancelled_at,
         correlation_id: row.correlation_id,
+        revision: row.revision,
         channels,
     }))
 }

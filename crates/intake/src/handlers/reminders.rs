@@ -353,6 +353,7 @@ fn reminder_state(event_id: &EventId, status: ReminderStatus) -> ReminderState {
         expires_at: status.expires_at,
         cancelled_at: status.cancelled_at,
         correlation_id: status.correlation_id,
+        revision: status.revision,
         channels: status
             .channels
             .into_iter()

@@ -1132,6 +1132,7 @@ async fn a_reschedule_moves_every_owed_channel_and_orders_revisions(pool: PgPool
         .parse()
         .unwrap();
     assert_eq!(state_at, later, "nothing refused changed anything");
+    assert_eq!(state.body["revision"], 1);
 
     // The client's retry of its first post is still that post.
     let retried = intake.post(&reminder("appt-r")).await;
