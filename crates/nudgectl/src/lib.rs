@@ -438,7 +438,8 @@ Each line is one JSON object:
    \"content\": {\"template\": \"appointment\"}}
 Every listed channel needs a non-empty destination, and only listed channels may have one.
 Timestamps are RFC 3339 with an offset; expires_at must be after scheduled_at. `content` is
-optional (any JSON object). Unknown fields are an error. Blank lines are skipped.
+optional (any JSON object); so is `revision` (the reminder's first revision, 0 when absent; a
+reschedule must give a higher one). Unknown fields are an error. Blank lines are skipped.
 
 Each line is imported in its own transaction (the reminder and its encrypted destinations),
 so a bad line writes nothing and the good lines still load. Re-posting an event id with the
