@@ -490,12 +490,13 @@ impl Ledger {
     }
 
     /// Erases a subscriber of a tenant, in one transaction: deletes their destinations (the
-    /// rows, so the ciphertext with them), settles their owed deliveries `cancelled` (one
-    /// being sent finishes), and strips their reminders to the audit fields: the reference is
-    /// replaced by a random value unrelated to the subscriber, content and request digest are
-    /// dropped, `erased_at` is set. An audit row with the counts (never the reference) is
-    /// written in the same transaction. Every time it writes, the audit row's included, is the
-    /// database's ([`LedgerTime::Database`]), read once at its start. Needs the subscriber key.
+    /// rows, so the ciphertext with them), settles their owed deliveries `cancelled` (a lease
+    /// waiting for its slot too; one whose send started finishes), and strips their reminders
+    /// to the audit fields: the reference is replaced by a random value unrelated to the
+    /// subscriber, content and request digest are dropped, `erased_at` is set. An audit row
+    /// with the counts (never the reference) is written in the same transaction. Every time it
+    /// writes, the audit row's included, is the database's ([`LedgerTime::Database`]), read
+    /// once at its start. Needs the subscriber key.
     pub async fn erase_subscriber(
         &self,
         tenant_id: TenantId,
@@ -530,11 +531,19 @@ impl Ledger {
         .bind(subscriber_ref.as_str())
         .fetch_all(&mut *tx)
         .await?;
+        // As a cancel does (see `reschedule`): a lease waiting for its slot is taken too, under
+        // the row lock its fence needs, so nothing leaves for an erased subscriber once this
+        // commits.
         let deliveries_cancelled = sqlx::query(
             "UPDATE deliveries
              SET state = 'cancelled', settled_at = $2, updated_at = $2, next_attempt_at = NULL,
-                 last_error_reason = 'subscriber_erased'
-             WHERE reminder_id = ANY($1) AND state IN ('scheduled', 'queued', 'retry_wait')",
+                 last_error_reason = 'subscriber_erased',
+                 attempt_count = CASE WHEN state = 'sending' THEN attempt_count - 1
+                                      ELSE attempt_count END,
+                 lease_owner = NULL, lease_expires_at = NULL, lease_idempotent = NULL
+             WHERE reminder_id = ANY($1)
+               AND (state IN ('scheduled', 'queued', 'retry_wait')
+                    OR (state = 'sending' AND send_started_at IS NULL))",
         )
         .bind(&reminders)
         .bind(now)

@@ -897,3 +897,43 @@ async fn cancelling_again_answers_as_the_first_cancel(pool: PgPool) {
     assert_eq!(first.cancelled, again.cancelled);
     assert_eq!(again.status.cancelled_at, Some(t0()), "stamped once");
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_erasure_takes_a_lease_waiting_for_its_slot_and_its_fence_refuses(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await.id;
+    let (lease, reserved_at, _) = waiting_lease(&ledger, tenant).await;
+
+    let erasure = ledger
+        .erase_subscriber(
+            tenant,
+            &SubscriberRef::parse(SUBSCRIBER).unwrap(),
+            &cipher(),
+            &ops(t0()),
+            at(t0()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        erasure.deliveries_cancelled, 1,
+        "the waiting one; the other's send started"
+    );
+
+    let fenced = ledger
+        .fence(
+            &lease,
+            reserved_at,
+            LEASE,
+            Duration::from_secs(10),
+            at(t0() + secs(1)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(fenced, Err(FenceRefused::LeaseLost));
+    let record = ledger.delivery(lease.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::Cancelled);
+    assert_eq!(
+        record.last_error_reason.as_deref(),
+        Some("subscriber_erased")
+    );
+}
