@@ -55,9 +55,33 @@ pub enum CommitError {
     Stopped,
     #[error("failed to read the tenant: {0}")]
     Tenant(String),
+    /// The ledger is away or read-only (`LedgerError::is_unavailable`): nothing was imported.
+    #[error("the ledger is away: {0}")]
+    Away(String),
     /// The signature does not match the tenant's secrets as read before the import.
     #[error("refused: {}", .0.internal())]
     Refused(Refusal),
+}
+
+impl CommitError {
+    /// Whether the post failed because the ledger is away or read-only: the client is asked
+    /// to come back (503), not told of a fault (500).
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            CommitError::Away(_) => true,
+            CommitError::Ledger(e) => e.is_unavailable(),
+            _ => false,
+        }
+    }
+
+    fn from_ledger(e: &LedgerError) -> Self {
+        let chain = nudge_telemetry::error_chain(e);
+        if e.is_unavailable() {
+            CommitError::Away(chain)
+        } else {
+            CommitError::Tenant(chain)
+        }
+    }
 }
 
 /// What a post's signature covered, to verify it again against its tenant as read just
@@ -163,13 +187,10 @@ async fn run(
 /// Reads the jobs' tenants, refuses the jobs whose signature no longer matches, imports the
 /// rest in one transaction and answers each; when that fails, each on its own.
 async fn commit(ledger: &Ledger, cipher: &DestinationCipher, now: DateTime<Utc>, jobs: Vec<Job>) {
-    let mut tenants: HashMap<String, Result<Option<IntakeTenant>, String>> = HashMap::new();
+    let mut tenants: HashMap<String, Result<Option<IntakeTenant>, LedgerError>> = HashMap::new();
     for job in &jobs {
         if !tenants.contains_key(&job.check.tenant) {
-            let read = ledger
-                .intake_tenant(&job.check.tenant, cipher)
-                .await
-                .map_err(|e| format!("{e:#}"));
+            let read = ledger.intake_tenant(&job.check.tenant, cipher).await;
             tenants.insert(job.check.tenant.clone(), read);
         }
     }
@@ -179,7 +200,7 @@ async fn commit(ledger: &Ledger, cipher: &DestinationCipher, now: DateTime<Utc>,
         let tenant = match tenants.get(&job.check.tenant) {
             Some(Ok(tenant)) => tenant.as_ref(),
             Some(Err(e)) => {
-                let _ = job.answer.send(Err(CommitError::Tenant(e.clone())));
+                let _ = job.answer.send(Err(CommitError::from_ledger(e)));
                 continue;
             }
             None => None,
@@ -216,6 +237,14 @@ async fn commit(ledger: &Ledger, cipher: &DestinationCipher, now: DateTime<Utc>,
             for ((answer, tenant), outcome) in waiting.into_iter().zip(outcomes) {
                 // A post whose client has gone is committed all the same.
                 let _ = answer.send(Ok(Committed { outcome, tenant }));
+            }
+        }
+        // The ledger away fails each reminder alone the same way: every post is told so at
+        // once, and none waits for its own try.
+        Err(e) if e.is_unavailable() => {
+            let chain = nudge_telemetry::error_chain(&e);
+            for (answer, _) in waiting {
+                let _ = answer.send(Err(CommitError::Away(chain.clone())));
             }
         }
         together => {

@@ -1,9 +1,14 @@
 //! The intake's answers that are not successes, in one JSON shape each, documented in the
 //! OpenAPI contract. Client errors say what is wrong by path and problem and never quote a
 //! value; unexpected errors are a bare 500 whose detail goes only to the log (once, here).
+//! The ledger away or read-only (a failover, a restart) is not unexpected: 503 with
+//! `Retry-After`, logged once per outage by the router's `observe` layer.
 
 use axum::Json;
-use axum::http::StatusCode;
+use std::sync::Arc;
+
+use axum::http::header::RETRY_AFTER;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use nudge_ledger::input::InputError;
 use nudge_telemetry::error_chain;
@@ -75,13 +80,18 @@ pub struct Unauthorized {
     pub reason: &'static str,
 }
 
-/// 404, 409, 408, 413, 415, 500: what went wrong, as a code and a sentence without values
+/// How long a client is asked to wait (`Retry-After`, seconds) when the ledger is away or
+/// read-only: a failover moves the primary's address within seconds, and a post again with
+/// the same event id is idempotent.
+pub const RETRY_AFTER_S: u64 = 2;
+
+/// 404, 409, 408, 413, 415, 500, 503: what went wrong, as a code and a sentence without values
 /// from the request other than the event id.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
     /// `not_found`, `event_conflict`, `revision_conflict`, `reminder_cancelled`,
-    /// `subscriber_differs`, `payload_too_large`, `unsupported_media_type`, `request_timeout`
-    /// or `internal`.
+    /// `subscriber_differs`, `payload_too_large`, `unsupported_media_type`, `request_timeout`,
+    /// `ledger_unavailable` or `internal`.
     pub error: &'static str,
     pub message: String,
     /// The event id concerned (409 only).
@@ -110,17 +120,32 @@ pub enum ApiError {
     TooLarge,
     UnsupportedMediaType,
     Timeout,
+    /// The ledger is away or read-only: 503 with `Retry-After`. The chain goes to the log once
+    /// per outage (see [`LedgerAway`]); the client sees nothing of it.
+    Unavailable(anyhow::Error),
     /// Logged where it is turned into a response, with its chain; the client sees nothing of it.
     Internal(anyhow::Error),
 }
+
+/// Carried by a 503 answered because the ledger is away: the error's chain, for the router's
+/// `observe` layer to log once per outage.
+#[derive(Debug, Clone)]
+pub struct LedgerAway(pub Arc<anyhow::Error>);
 
 impl ApiError {
     pub fn invalid(path: impl Into<String>, problem: impl Into<String>) -> Self {
         Self::Invalid(vec![Problem::new(path, problem)])
     }
 
+    /// An error the client could not have avoided: 503 when it is the ledger being away
+    /// (`nudge_ledger::is_unavailable` anywhere in its chain), else 500.
     pub fn internal(e: impl Into<anyhow::Error>) -> Self {
-        Self::Internal(e.into())
+        let e = e.into();
+        if nudge_ledger::is_unavailable(e.as_ref()) {
+            Self::Unavailable(e)
+        } else {
+            Self::Internal(e)
+        }
     }
 }
 
@@ -203,6 +228,20 @@ impl IntoResponse for ApiError {
                 "request_timeout",
                 "the request took too long to arrive",
             ),
+            Self::Unavailable(e) => {
+                let mut response = error_body(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "ledger_unavailable",
+                    "the ledger is away or read-only (a database failover or restart): send the \
+                     request again after Retry-After seconds (a reminder's event id is recorded \
+                     at most once)",
+                );
+                response
+                    .headers_mut()
+                    .insert(RETRY_AFTER, HeaderValue::from(RETRY_AFTER_S));
+                response.extensions_mut().insert(LedgerAway(Arc::new(e)));
+                response
+            }
             Self::Internal(e) => {
                 tracing::error!(error.cause_chain = %error_chain(e.as_ref()), "request failed");
                 error_body(

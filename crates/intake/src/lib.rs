@@ -106,6 +106,12 @@ async fn observe(
         Ok(response) => response,
         Err(_) => error::ApiError::Timeout.into_response(),
     };
+    // A ledger outage is logged when it begins and when it ends, not per request.
+    if let Some(error::LedgerAway(e)) = response.extensions().get::<error::LedgerAway>() {
+        state.outage().away(e.as_ref().as_ref());
+    } else if response.status().is_success() {
+        state.outage().back();
+    }
     state.metrics().request(
         &route,
         response.status().as_u16(),

@@ -37,6 +37,8 @@ struct Inner {
     metrics: Arc<IntakeMetrics>,
     limits: Limits,
     clock: Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>,
+    /// Requests answered 503 because the ledger is away: logged once per outage.
+    outage: nudge_runtime::Outage,
 }
 
 impl std::fmt::Debug for AppState {
@@ -80,6 +82,7 @@ impl AppState {
                 metrics,
                 limits,
                 clock,
+                outage: nudge_runtime::Outage::new("intake"),
             }),
             receipts: Arc::default(),
         }
@@ -97,6 +100,10 @@ impl AppState {
 
     pub(crate) fn limits(&self) -> &Limits {
         &self.inner.limits
+    }
+
+    pub(crate) fn outage(&self) -> &nudge_runtime::Outage {
+        &self.inner.outage
     }
 
     pub fn metrics(&self) -> &IntakeMetrics {

@@ -27,6 +27,10 @@
 //!   counts what the policy lets go, records it, then deletes it in bounded batches through
 //!   the database's retention functions.
 //!
+//! The ledger away (a failover, a restart, a server turned read-only) is an outage, not an
+//! error per pass: each loop logs it once at warn when it begins and once when it ends, backs
+//! off up to a few seconds and goes on by itself ([`nudge_runtime::Outage`]).
+//!
 //! It must never delete anything except through those functions (the role it should connect
 //! as, `nudge_janitor`, has no DELETE at all), touch a delivery that a live lease holds, or
 //! acknowledge a dead letter before it is recorded.
@@ -48,6 +52,7 @@ use nudge_config::{
 use nudge_domain::{Channel, RandJitter, RetryPolicy};
 use nudge_ledger::{AutoPause, DeadLetter, Ledger, LedgerTime, MessagePointer};
 use nudge_proto::Envelope;
+use nudge_runtime::Outage;
 use nudge_telemetry::error_chain;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
@@ -59,6 +64,11 @@ pub use metrics::JanitorMetrics;
 ///
 /// Keys, beyond the shared `database.*`, `amqp.*` and `telemetry.*`:
 /// - `janitor.interval_ms` (default 1000): how often the sweep and the reaper run.
+/// - `janitor.reaper_grace_ms` (default 5000, 0..=600000): after the janitor starts, and after
+///   the ledger comes back from being away, the reaper waits this long before it settles
+///   lapsed leases: workers that lost the ledger too renew theirs first (every
+///   `worker.heartbeat_ms`), so a send whose answer a live worker holds is never decided by
+///   the reaper. The expiry sweep does not wait.
 /// - `janitor.batch_size` (default 1000): deliveries settled per pass of each.
 /// - `janitor.metrics_interval_ms` (default 15000): how often the ledger's gauges are read
 ///   for `/metrics` (see [`metrics`]).
@@ -121,6 +131,12 @@ impl Validate for JanitorConfig {
             return Err(ConfigError::invalid(
                 "janitor.interval_ms",
                 "must be between 50 and 600000",
+            ));
+        }
+        if self.janitor.reaper_grace_ms > 600_000 {
+            return Err(ConfigError::invalid(
+                "janitor.reaper_grace_ms",
+                "must be at most 600000",
             ));
         }
         if !(100..=3_600_000).contains(&self.janitor.metrics_interval_ms) {
@@ -213,6 +229,7 @@ impl RedriveSection {
 #[serde(deny_unknown_fields, default)]
 pub struct JanitorSection {
     pub interval_ms: u64,
+    pub reaper_grace_ms: u64,
     pub batch_size: u32,
     pub metrics_interval_ms: u64,
 }
@@ -221,6 +238,7 @@ impl Default for JanitorSection {
     fn default() -> Self {
         Self {
             interval_ms: 1_000,
+            reaper_grace_ms: 5_000,
             batch_size: 1_000,
             metrics_interval_ms: 15_000,
         }
@@ -300,8 +318,7 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
         &metrics,
         &policy,
         &config.redrive.rules(),
-        Duration::from_millis(config.janitor.interval_ms),
-        config.janitor.batch_size,
+        &config.janitor,
         shutdown.clone(),
     )
     .await;
@@ -331,10 +348,33 @@ pub async fn sweep_once(
     batch_size: u32,
     at: LedgerTime,
 ) -> anyhow::Result<SweepReport> {
+    sweep_pass(ledger, policy, batch_size, at, Reaper::Reap).await
+}
+
+/// Whether a sweep pass runs the lease reaper too (see `janitor.reaper_grace_ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reaper {
+    Reap,
+    Wait,
+}
+
+async fn sweep_pass(
+    ledger: &Ledger,
+    policy: &RetryPolicy,
+    batch_size: u32,
+    at: LedgerTime,
+    reaper: Reaper,
+) -> anyhow::Result<SweepReport> {
     let expired = ledger
         .expire_overdue(batch_size, at)
         .await
         .context("expiry sweep failed")?;
+    if reaper == Reaper::Wait {
+        return Ok(SweepReport {
+            expired,
+            ..SweepReport::default()
+        });
+    }
     let mut jitter = RandJitter::from_entropy();
     let reaped = ledger
         .reap_expired_leases(batch_size, policy, &mut jitter, at)
@@ -427,9 +467,14 @@ async fn gauges_loop(
     every: Duration,
     shutdown: CancellationToken,
 ) {
+    let outage = Outage::new("gauges");
     loop {
-        if let Err(e) = metrics::refresh_gauges(&ledger, &metrics, LedgerTime::Database).await {
-            warn!(error.cause_chain = %error_chain(&e), "failed to read the ledger's gauges; retrying");
+        match metrics::refresh_gauges(&ledger, &metrics, LedgerTime::Database).await {
+            Ok(()) => outage.back(),
+            Err(e) if outage.away(&e) => {}
+            Err(e) => {
+                warn!(error.cause_chain = %error_chain(&e), "failed to read the ledger's gauges; retrying")
+            }
         }
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -443,16 +488,45 @@ async fn sweep_loop(
     metrics: &JanitorMetrics,
     policy: &RetryPolicy,
     redrive: &AutoPause,
-    every: Duration,
-    batch_size: u32,
+    section: &JanitorSection,
     shutdown: CancellationToken,
 ) {
+    let every = Duration::from_millis(section.interval_ms);
+    let reaper_grace = Duration::from_millis(section.reaper_grace_ms);
+    let batch_size = section.batch_size;
     let mut last_orphan_watch: Option<std::time::Instant> = None;
+    // The reaper's grace: from the start, and again from the first pass after the ledger was
+    // away, the workers renew their leases before any lapsed one is settled.
+    let mut reap_from = std::time::Instant::now() + reaper_grace;
+    let mut away = false;
+    // The ledger away is logged once, when the sweep first finds it, and its end once; the
+    // redrive feeder and the orphan watchdog fail the same way meanwhile, and say nothing.
+    let outage = Outage::new("sweep");
     loop {
-        let swept = sweep_once(ledger, policy, batch_size, LedgerTime::Database).await;
+        let reaper = if std::time::Instant::now() >= reap_from {
+            Reaper::Reap
+        } else {
+            Reaper::Wait
+        };
+        let swept = sweep_pass(ledger, policy, batch_size, LedgerTime::Database, reaper).await;
+        match (&swept, away) {
+            (Ok(_), true) => {
+                away = false;
+                reap_from = std::time::Instant::now() + reaper_grace;
+                info!(
+                    grace_ms = reaper_grace.as_millis() as u64,
+                    "the ledger is back; the lease reaper waits its grace for the workers to renew their leases"
+                );
+            }
+            (Err(_), _) => away = true,
+            (Ok(_), false) => {}
+        }
         if let Ok(report) = &swept {
             metrics.expired(report.expired);
             metrics.lease_expiries(report.returned_unsent, report.reaped);
+        }
+        if swept.is_ok() {
+            outage.back();
         }
         match swept {
             Ok(report) if report.expired > 0 || report.reaped > 0 || report.returned_unsent > 0 => {
@@ -464,15 +538,19 @@ async fn sweep_loop(
                 );
             }
             Ok(_) => {}
+            Err(e) if outage.away(e.as_ref()) => {}
             Err(e) => error!(error.cause_chain = %error_chain(&*e), "sweep failed; retrying"),
         }
-        if let Err(e) = redrive_once(ledger, redrive, batch_size, LedgerTime::Database).await {
+        if let Err(e) = redrive_once(ledger, redrive, batch_size, LedgerTime::Database).await
+            && !outage.away(e.as_ref())
+        {
             error!(error.cause_chain = %error_chain(&*e), "redrive feeder failed; retrying");
         }
         if last_orphan_watch.is_none_or(|at| at.elapsed() >= ORPHAN_EVERY) {
             last_orphan_watch = Some(std::time::Instant::now());
             match watch_orphans_once(ledger, batch_size).await {
                 Ok(repaired) => metrics.orphaned(repaired),
+                Err(e) if outage.away(e.as_ref()) => {}
                 Err(e) => {
                     error!(error.cause_chain = %error_chain(&*e), "orphan watchdog failed; retrying")
                 }
@@ -480,7 +558,7 @@ async fn sweep_loop(
         }
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(every) => {}
+            () = tokio::time::sleep(outage.pause(every)) => {}
         }
     }
 }
@@ -502,9 +580,12 @@ pub async fn record_dead_letters(
 ) {
     let queue = broker.topology().dead_queue(channel);
     let tag = format!("janitor-dead-{channel}-{}", std::process::id());
+    let outage = Outage::new("dead letters");
     broker
         .consume_until(QueueKind::Dead(channel), 16, &tag, &shutdown, |incoming| {
-            record_one(&ledger, &queue, channel, &metrics, incoming, &shutdown)
+            record_one(
+                &ledger, &queue, channel, &metrics, incoming, &outage, &shutdown,
+            )
         })
         .await;
 }
@@ -519,6 +600,7 @@ async fn record_one(
     channel: Channel,
     metrics: &JanitorMetrics,
     incoming: nudge_broker::Incoming,
+    outage: &Outage,
     shutdown: &CancellationToken,
 ) {
     let payload = incoming.payload().to_vec();
@@ -550,10 +632,15 @@ async fn record_one(
             Err(e) => Err(e),
         };
         match recorded {
-            Ok(action) => break action,
+            Ok(action) => {
+                outage.back();
+                break action;
+            }
             Err(e) => {
-                error!(error.cause_chain = %error_chain(&e), retry_in_ms = pause.as_millis() as u64,
-                       "failed to record a dead letter; holding it and trying again");
+                if !outage.away(&e) {
+                    error!(error.cause_chain = %error_chain(&e), retry_in_ms = pause.as_millis() as u64,
+                           "failed to record a dead letter; holding it and trying again");
+                }
                 tokio::select! {
                     () = shutdown.cancelled() => {
                         // Back to the queue for the next janitor: one delivery counted.

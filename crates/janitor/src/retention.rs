@@ -253,6 +253,10 @@ pub async fn retention_loop(
                     "retention run stopped: deleted counts disagree with its plan"
                 ),
             },
+            // Tried again an interval later; the ledger away is the sweep's to report.
+            Err(e) if nudge_ledger::is_unavailable(e.as_ref()) => {
+                warn!(error.cause_chain = %error_chain(&*e), "retention run not started: the ledger is away")
+            }
             Err(e) => error!(error.cause_chain = %error_chain(&*e), "retention run failed"),
         }
         tokio::select! {

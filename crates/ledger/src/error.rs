@@ -5,7 +5,13 @@ use nudge_domain::{DeliveryState, IllegalTransition};
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
     #[error("database error")]
-    Database(#[from] sqlx::Error),
+    Database(#[source] sqlx::Error),
+
+    /// The server answered but will not take writes: a standby in recovery, or a server with
+    /// `default_transaction_read_only` on (a primary being demoted, a disk-full guard). Never
+    /// a valid ledger; the same as being away for every caller.
+    #[error("the database is in recovery or read-only: database.url must reach the primary")]
+    ReadOnly,
 
     #[error("failed to apply migrations")]
     Migrate(#[from] sqlx::migrate::MigrateError),
@@ -89,7 +95,8 @@ impl LedgerError {
     }
 
     /// The ledger is away rather than wrong: the connection failed or was cut, no connection
-    /// came free in time, or the server is shutting down, in recovery or read-only (a standby
+    /// came free in time (a pool closed on purpose is not away: it never comes back), or the
+    /// server is shutting down, in recovery or read-only (a standby
     /// not yet promoted, a primary demoted by a failover). The same statement may succeed once
     /// the ledger is back, so a caller holding work keeps it and tries again; any other error
     /// would fail the same way again.
@@ -99,17 +106,8 @@ impl LedgerError {
     /// deadlocks (40001, 40P01) are not "away": their statement's owner retries them.
     pub fn is_unavailable(&self) -> bool {
         match self {
-            LedgerError::Database(e) => match e {
-                sqlx::Error::Io(_)
-                | sqlx::Error::PoolTimedOut
-                | sqlx::Error::PoolClosed
-                | sqlx::Error::Tls(_)
-                | sqlx::Error::WorkerCrashed => true,
-                sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-                    code.starts_with("08") || code.starts_with("57P") || code == "25006"
-                }),
-                _ => false,
-            },
+            LedgerError::Database(e) => sqlx_unavailable(e),
+            LedgerError::ReadOnly => true,
             _ => false,
         }
     }
@@ -127,6 +125,52 @@ impl LedgerError {
     }
 }
 
+/// Every statement's error becomes a [`LedgerError`] here: one that says the ledger is away
+/// also tells the pools to check their connections before handing them out again
+/// (the ledger's `failover` module), so that a connection to a server demoted under it is not reused.
+impl From<sqlx::Error> for LedgerError {
+    fn from(e: sqlx::Error) -> Self {
+        if sqlx_unavailable(&e) {
+            crate::failover::unavailable_seen();
+        }
+        LedgerError::Database(e)
+    }
+}
+
+/// [`LedgerError::is_unavailable`] of a driver error.
+fn sqlx_unavailable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            code.starts_with("08") || code.starts_with("57P") || code == "25006"
+        }),
+        _ => false,
+    }
+}
+
+/// Whether an error, or any error in its chain of sources, is the ledger being away
+/// ([`LedgerError::is_unavailable`], or the driver's own error of the same kind): for callers
+/// that hold the ledger's error inside their own (an `anyhow` chain, a handler's error).
+pub fn is_unavailable(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if let Some(ledger) = e.downcast_ref::<LedgerError>() {
+            if ledger.is_unavailable() {
+                return true;
+            }
+        } else if let Some(driver) = e.downcast_ref::<sqlx::Error>()
+            && sqlx_unavailable(driver)
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,6 +182,19 @@ mod tests {
         )));
         assert!(cut.is_unavailable());
         assert!(LedgerError::Database(sqlx::Error::PoolTimedOut).is_unavailable());
+        assert!(LedgerError::ReadOnly.is_unavailable());
+    }
+
+    #[test]
+    fn the_ledger_away_is_found_inside_a_callers_error_chain() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("failed to claim")]
+        struct Callers(#[source] LedgerError);
+        assert!(is_unavailable(&Callers(LedgerError::ReadOnly)));
+        assert!(is_unavailable(&Callers(LedgerError::Database(
+            sqlx::Error::PoolTimedOut
+        ))));
+        assert!(!is_unavailable(&Callers(LedgerError::InvalidInput("x"))));
     }
 
     #[test]

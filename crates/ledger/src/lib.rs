@@ -26,6 +26,7 @@ mod dlq;
 mod error;
 mod estimate;
 mod export;
+mod failover;
 mod gauges;
 pub mod input;
 mod intake;
@@ -53,10 +54,10 @@ pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{
     Attempt, AttemptRecord, DeliveryRecord, DueDelivery, FenceRefused, LeaseBatch, LeaseOutcome,
     LeaseResult, LeasedDelivery, LedgerTime, Material, MessagePointer, OutcomeToRecord, Reaped,
-    Recorded, SendSlot, Slotted, WorkerRoutes,
+    Recorded, RenewedLease, SendSlot, Slotted, WorkerRoutes,
 };
 pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
-pub use error::LedgerError;
+pub use error::{LedgerError, is_unavailable};
 pub use estimate::{Backlog, OwedDelivery};
 pub use export::IncidentAttempt;
 pub use gauges::{AwaitingOperator, BucketGauge, DrainFlag, LedgerGauges, TenantChannelWork};
@@ -103,7 +104,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations"
 mod migration_checksums;
 
 /// How long a pooled connection may sit idle and still be handed out without a ping.
-const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
+pub(crate) const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 
 /// The sender a ledger handle works for unless told otherwise ([`Ledger::for_sender`]).
 pub const DEFAULT_SENDER: &str = "nudge";
@@ -118,7 +119,8 @@ pub struct Ledger {
 
 impl Ledger {
     /// Connects a pool. Fails fast (within `database.acquire_timeout_ms`) when the database
-    /// is down, so a binary started against the wrong URL says so instead of hanging. Every
+    /// is down or does not take writes (a standby, a read-only server: see `failover`), so a
+    /// binary started against the wrong URL says so instead of hanging. Every
     /// connection gets the section's statement, lock and idle-in-transaction timeouts, so a
     /// stalled peer holding a row lock cannot stall this process past them.
     pub async fn connect(config: &nudge_config::DatabaseConfig) -> Result<Self, LedgerError> {
@@ -136,21 +138,22 @@ impl Ledger {
                     config.idle_in_transaction_timeout_ms.to_string(),
                 ),
             ]);
+        let suspicion = failover::Suspicion::new(config.max_connections);
         let pool = PgPoolOptions::new()
             .max_connections(config.max_connections)
             .acquire_timeout(Duration::from_millis(config.acquire_timeout_ms))
+            // Only a primary that takes writes is a ledger (see `failover`).
+            .after_connect(|conn, _| Box::pin(failover::refuse_read_only(conn)))
             // sqlx pings every connection before handing it out: one round trip more per
             // transaction (two per intake post). A connection back from use within
-            // `PING_AFTER_IDLE` is handed out as it is; one idle longer is pinged first, so
-            // a connection the database dropped while it sat is replaced, not failed on.
+            // `PING_AFTER_IDLE` is handed out as it is; one idle longer is checked first
+            // (does its server still take writes?), so a connection the database dropped
+            // while it sat is replaced, not failed on. After a statement of this process
+            // found the ledger away, every connection is checked (see `failover`).
             .test_before_acquire(false)
-            .before_acquire(|conn, meta| {
-                Box::pin(async move {
-                    if meta.idle_for >= PING_AFTER_IDLE {
-                        sqlx::Connection::ping(conn).await?;
-                    }
-                    Ok(true)
-                })
+            .before_acquire(move |conn, meta| {
+                let suspicion = suspicion.clone();
+                Box::pin(async move { suspicion.before_acquire(conn, meta.idle_for).await })
             })
             .connect_with(options)
             .await?;

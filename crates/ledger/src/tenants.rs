@@ -158,6 +158,47 @@ impl Ledger {
         Ok(true)
     }
 
+    /// Sets a tenant's claim weight (1..=1000): its share of each claim beside the other
+    /// tenants with due work on the same channel (invariant 14). Audited (`tenant_weight`, with
+    /// the weight it replaced) in the same transaction; returns the previous weight, or None
+    /// (nothing changed) when the tenant does not exist.
+    pub async fn set_tenant_weight(
+        &self,
+        id: TenantId,
+        weight: u32,
+        by: &Operator,
+    ) -> Result<Option<u32>, LedgerError> {
+        if !(1..=1000).contains(&weight) {
+            return Err(LedgerError::InvalidInput("a claim weight is 1 to 1000"));
+        }
+        let mut tx = self.pool.begin().await?;
+        let previous: Option<i32> =
+            sqlx::query_scalar("SELECT claim_weight FROM tenants WHERE id = $1 FOR UPDATE")
+                .bind(id.as_uuid())
+                .fetch_optional(&mut *tx)
+                .await?;
+        let Some(previous) = previous else {
+            return Ok(None);
+        };
+        sqlx::query("UPDATE tenants SET claim_weight = $2, updated_at = $3 WHERE id = $1")
+            .bind(id.as_uuid())
+            .bind(i32::try_from(weight).unwrap_or(1000))
+            .bind(by.at())
+            .execute(&mut *tx)
+            .await?;
+        audit::insert(
+            &mut tx,
+            &by.entry(
+                "tenant_weight",
+                format!("tenant:{id}"),
+                serde_json::json!({ "claim_weight": weight, "previous": previous }),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(Some(u32::try_from(previous).unwrap_or(1)))
+    }
+
     /// Routes a tenant's channel to a provider account (None = the channel's default account),
     /// audited (`tenant_route`, with the account it replaced) in the same transaction.
     pub async fn set_tenant_channel_account(

@@ -375,3 +375,71 @@ pub async fn published(
         .map(|i| claimed.swap_remove(i))
         .expect("claimed")
 }
+
+/// The ledger a process builds from its `database` section ([`Ledger::connect`]: the pool that
+/// refuses and discards read-only connections), on the database `pool` is connected to.
+pub async fn configured(
+    pool: &PgPool,
+    max_connections: u32,
+    acquire_timeout_ms: u64,
+) -> Result<Ledger, crate::LedgerError> {
+    use sqlx::ConnectOptions;
+    let url = pool.connect_options().to_url_lossy().to_string();
+    Ledger::connect(&nudge_config::DatabaseConfig {
+        url: nudge_config::Secret::new(url),
+        max_connections,
+        acquire_timeout_ms,
+        ..nudge_config::DatabaseConfig::default()
+    })
+    .await
+}
+
+/// Turns the database `pool` is connected to read-only (`on`) or back (a server demoted and
+/// promoted again, as far as its clients can tell): `ALTER DATABASE ... SET
+/// default_transaction_read_only`, then every other session of that database is ended, so that
+/// every client reconnects and finds the new setting (a session keeps the one it started with).
+///
+/// Only ever this test's own database: it refuses the database `DATABASE_URL` names (the one
+/// shared by every test to create theirs) and PostgreSQL's own.
+pub async fn set_read_only(pool: &PgPool, on: bool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let name: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let shared = std::env::var("DATABASE_URL")
+        .ok()
+        .and_then(|url| url.parse::<sqlx::postgres::PgConnectOptions>().ok())
+        .and_then(|o| o.get_database().map(str::to_owned));
+    assert!(
+        Some(&name) != shared.as_ref() && name != "postgres" && !name.starts_with("template"),
+        "refusing to turn the shared database {name} read-only"
+    );
+    // This session may have started read-only itself.
+    sqlx::query("SET default_transaction_read_only = off")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let quoted = format!("\"{}\"", name.replace('"', "\"\""));
+    let change = if on {
+        format!("ALTER DATABASE {quoted} SET default_transaction_read_only = on")
+    } else {
+        format!("ALTER DATABASE {quoted} RESET default_transaction_read_only")
+    };
+    sqlx::raw_sql(sqlx::AssertSqlSafe(change))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    // Back to the pool as it was: a connection that started writable stays so.
+    sqlx::query("RESET default_transaction_read_only")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+}

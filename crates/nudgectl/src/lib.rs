@@ -323,6 +323,25 @@ pub enum TenantCommand {
     /// The tenant's signing secrets for the intake's `Nudge-Signature` (at most two at once).
     #[command(subcommand)]
     Secret(SecretCommand),
+    /// Set a tenant's scheduling settings.
+    #[command(
+        long_about = "Set a tenant's scheduling settings. --weight is the tenant's share of \
+            each claim of due work beside the other tenants with due work on the same channel: \
+            the relay hands work out in weighted turns per tenant, oldest first within a \
+            tenant, so one tenant's backlog never makes another's reminders wait behind it. \
+            Default 1; a tenant with weight 3 gets three deliveries per turn where one with \
+            weight 1 gets one. Audited with the weight it replaced."
+    )]
+    Set {
+        /// Tenant name.
+        name: String,
+        /// Share of each claim, 1 to 1000 (default for every tenant: 1).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        weight: u32,
+        /// Why: recorded in the audit log.
+        #[arg(long)]
+        reason: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -477,6 +496,22 @@ pub enum ScheduleCommand {
         #[arg(long)]
         reason: String,
     },
+}
+
+/// What the operator reads when a command failed: the whole chain, once, and first, when the
+/// ledger is away or read-only (a failover or restart under way), that it is that and not the
+/// command.
+pub fn failure_message(e: &anyhow::Error) -> String {
+    let chain = format!("error: {e:#}");
+    if nudge_ledger::is_unavailable(e.as_ref()) {
+        format!(
+            "the ledger is away or read-only (PostgreSQL restarting, or a failover under way: \
+             database.url must reach the primary); the command did not complete: run it again \
+             once the ledger answers\n{chain}"
+        )
+    } else {
+        chain
+    }
 }
 
 /// Runs one command to completion.
@@ -724,6 +759,21 @@ pub async fn execute(
                 _ => bail!("give exactly one of ACCOUNT or --default"),
             };
             route(ledger, actor, &name, channel, account, &reason, out).await?;
+        }
+        Command::Tenant(TenantCommand::Set {
+            name,
+            weight,
+            reason,
+        }) => {
+            require_reason(&reason)?;
+            let by = operator(ledger, actor, Some(&reason)).await?;
+            let tenant = find_tenant(ledger, &name).await?;
+            let previous = ledger
+                .set_tenant_weight(tenant.id, weight, &by)
+                .await
+                .context("failed to set the tenant's weight")?
+                .with_context(|| format!("no tenant named {name}"))?;
+            writeln!(out, "tenant {name}: weight {weight} (was {previous})")?;
         }
         Command::Tenant(TenantCommand::Secret(SecretCommand::Rotate { name, reason })) => {
             let Some(cipher) = cipher else {

@@ -11,7 +11,7 @@ async fn main() -> ExitCode {
             // The operator reads this on a terminal: the whole chain, once.
             #[allow(clippy::print_stderr)]
             {
-                eprintln!("error: {e:#}");
+                eprintln!("{}", nudgectl::failure_message(&e));
             }
             ExitCode::FAILURE
         }

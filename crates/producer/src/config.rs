@@ -4,8 +4,9 @@
 //! - `producer.relay_interval_ms` (default 200): how often the relay looks for due work when
 //!   the last look found none (a full batch is followed at once by the next).
 //! - `producer.batch_size` (default 500, 1..=10000): deliveries claimed and published per batch.
-//! - `producer.republish_after_s` (default 60): a `queued` delivery not leased within this
-//!   long may have lost its message (broker restart, relay crash); it is published again when
+//! - `producer.republish_after_s` (default 5, at least 5): a `queued` delivery not leased
+//!   within this long may have lost its message (broker restart, relay crash; a worker holds
+//!   its messages while the ledger is away rather than dropping them); it is published again when
 //!   its channel's work queue holds fewer messages than the channel has `queued` deliveries,
 //!   and at most that many, so a queue nobody consumes does not grow.
 //! - `producer.publish_timeout_ms` (default 5000, 100..=120000): how long one batch's publish
@@ -77,7 +78,7 @@ impl Default for ProducerSection {
         Self {
             relay_interval_ms: 200,
             batch_size: 500,
-            republish_after_s: 60,
+            republish_after_s: 5,
             publish_timeout_ms: 5_000,
             schedule_interval_ms: 1_000,
             in_flight_seconds: 1.0,

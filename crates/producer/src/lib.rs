@@ -17,6 +17,11 @@
 //! come) in the ledger, publishes their envelopes with publisher confirms, and hands failed
 //! publishes back; it also republishes `queued` work whose message was lost.
 //!
+//! The ledger away (a failover, a restart, a server turned read-only) is an outage, not an
+//! error per pass: the clock and the relay each log it once at warn when it begins and once
+//! when it ends, back off up to a few seconds and go on by themselves
+//! ([`nudge_runtime::Outage`]).
+//!
 //! It must never: create deliveries outside a run intent's transaction (the ledger's
 //! `materialise_window` does both), publish a message before its claim is committed, or
 //! treat a publish as done without the broker's confirm.
@@ -36,6 +41,7 @@ use nudge_broker::{Broker, OutgoingMessage, Publisher};
 use nudge_domain::{Channel, TenantId};
 use nudge_ledger::{DueDelivery, Ledger, LedgerTime, Schedule, WindowOutcome};
 use nudge_proto::Envelope;
+use nudge_runtime::Outage;
 use nudge_telemetry::error_chain;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, debug, error, info, warn};
@@ -105,21 +111,32 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// Waits for a pass's windows, counts and logs what each did, then acknowledges the pass.
-async fn finish_pass(pass: Pass, ledger: Ledger, instance: String, metrics: Arc<ProducerMetrics>) {
+/// The ledger away is the clock's `outage`, logged once; the acknowledgement, a write, ends it.
+async fn finish_pass(
+    pass: Pass,
+    ledger: Ledger,
+    instance: String,
+    metrics: Arc<ProducerMetrics>,
+    outage: Arc<Outage>,
+) {
     let now = pass.now;
     let outcomes = match pass.outcomes().await {
         Ok(outcomes) => outcomes,
         Err(e) => {
-            error!(error.cause_chain = %error_chain(&*e), "clock tick failed; retrying");
+            if !outage.away(e.as_ref()) {
+                error!(error.cause_chain = %error_chain(&*e), "clock tick failed; retrying");
+            }
             return;
         }
     };
     // Every flag committed before `now` was read by this pass (each window locks its tenant
     // row; a tenant skipped has a window running that holds it): say so, for `nudgectl tenant
     // pause` to wait on.
-    if let Err(e) = ledger.ack_producer_pass(&instance, now).await {
-        warn!(error.cause_chain = %error_chain(&e),
-              "failed to acknowledge the schedule pass");
+    match ledger.ack_producer_pass(&instance, now).await {
+        Ok(()) => outage.back(),
+        Err(e) if outage.away(&e) => {}
+        Err(e) => warn!(error.cause_chain = %error_chain(&e),
+                        "failed to acknowledge the schedule pass"),
     }
     for (schedule, outcome) in outcomes {
         let (label, created) = match &outcome {
@@ -179,6 +196,8 @@ pub struct Clock {
     /// Tenants whose window is being materialised: passes skip them until it ends.
     running: Arc<Mutex<HashSet<TenantId>>>,
     permits: Arc<tokio::sync::Semaphore>,
+    /// The ledger away, as the clock's passes see it.
+    outage: Arc<Outage>,
 }
 
 /// The windows one pass started, running in the background.
@@ -251,6 +270,7 @@ impl Clock {
             metrics: Arc::new(ProducerMetrics::new()),
             running: Arc::new(Mutex::new(HashSet::new())),
             permits: Arc::new(tokio::sync::Semaphore::new(WINDOWS_AT_ONCE)),
+            outage: Arc::new(Outage::new("clock")),
         }
     }
 
@@ -375,10 +395,12 @@ impl Clock {
             let now = match self.ledger.clock(LedgerTime::Database).await {
                 Ok(now) => now,
                 Err(e) => {
-                    error!(error.cause_chain = %error_chain(&e), "failed to read the database's clock; retrying");
+                    if !self.outage.away(&e) {
+                        error!(error.cause_chain = %error_chain(&e), "failed to read the database's clock; retrying");
+                    }
                     tokio::select! {
                         () = shutdown.cancelled() => return,
-                        () = tokio::time::sleep(every) => continue,
+                        () = tokio::time::sleep(self.outage.pause(every)) => continue,
                     }
                 }
             };
@@ -390,15 +412,18 @@ impl Clock {
                         self.ledger.clone(),
                         self.instance.clone(),
                         self.metrics.clone(),
+                        self.outage.clone(),
                     ));
                 }
                 Err(e) => {
-                    error!(error.cause_chain = %error_chain(&*e), "clock tick failed; retrying")
+                    if !self.outage.away(e.as_ref()) {
+                        error!(error.cause_chain = %error_chain(&*e), "clock tick failed; retrying")
+                    }
                 }
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(every) => {}
+                () = tokio::time::sleep(self.outage.pause(every)) => {}
             }
         }
     }
@@ -412,6 +437,8 @@ pub struct Relay {
     settings: ProducerSection,
     publisher: Option<Publisher>,
     metrics: Arc<ProducerMetrics>,
+    /// The ledger away, as the relay's passes see it.
+    outage: Outage,
 }
 
 /// What one relay pass did.
@@ -430,6 +457,7 @@ impl Relay {
             settings,
             publisher: None,
             metrics: Arc::new(ProducerMetrics::new()),
+            outage: Outage::new("relay"),
         }
     }
 
@@ -654,6 +682,7 @@ impl Relay {
             let pause = match self.relay_once(LedgerTime::Database).await {
                 Ok(report) => {
                     failures = 0;
+                    self.outage.back();
                     if report.published + report.republished > 0 {
                         debug!(?report, "relay pass");
                     }
@@ -665,6 +694,8 @@ impl Relay {
                         idle
                     }
                 }
+                // Logged once per outage; the pause doubles up to a few seconds.
+                Err(e) if self.outage.away(e.as_ref()) => self.outage.pause(idle),
                 Err(e) => {
                     failures = failures.saturating_add(1);
                     error!(error.cause_chain = %error_chain(&*e), failures, "relay pass failed; backing off");

@@ -38,7 +38,7 @@ use url::Url;
 pub use config::{ApnsKeys, FcmKeys, HttpProviderConfig, ProviderKind};
 pub use dispatch::build;
 pub use http::{HttpProvider, NON_UTF8_RETRY_AFTER};
-pub use window::{SEND_DEADLINE_PASSED, SendWindow};
+pub use window::{LeaseEnd, SEND_DEADLINE_PASSED, SendWindow};
 
 /// When the message stops being worth sending, and the sender's view of the database's clock
 /// as the request is built ([`SendWindow::open`]): adapters whose provider can drop a message

@@ -11,8 +11,15 @@
 //! not opened the window by [`SendWindow::deadline`] (whatever it is waiting for), and the
 //! attempt is [`SendOutcome::FailedBeforeSend`] with [`SEND_DEADLINE_PASSED`]: never sent, so
 //! never "maybe sent".
+//!
+//! A lease's end is either fixed, or a [`LeaseEnd`] its holder's heartbeat renews while the
+//! holder lives (`nudge-worker`). Under a fixed end a request may start only if it can be
+//! answered before the end; under a renewed one, while the lease is held with the margin to
+//! spare, since the heartbeat keeps renewing it for as long as the request runs (and should
+//! the holder lose the ledger, the reaper decides a send that started as maybe sent).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -25,11 +32,51 @@ use crate::Expiry;
 /// (the lease would end before an answer, or the delivery expires): it never left.
 pub const SEND_DEADLINE_PASSED: &str = "send_deadline_passed";
 
+/// The end of a lease as its holder last renewed it, by the database's clock: shared by the
+/// holder's heartbeat, which moves it on, and the sends under the lease, which read it.
+#[derive(Debug)]
+pub struct LeaseEnd(AtomicI64);
+
+impl LeaseEnd {
+    pub fn new(at: DateTime<Utc>) -> Self {
+        Self(AtomicI64::new(nanos(at)))
+    }
+
+    /// Moves the end to `at`, never back: a renewal read late does not shorten a later one.
+    pub fn renewed(&self, at: DateTime<Utc>) {
+        self.0.fetch_max(nanos(at), Ordering::SeqCst);
+    }
+
+    pub fn get(&self) -> DateTime<Utc> {
+        DateTime::from_timestamp_nanos(self.0.load(Ordering::SeqCst))
+    }
+}
+
+/// Nanoseconds since the epoch (saturating: an instant past 2262 reads as then).
+fn nanos(at: DateTime<Utc>) -> i64 {
+    at.timestamp_nanos_opt().unwrap_or(i64::MAX)
+}
+
+#[derive(Debug)]
+enum LeaseEnds {
+    At(DateTime<Utc>),
+    Renewed(Arc<LeaseEnd>),
+}
+
+impl LeaseEnds {
+    fn get(&self) -> DateTime<Utc> {
+        match self {
+            LeaseEnds::At(at) => *at,
+            LeaseEnds::Renewed(end) => end.get(),
+        }
+    }
+}
+
 /// The window one send may start in. See the module docs.
 #[derive(Debug)]
 pub struct SendWindow {
     expires_at: DateTime<Utc>,
-    lease_ends_at: DateTime<Utc>,
+    lease_ends: LeaseEnds,
     margin: chrono::Duration,
     /// The database's clock as the sender saw it at `base`.
     base_now: DateTime<Utc>,
@@ -49,9 +96,30 @@ impl SendWindow {
         lease_ends_at: DateTime<Utc>,
         margin: Duration,
     ) -> Self {
+        Self::with_lease(now, expires_at, LeaseEnds::At(lease_ends_at), margin)
+    }
+
+    /// A window for a send under a lease its holder renews while it lives (see the module
+    /// docs): a request may start while the lease's current end is more than `margin` away
+    /// and the delivery's expiry is too, however long the request may take.
+    pub fn renewed(
+        now: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+        lease_end: Arc<LeaseEnd>,
+        margin: Duration,
+    ) -> Self {
+        Self::with_lease(now, expires_at, LeaseEnds::Renewed(lease_end), margin)
+    }
+
+    fn with_lease(
+        now: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+        lease_ends: LeaseEnds,
+        margin: Duration,
+    ) -> Self {
         Self {
             expires_at,
-            lease_ends_at,
+            lease_ends,
             margin: chrono::Duration::from_std(margin).unwrap_or(chrono::Duration::MAX),
             base_now: now,
             base: Instant::now(),
@@ -71,9 +139,10 @@ impl SendWindow {
     }
 
     /// When a send that has not started is given up: the earlier of the lease's end and the
-    /// expiry, less the margin (a local instant, for timers).
+    /// expiry, less the margin (a local instant, for timers). Under a renewed lease the
+    /// deadline moves on with each renewal: ask again when it has passed.
     pub fn deadline(&self) -> Instant {
-        let last = self.expires_at.min(self.lease_ends_at) - self.margin;
+        let last = self.expires_at.min(self.lease_ends.get()) - self.margin;
         let left = (last - self.base_now).to_std().unwrap_or(Duration::ZERO);
         self.base + left
     }
@@ -86,10 +155,13 @@ impl SendWindow {
         let now = self.now();
         let timeout = chrono::Duration::from_std(request_timeout).unwrap_or(chrono::Duration::MAX);
         let before_expiry = now + self.margin < self.expires_at;
-        let answered_in_lease = now
-            .checked_add_signed(timeout)
-            .and_then(|t| t.checked_add_signed(self.margin))
-            .is_some_and(|t| t <= self.lease_ends_at);
+        let answered_in_lease = match &self.lease_ends {
+            LeaseEnds::At(ends_at) => now
+                .checked_add_signed(timeout)
+                .and_then(|t| t.checked_add_signed(self.margin))
+                .is_some_and(|t| t <= *ends_at),
+            LeaseEnds::Renewed(end) => now + self.margin < end.get(),
+        };
         if !(before_expiry && answered_in_lease) {
             return Err(SendOutcome::FailedBeforeSend {
                 reason: SEND_DEADLINE_PASSED.to_owned(),
@@ -146,6 +218,34 @@ mod tests {
                 reason: SEND_DEADLINE_PASSED.to_owned()
             }
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn under_a_renewed_lease_a_request_longer_than_the_lease_opens_while_it_is_held() {
+        let now = Utc::now();
+        let end = Arc::new(LeaseEnd::new(now + secs(5)));
+        let window = SendWindow::renewed(now, now + secs(600), end.clone(), Duration::from_secs(1));
+        // 5 s of lease, a 30 s request: the heartbeat keeps the lease while it runs.
+        assert!(window.open(Duration::from_secs(30)).is_ok());
+        // 4.5 s on, within the margin of the lease's end: nothing may start...
+        tokio::time::advance(Duration::from_millis(4_500)).await;
+        assert!(window.open(Duration::from_secs(1)).is_err());
+        // ...until the heartbeat renews it; a renewal read late never moves it back.
+        end.renewed(now + secs(10));
+        end.renewed(now + secs(6));
+        assert_eq!(end.get(), now + secs(10));
+        assert!(window.open(Duration::from_secs(30)).is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn under_a_renewed_lease_the_deadline_moves_on_with_each_renewal() {
+        let now = Utc::now();
+        let start = Instant::now();
+        let end = Arc::new(LeaseEnd::new(now + secs(5)));
+        let window = SendWindow::renewed(now, now + secs(600), end.clone(), Duration::from_secs(1));
+        assert_eq!(window.deadline() - start, Duration::from_secs(4));
+        end.renewed(now + secs(9));
+        assert_eq!(window.deadline() - start, Duration::from_secs(8));
     }
 
     #[tokio::test(start_paused = true)]

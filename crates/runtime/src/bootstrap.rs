@@ -69,8 +69,8 @@ impl<C: ServiceConfig> Application<C> {
     /// Initialises telemetry as `service`, installs the shutdown token, connects the ledger
     /// (for the configured sender) and the broker (named `service` in RabbitMQ's connection
     /// list), and serves `metrics` on `telemetry.metrics_addr` when that is set, with
-    /// `/healthz` (the process answers) and `/readyz` (the ledger answers a query and, for a
-    /// binary with a broker, its connection is open).
+    /// `/healthz` (the process answers) and `/readyz` (the ledger answers and takes writes and,
+    /// for a binary with a broker, its connection is open).
     ///
     /// Must be called inside a tokio runtime, once per process (telemetry is global).
     pub async fn build(
@@ -137,13 +137,16 @@ impl<C: ServiceConfig> Application<C> {
     }
 }
 
-/// Ready when the ledger answers a query and the broker connection (if any) is open.
+/// Ready when the ledger answers and takes writes (not a standby, not read-only: a failover
+/// under way) and the broker connection (if any) is open.
 fn readiness(ledger: Ledger, broker: Option<Broker>) -> ReadyCheck {
     Arc::new(move || {
         let (ledger, broker) = (ledger.clone(), broker.clone());
         Box::pin(async move {
-            if ledger.ping().await.is_err() {
-                return Err("ledger not reachable");
+            match ledger.check_writable().await {
+                Ok(()) => {}
+                Err(nudge_ledger::LedgerError::ReadOnly) => return Err("ledger read-only"),
+                Err(_) => return Err("ledger not reachable"),
             }
             match broker {
                 Some(broker) if !broker.is_connected().await => Err("broker not connected"),

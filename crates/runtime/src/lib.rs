@@ -9,9 +9,11 @@
 //! watches the token and finishes or releases its own in-flight work.
 
 pub mod bootstrap;
+pub mod outage;
 pub mod restore_guard;
 
 pub use bootstrap::{Application, ServiceConfig, load_config};
+pub use outage::Outage;
 
 use std::process::ExitCode;
 

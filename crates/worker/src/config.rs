@@ -3,10 +3,12 @@
 //! Keys, beyond the shared sections documented in `nudge-config` (`database.*`, `amqp.*`,
 //! `telemetry.*`, `crypto.destination_key`, required here; when `telemetry.metrics_addr` is set
 //! the worker serves Prometheus `GET /metrics` there, see `WorkerMetrics`):
-//! - `worker.lease_seconds` (default 60): how long a leased delivery is held before the
-//!   janitor's reaper may settle it. It must outlive a send and its wait: for every provider
-//!   account, `lease_seconds * 1000 >= timeout_ms + admission.max_wait_ms +`
-//!   [`LEASE_MARGIN_MS`] (the ledger round trips around the send); checked at start-up.
+//! - `worker.lease_seconds` (default 5, 2..=3600): how long a lease outlives its holder's last
+//!   heartbeat. A live worker renews all of its leases every `worker.heartbeat_ms`, for as long
+//!   as it holds them (a slow send, an outcome held while the ledger is away), so this bounds
+//!   how long a dead worker's deliveries wait for the reaper, not how long a send may take.
+//! - `worker.heartbeat_ms` (default 1000, 100..=60000): how often the leases are renewed; at
+//!   least three heartbeats must fit in a lease, so one or two late or lost ones cost nothing.
 //! - `worker.shutdown_grace_ms` (default 20000): how long in-flight sends may finish after
 //!   SIGTERM before the worker exits (their leases then expire and are reaped).
 //! - `worker.batch_size` (default 64, 1..=1000): the most messages leased in one transaction;
@@ -22,12 +24,10 @@
 //!   `retry.max_retry_after_s`.
 //! - `admission.max_pause_s` is also how long an account whose credentials a provider refused
 //!   is suspended (its bucket paused, its rate kept) before one send probes again.
-//! - `admission.send_margin_ms` (default 1000, 100..=60000): no request starts unless it can be
-//!   answered (its `timeout_ms`) this long before its lease ends, nor within this long of the
-//!   delivery's expiry; a send still waiting inside its adapter then (e.g. for an access token)
-//!   is given up, never started, and recorded as failed before send (retried by the retry
-//!   policy, never ambiguous). The lease must cover `timeout_ms + admission.max_wait_ms` and
-//!   the larger of this and [`LEASE_MARGIN_MS`].
+//! - `admission.send_margin_ms` (default 1000, 100..=60000): no request starts within this
+//!   long of its lease's current end (renewed by the heartbeat) or of the delivery's expiry; a
+//!   send still waiting inside its adapter then (e.g. for an access token) is given up, never
+//!   started, and recorded as failed before send (retried by the retry policy, never ambiguous).
 //! - `providers`: a list (`[[providers]]` in TOML) of provider accounts, each
 //!   `kind` (`generic`, `twilio`, `sendgrid`, `fcm`, `apns`), `account`, `channel`, `base_url`,
 //!   `auth_token`, `timeout_ms`, `connect_timeout_ms`, `honours_idempotency`,
@@ -133,42 +133,6 @@ impl Validate for WorkerConfig {
         for (i, provider) in self.providers.iter().enumerate() {
             provider.validate(&format!("providers[{i}]"))?;
         }
-        self.check_lease_outlives_a_send()
-    }
-}
-
-/// What a lease must hold beyond a provider's timeout and the admission wait: the ledger's
-/// round trips between the lease and the request, and the record after the answer.
-pub const LEASE_MARGIN_MS: u64 = 1_000;
-
-impl WorkerConfig {
-    /// A lease shorter than a send lets the reaper settle a delivery whose request is still
-    /// in flight, and a second worker send it again.
-    fn check_lease_outlives_a_send(&self) -> Result<(), ConfigError> {
-        let lease_ms = self.worker.lease_seconds.saturating_mul(1000);
-        let margin_ms = LEASE_MARGIN_MS.max(self.admission.send_margin_ms);
-        for provider in &self.providers {
-            let needed_ms = provider
-                .timeout_ms
-                .saturating_add(self.admission.max_wait_ms)
-                .saturating_add(margin_ms);
-            if lease_ms < needed_ms {
-                return Err(ConfigError::invalid(
-                    "worker.lease_seconds",
-                    format!(
-                        "must cover a send and its wait: provider account {} needs at least \
-                         {} s (its timeout_ms {} + admission.max_wait_ms {} + {} ms margin), \
-                         got {} s",
-                        provider.account,
-                        needed_ms.div_ceil(1000),
-                        provider.timeout_ms,
-                        self.admission.max_wait_ms,
-                        margin_ms,
-                        self.worker.lease_seconds
-                    ),
-                ));
-            }
-        }
         Ok(())
     }
 }
@@ -177,6 +141,7 @@ impl WorkerConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerSection {
     pub lease_seconds: u64,
+    pub heartbeat_ms: u64,
     pub shutdown_grace_ms: u64,
     pub batch_size: usize,
     /// The sender whose deliveries this worker leases (`deliveries.owner`).
@@ -186,7 +151,8 @@ pub struct WorkerSection {
 impl Default for WorkerSection {
     fn default() -> Self {
         Self {
-            lease_seconds: 60,
+            lease_seconds: 5,
+            heartbeat_ms: 1_000,
             shutdown_grace_ms: 20_000,
             batch_size: 64,
             owner: nudge_ledger::DEFAULT_SENDER.to_owned(),
@@ -196,10 +162,26 @@ impl Default for WorkerSection {
 
 impl WorkerSection {
     fn validate_at(&self, prefix: &str) -> Result<(), ConfigError> {
-        if !(5..=3600).contains(&self.lease_seconds) {
+        if !(2..=3600).contains(&self.lease_seconds) {
             return Err(ConfigError::invalid(
                 format!("{prefix}.lease_seconds"),
-                "must be between 5 and 3600",
+                "must be between 2 and 3600",
+            ));
+        }
+        if !(100..=60_000).contains(&self.heartbeat_ms) {
+            return Err(ConfigError::invalid(
+                format!("{prefix}.heartbeat_ms"),
+                "must be between 100 and 60000",
+            ));
+        }
+        if self.heartbeat_ms.saturating_mul(3) > self.lease_seconds.saturating_mul(1000) {
+            return Err(ConfigError::invalid(
+                format!("{prefix}.heartbeat_ms"),
+                format!(
+                    "must fit three times in {prefix}.lease_seconds ({} s): a lease renewed \
+                     less often lapses after one late heartbeat",
+                    self.lease_seconds
+                ),
             ));
         }
         if !nudge_ledger::is_owner_name(&self.owner) {
@@ -283,14 +265,19 @@ impl AdmissionSection {
 mod tests {
     use super::*;
 
-    fn with_account(timeout_ms: u64, lease_seconds: u64) -> WorkerConfig {
+    fn with_heartbeat(lease_seconds: u64, heartbeat_ms: u64) -> WorkerConfig {
         let mut config = WorkerConfig::default();
         let mut account = HttpProviderConfig::new("sms-main", Channel::Sms, "http://127.0.0.1:1");
-        account.timeout_ms = timeout_ms;
+        // A provider slower than the lease is fine: the heartbeat renews it while it runs.
+        account.timeout_ms = 30_000;
         account.connect_timeout_ms = 1_000;
         account.default_for_channel = true;
         config.providers.push(account);
+        config.crypto.destination_key = Some(nudge_config::Secret::new(
+            "BwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwc=",
+        ));
         config.worker.lease_seconds = lease_seconds;
+        config.worker.heartbeat_ms = heartbeat_ms;
         config
     }
 
@@ -302,29 +289,26 @@ mod tests {
     }
 
     #[test]
-    fn a_lease_shorter_than_a_send_and_its_wait_is_refused_naming_the_key() {
-        // 10 s timeout + 1.5 s wait + 1 s margin: 12.5 s.
-        let config = with_account(10_000, 12);
+    fn a_heartbeat_that_does_not_fit_three_times_in_a_lease_is_refused_naming_the_key() {
+        let config = with_heartbeat(5, 2_000);
         let error = config.validate().unwrap_err();
-        assert_eq!(error.key().as_deref(), Some("worker.lease_seconds"));
-        let message = error.to_string();
-        assert!(
-            message.contains("sms-main needs at least 13 s"),
-            "{message}"
-        );
-        assert!(message.contains("got 12 s"), "{message}");
+        assert_eq!(error.key().as_deref(), Some("worker.heartbeat_ms"));
+        assert!(error.to_string().contains("three times"), "{error}");
     }
 
     #[test]
-    fn a_lease_that_outlives_the_slowest_send_and_its_wait_is_accepted() {
-        let mut config = with_account(10_000, 13);
-        config.crypto.destination_key = Some(nudge_config::Secret::new(
-            "BwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwc=",
-        ));
-        assert_eq!(invalid_key(&config), None);
-        config.admission.max_wait_ms = 2_100;
+    fn a_short_lease_renewed_often_enough_is_accepted_whatever_the_provider_timeout() {
+        assert_eq!(invalid_key(&with_heartbeat(5, 1_000)), None);
         assert_eq!(
-            invalid_key(&config).as_deref(),
+            invalid_key(&WorkerConfig {
+                crypto: with_heartbeat(5, 1_000).crypto,
+                providers: with_heartbeat(5, 1_000).providers,
+                ..WorkerConfig::default()
+            }),
+            None
+        );
+        assert_eq!(
+            invalid_key(&with_heartbeat(1, 300)).as_deref(),
             Some("worker.lease_seconds")
         );
     }

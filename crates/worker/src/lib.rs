@@ -15,6 +15,7 @@
 
 mod clock;
 mod config;
+pub mod heartbeat;
 mod metrics;
 mod process;
 mod recorder;
@@ -98,6 +99,7 @@ async fn run_binary(channel: Channel, cli: Cli) -> anyhow::Result<()> {
             prefetch: app.config.amqp.prefetch,
             batch_size: app.config.worker.batch_size,
             grace: Duration::from_millis(app.config.worker.shutdown_grace_ms),
+            heartbeat: Duration::from_millis(app.config.worker.heartbeat_ms),
         },
         app.shutdown.clone(),
     )
@@ -154,7 +156,7 @@ pub async fn build(
     let default = default.context("no default provider account for this channel")?;
     let clock = Arc::new(LedgerClock::new(Arc::new(chrono::Utc::now)));
     let admission = config.admission.settings();
-    let recorder = Recorder::spawn(ledger.clone(), clock.clone(), admission.max_pause);
+    let recorder = Recorder::spawn(ledger.clone(), admission.max_pause);
     Ok(Worker {
         channel,
         ledger,
@@ -162,6 +164,7 @@ pub async fn build(
         providers: Providers::new(providers, default),
         policy: config.retry_policy()?,
         lease_for: Duration::from_secs(config.worker.lease_seconds),
+        leases: Arc::default(),
         worker_id: format!(
             "{}-{}-{}",
             channel,
@@ -186,6 +189,8 @@ pub struct RunSettings {
     pub batch_size: usize,
     /// How long in-flight sends may finish after shutdown (`worker.shutdown_grace_ms`).
     pub grace: Duration,
+    /// How often the worker's leases are renewed (`worker.heartbeat_ms`).
+    pub heartbeat: Duration,
 }
 
 /// Consumes `work.<channel>` until `shutdown`. Messages that have arrived are leased together
@@ -201,6 +206,17 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let tracker = TaskTracker::new();
+    // The heartbeat outlives the consume loop: sends finishing in the shutdown grace, and
+    // outcomes held for the ledger, keep their leases until they are done.
+    let stop_heartbeat = CancellationToken::new();
+    let heartbeat = tokio::spawn(heartbeat::run(
+        worker.leases.clone(),
+        worker.ledger.clone(),
+        worker.worker_id.clone(),
+        worker.lease_for,
+        settings.heartbeat,
+        stop_heartbeat.clone(),
+    ));
     let queue = QueueKind::Work(worker.channel);
     let (tx, mut rx) = mpsc::channel::<Incoming>(usize::from(settings.prefetch).max(1));
     let batcher = {
@@ -261,6 +277,10 @@ pub async fn run(
             grace_ms = settings.grace.as_millis() as u64,
             "in-flight sends did not finish in time; their leases will be reaped"
         );
+    }
+    stop_heartbeat.cancel();
+    if let Err(e) = heartbeat.await {
+        warn!(error.cause_chain = %error_chain(&e), "the heartbeat task failed");
     }
 }
 

@@ -41,8 +41,13 @@ use nudge_telemetry::error_chain;
 use tracing::{Instrument, debug, error, info, warn};
 
 use crate::clock::LedgerClock;
+use crate::heartbeat::{HeldLease, LeaseBook};
 use crate::metrics::{AttemptLabelsIn, WorkerMetrics};
 use crate::recorder::{NotRecorded, Recorder};
+
+/// First and longest pause between two tries of a statement while the ledger is away.
+const LEDGER_AWAY_FIRST_PAUSE: Duration = Duration::from_millis(100);
+const LEDGER_AWAY_MAX_PAUSE: Duration = Duration::from_secs(1);
 
 /// How a message ends, and so how it is settled with the broker.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,7 +124,10 @@ pub struct Worker {
     pub cipher: DestinationCipher,
     pub providers: Providers,
     pub policy: RetryPolicy,
+    /// How long a lease outlives the last heartbeat (`worker.lease_seconds`).
     pub lease_for: Duration,
+    /// The leases this worker holds, renewed by its heartbeat (see [`crate::heartbeat`]).
+    pub leases: Arc<LeaseBook>,
     pub worker_id: String,
     /// The database's clock as this worker knows it.
     pub clock: Arc<LedgerClock>,
@@ -162,6 +170,8 @@ pub enum Step {
 #[derive(Debug)]
 pub struct ToSend {
     lease: LeasedDelivery,
+    /// Renewed by the heartbeat until the message is done.
+    held: HeldLease,
     material: Result<Material, LedgerError>,
     slot: SendSlot,
     /// When the slot was reserved (the database's clock): a 429 for a slot reserved before
@@ -271,11 +281,7 @@ impl Worker {
                     generation: e.generation,
                 })
                 .collect();
-            let sent = self.clock.local();
-            let result = self
-                .ledger
-                .lease_batch(&self.lease_batch(), &messages)
-                .await;
+            let (result, sent) = self.lease_while_away(&messages).await;
             let received = self.clock.local();
             match result {
                 Ok(result) => {
@@ -305,8 +311,9 @@ impl Worker {
                     }
                 }
                 Err(e) => {
-                    // Nothing was leased (the transaction rolled back): the deliveries stay
-                    // `queued` and the relay republishes them.
+                    // Nothing was leased (the transaction rolled back), and the ledger is not
+                    // merely away (or the worker is stopping): the deliveries stay `queued`
+                    // and the relay republishes them.
                     error!(error.cause_chain = %error_chain(&e), messages = messages.len(),
                            "failed to lease");
                     for (i, _) in envelopes {
@@ -319,6 +326,50 @@ impl Worker {
             .into_iter()
             .map(|s| s.unwrap_or(Step::Done(Processed::Dropped("unprocessed"))))
             .collect()
+    }
+
+    /// Leases `messages`, trying again for as long as the ledger is away (and the worker is
+    /// not stopping): the messages stay unacknowledged here meanwhile, bounded by the
+    /// prefetch, so none is dropped to wait for a republish, and none is handed back to the
+    /// broker to spend its delivery limit. Returns the last result, and when (this worker's
+    /// clock) its statement was sent.
+    async fn lease_while_away(
+        &self,
+        messages: &[MessagePointer],
+    ) -> (
+        Result<nudge_ledger::LeaseResult, LedgerError>,
+        DateTime<Utc>,
+    ) {
+        let mut pause = LEDGER_AWAY_FIRST_PAUSE;
+        let mut tries = 0u32;
+        loop {
+            let sent = self.clock.local();
+            let result = self.ledger.lease_batch(&self.lease_batch(), messages).await;
+            match &result {
+                Err(e) if e.is_unavailable() && !self.shutdown.is_cancelled() => {
+                    tries += 1;
+                    if tries == 1 {
+                        warn!(error.cause_chain = %error_chain(e), messages = messages.len(),
+                              "the ledger is away; holding the messages and leasing again when it is back");
+                    }
+                }
+                _ => {
+                    if tries > 0 && result.is_ok() {
+                        info!(
+                            tries,
+                            messages = messages.len(),
+                            "leased after the ledger came back"
+                        );
+                    }
+                    return (result, sent);
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                () = self.shutdown.cancelled() => {}
+            }
+            pause = (pause * 2).min(LEDGER_AWAY_MAX_PAUSE);
+        }
     }
 
     fn after_lease(
@@ -363,7 +414,9 @@ impl Worker {
                     SendSlot::Now => leased_at,
                 };
                 let below_full_rate = below_full_rate.contains(&&lease.provider_account);
+                let held = self.leases.hold(&lease);
                 return Step::Send(Box::new(ToSend {
+                    held,
                     lease,
                     material,
                     slot,
@@ -418,6 +471,7 @@ impl Worker {
     async fn send_leased(&self, send: ToSend) -> Processed {
         let ToSend {
             mut lease,
+            held,
             material,
             slot,
             reserved_at,
@@ -433,9 +487,11 @@ impl Worker {
             // A check that stops a send before its slot is waited for (quiet hours, consent)
             // stands here: after the material is open, before the fence, which checks it
             // again with the database's clock.
-            let reserved_at = self.wait_and_fence(&mut lease, slot, reserved_at).await?;
+            let reserved_at = self
+                .wait_and_fence(&mut lease, &held, slot, reserved_at)
+                .await?;
             let answered = self
-                .call_provider(provider, &lease, payload, &correlation_id)
+                .call_provider(provider, &lease, &held, payload, &correlation_id)
                 .await;
             ControlFlow::Continue(
                 self.settle(
@@ -448,9 +504,12 @@ impl Worker {
                 .await,
             )
         };
-        match phases.await {
+        let end = match phases.await {
             ControlFlow::Continue(end) | ControlFlow::Break(end) => end,
-        }
+        };
+        // Held until here: the outcome is recorded (or the lease given back) by now.
+        drop(held);
+        end
     }
 
     /// The provider of the account the lease was routed to. The lease only takes accounts
@@ -546,6 +605,7 @@ impl Worker {
     async fn wait_and_fence(
         &self,
         lease: &mut LeasedDelivery,
+        held: &HeldLease,
         mut slot: SendSlot,
         mut reserved_at: DateTime<Utc>,
     ) -> Phase<DateTime<Utc>> {
@@ -567,19 +627,11 @@ impl Worker {
                     }
                 }
             }
-            let fenced = self
-                .ledger
-                .fence(
-                    lease,
-                    reserved,
-                    self.lease_for,
-                    self.admission.closed_recheck,
-                    LedgerTime::Database,
-                )
-                .await;
+            let fenced = self.fence_while_away(lease, reserved).await;
             slot = match fenced {
                 Ok(Ok(lease_until)) => {
                     lease.lease_expires_at = lease_until;
+                    held.end().renewed(lease_until);
                     SendSlot::Now
                 }
                 Ok(Err(FenceRefused::LeaseLost)) => {
@@ -602,6 +654,7 @@ impl Worker {
                 }
                 Ok(Err(FenceRefused::Slowed)) if rounds < 3 => {
                     let slot = self.reserve_again(lease).await?;
+                    held.end().renewed(lease.lease_expires_at);
                     reserved_at = self.clock.now();
                     slot
                 }
@@ -619,6 +672,40 @@ impl Worker {
             };
         }
         ControlFlow::Continue(reserved_at)
+    }
+
+    /// The fence, tried again while the ledger is away (and the worker is not stopping): the
+    /// heartbeat keeps the lease meanwhile, and the fence itself tells whether it is still
+    /// held once the ledger is back.
+    async fn fence_while_away(
+        &self,
+        lease: &LeasedDelivery,
+        reserved: DateTime<Utc>,
+    ) -> Result<Result<DateTime<Utc>, FenceRefused>, LedgerError> {
+        let mut pause = LEDGER_AWAY_FIRST_PAUSE;
+        loop {
+            let fenced = self
+                .ledger
+                .fence(
+                    lease,
+                    reserved,
+                    self.lease_for,
+                    self.admission.closed_recheck,
+                    LedgerTime::Database,
+                )
+                .await;
+            match &fenced {
+                Err(e) if e.is_unavailable() && !self.shutdown.is_cancelled() => {
+                    debug!(error.cause_chain = %error_chain(e), "the ledger is away at the fence; trying again");
+                }
+                _ => return fenced,
+            }
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                () = self.shutdown.cancelled() => {}
+            }
+            pause = (pause * 2).min(LEDGER_AWAY_MAX_PAUSE);
+        }
     }
 
     /// A new slot for a lease whose bucket slowed while it waited (part of
@@ -660,6 +747,7 @@ impl Worker {
         &self,
         provider: &dyn DynProvider,
         lease: &LeasedDelivery,
+        held: &HeldLease,
         payload: Payload,
         correlation_id: &str,
     ) -> Answered {
@@ -679,10 +767,10 @@ impl Worker {
             attempt = lease.attempt_number);
         let traceparent = nudge_telemetry::traceparent_of(&request_span);
         let started_at = self.clock.now();
-        let window = SendWindow::new(
+        let window = SendWindow::renewed(
             started_at,
             lease.expires_at,
-            lease.lease_expires_at,
+            held.end(),
             self.admission.send_margin,
         );
         let outcome = bounded_send(
@@ -883,7 +971,6 @@ impl Worker {
                 warn!(outcome_class = %class, "lease lost before the outcome was recorded: the reaper's decision stands");
                 Processed::LeaseLost
             }
-            Err(NotRecorded::LeaseEnded) => Processed::Dropped("record_failed"),
             Err(NotRecorded::Stopped) => Processed::Dropped("recorder_stopped"),
             Err(NotRecorded::Refused) => Processed::Dropped("record_refused"),
         }
@@ -978,21 +1065,27 @@ impl Worker {
 /// A send bounded by its window, whatever the adapter does inside: an adapter that has not
 /// started its request by the window's deadline (still waiting for a token, say) is stopped
 /// there, and the attempt failed before send (nothing left, so it is retried by the retry
-/// policy and never held as maybe sent). A request that started runs to its own timeout,
-/// which the window left room for before the lease ends.
+/// policy and never held as maybe sent). A request that started runs to its own timeout
+/// while the heartbeat renews its lease.
 async fn bounded_send(mut send: BoxSendFuture<'_>, window: &SendWindow) -> SendOutcome {
-    tokio::select! {
-        biased;
-        outcome = &mut send => outcome,
-        () = tokio::time::sleep_until(window.deadline()) => {
-            if window.started() {
-                send.await
-            } else {
+    loop {
+        let deadline = window.deadline();
+        tokio::select! {
+            biased;
+            outcome = &mut send => return outcome,
+            () = tokio::time::sleep_until(deadline) => {
+                if window.started() {
+                    return send.await;
+                }
+                // The heartbeat renewed the lease meanwhile: the window is still open.
+                if window.deadline() > deadline {
+                    continue;
+                }
                 drop(send);
                 info!("the send's window closed before its request started: not sent");
-                SendOutcome::FailedBeforeSend {
+                return SendOutcome::FailedBeforeSend {
                     reason: SEND_DEADLINE_PASSED.to_owned(),
-                }
+                };
             }
         }
     }

@@ -4,8 +4,11 @@
 //! gathered in one statement ([`Ledger::record_outcomes`]), so a busy worker commits once per
 //! group, not once per send. A finished send's outcome is the most valuable thing a worker
 //! holds (a 2xx with the provider's message id): when the write fails (PostgreSQL restarting,
-//! a connection cut), the recorder keeps the outcomes and tries again, backing off, until each
-//! one's lease would end; only then does it give up on it and leave it to the reaper. A group
+//! a connection cut), the recorder keeps the outcomes and tries again, backing off, for as
+//! long as the worker runs: each send waits for its reply holding its lease, which the
+//! heartbeat renews (and renews first when the ledger comes back, before the reaper may act),
+//! so the reaper never decides a delivery whose answer is held here. Only a write that finds
+//! the lease gone ends the wait (`Recorded::LeaseLost`). A group
 //! the ledger refuses for its data (a constraint broken by one outcome) is written one
 //! outcome at a time instead, so one bad row never costs the others their outcome.
 
@@ -17,8 +20,6 @@ use nudge_telemetry::error_chain;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{error, info, warn};
 
-use crate::clock::LedgerClock;
-
 /// The most outcomes written in one statement.
 const MAX_GROUP: usize = 256;
 /// First and longest pause between two tries of a failed write.
@@ -28,9 +29,6 @@ const RETRY_MAX: Duration = Duration::from_secs(1);
 /// Why an outcome was not recorded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum NotRecorded {
-    /// The ledger could not be written before the lease ended: the reaper decides.
-    #[error("the ledger could not be written before the lease ended")]
-    LeaseEnded,
     /// The worker is stopping and the recorder is gone.
     #[error("the recorder stopped")]
     Stopped,
@@ -57,13 +55,9 @@ impl Recorder {
     /// Starts the recorder task. It ends when every handle is dropped and its queue is empty.
     /// `suspend_for` is how long an outcome that refused the account's credentials suspends
     /// the account's bucket (`admission.max_pause_s`), in the outcome's transaction.
-    pub fn spawn(
-        ledger: Ledger,
-        clock: std::sync::Arc<LedgerClock>,
-        suspend_for: Duration,
-    ) -> Self {
+    pub fn spawn(ledger: Ledger, suspend_for: Duration) -> Self {
         let (jobs, rx) = mpsc::channel(4 * MAX_GROUP);
-        tokio::spawn(run(ledger, clock, suspend_for, rx));
+        tokio::spawn(run(ledger, suspend_for, rx));
         Self { jobs }
     }
 
@@ -88,12 +82,7 @@ impl Recorder {
     }
 }
 
-async fn run(
-    ledger: Ledger,
-    clock: std::sync::Arc<LedgerClock>,
-    suspend_for: Duration,
-    mut rx: mpsc::Receiver<Job>,
-) {
+async fn run(ledger: Ledger, suspend_for: Duration, mut rx: mpsc::Receiver<Job>) {
     let mut group: Vec<Job> = Vec::with_capacity(MAX_GROUP);
     while let Some(first) = rx.recv().await {
         group.push(first);
@@ -103,7 +92,7 @@ async fn run(
                 Err(_) => break,
             }
         }
-        write(&ledger, &clock, suspend_for, &mut group).await;
+        write(&ledger, suspend_for, &mut group).await;
     }
 }
 
@@ -112,8 +101,8 @@ async fn run(
 /// would fail again until every lease in it lapsed), the outcomes are written one at a time,
 /// so one bad row never holds the others; one refused on its own is written once more
 /// without the answer's details (its state and attempt are what matter).
-async fn write(ledger: &Ledger, clock: &LedgerClock, suspend_for: Duration, group: &mut Vec<Job>) {
-    if !write_retrying(ledger, clock, suspend_for, group).await {
+async fn write(ledger: &Ledger, suspend_for: Duration, group: &mut Vec<Job>) {
+    if !write_retrying(ledger, suspend_for, group).await {
         return;
     }
     warn!(
@@ -122,7 +111,7 @@ async fn write(ledger: &Ledger, clock: &LedgerClock, suspend_for: Duration, grou
     );
     for job in std::mem::take(group) {
         let mut alone = vec![job];
-        if !write_retrying(ledger, clock, suspend_for, &mut alone).await {
+        if !write_retrying(ledger, suspend_for, &mut alone).await {
             continue;
         }
         let Some(mut job) = alone.pop() else {
@@ -133,7 +122,7 @@ async fn write(ledger: &Ledger, clock: &LedgerClock, suspend_for: Duration, grou
         job.decision.facts.http_status = None;
         job.decision.facts.retry_after_seen = None;
         alone.push(job);
-        if write_retrying(ledger, clock, suspend_for, &mut alone).await {
+        if write_retrying(ledger, suspend_for, &mut alone).await {
             for job in alone {
                 error!(delivery_id = %job.lease.id,
                        "the ledger refused an outcome even without the answer's details; the reaper settles it");
@@ -145,12 +134,7 @@ async fn write(ledger: &Ledger, clock: &LedgerClock, suspend_for: Duration, grou
 
 /// Writes a group, retrying while the ledger fails, and replies to every job; or returns
 /// `true` without replying, the group untouched, when the ledger refused its data.
-async fn write_retrying(
-    ledger: &Ledger,
-    clock: &LedgerClock,
-    suspend_for: Duration,
-    group: &mut Vec<Job>,
-) -> bool {
+async fn write_retrying(ledger: &Ledger, suspend_for: Duration, group: &mut Vec<Job>) -> bool {
     let mut delay = RETRY_FIRST;
     let mut failures = 0u32;
     loop {
@@ -190,25 +174,9 @@ async fn write_retrying(
                     warn!(error.cause_chain = %error_chain(&e), outcomes = group.len(),
                           "failed to record outcomes; holding them and trying again");
                 }
-                // Give up on outcomes whose lease will have ended by the next try: the
-                // reaper owns them then, and a write after that would be refused anyway.
-                let next_try = clock.now()
-                    + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
-                let (keep, lapsed): (Vec<Job>, Vec<Job>) = group
-                    .drain(..)
-                    .partition(|j| j.lease.lease_expires_at > next_try);
-                for job in lapsed {
-                    warn!(delivery_id = %job.lease.id,
-                          "lease ended before its outcome could be recorded; the reaper settles it");
-                    let _ = job.reply.send(Err(NotRecorded::LeaseEnded));
-                }
-                *group = keep;
-                if group.is_empty() {
-                    return false;
-                }
-                // Not cut short at shutdown on purpose: the outcomes still held are worth
-                // writing while the worker's shutdown grace lasts, and every wait here is
-                // bounded by the leases (the group empties as they end).
+                // Not cut short at shutdown on purpose: the outcomes held are worth writing
+                // while the worker's shutdown grace lasts; past it the process exits and the
+                // reaper decides them as it would any lease whose holder died.
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(RETRY_MAX);
             }

@@ -277,7 +277,7 @@ impl WorkerOptions {
     pub fn for_channel(channel: Channel) -> Self {
         Self {
             accounts: vec![(format!("{channel}-main"), true, true)],
-            lease_seconds: 30,
+            lease_seconds: 5,
             prefetch: 32,
             retry_base_ms: 200,
             retry_max_ms: 1_000,

@@ -59,6 +59,8 @@ fn bad_request(message: &'static str) -> Response {
         (status = 400, description = "signed, but not a status callback; nothing written", body = crate::error::ErrorBody),
         (status = 401, description = "no signature; nothing written", body = crate::error::ErrorBody),
         (status = 403, description = "the signature does not verify, or the account takes no receipts; nothing written", body = crate::error::ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = crate::error::ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
     ))]
 pub async fn twilio(
     State(state): State<AppState>,
@@ -160,6 +162,8 @@ pub async fn twilio(
         (status = 400, description = "signed, but not a batch of events; nothing written", body = crate::error::ErrorBody),
         (status = 401, description = "no signature; nothing written", body = crate::error::ErrorBody),
         (status = 403, description = "the signature does not verify, is stale, or the account takes no receipts; nothing written", body = crate::error::ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = crate::error::ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
     ))]
 pub async fn sendgrid(
     State(state): State<AppState>,

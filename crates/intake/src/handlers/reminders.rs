@@ -55,6 +55,8 @@ use crate::state::AppState;
         (status = 413, description = "the body is over the limit", body = ErrorBody),
         (status = 415, description = "the body is not JSON", body = ErrorBody),
         (status = 500, description = "unexpected; may be retried", body = ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
     ),
     security(("signature" = [])))]
 pub async fn post_reminders(
@@ -242,6 +244,7 @@ async fn post_one(
             state.metrics().refusal(refusal.internal());
             return Err(ApiError::Unauthorized(refusal));
         }
+        Err(e) if e.is_unavailable() => return Err(ApiError::Unavailable(e.into())),
         Err(e) => return Err(ApiError::internal(e)),
     };
     let (status, accepted) = answer(
@@ -404,6 +407,8 @@ const UNKNOWN_BATCH_FIELD: &str =
         (status = 401, description = "not authenticated", body = Unauthorized),
         (status = 404, description = "no such event", body = ErrorBody),
         (status = 500, description = "unexpected", body = ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
     ),
     security(("signature" = [])))]
 pub async fn get_reminder(
@@ -439,6 +444,8 @@ pub async fn get_reminder(
         (status = 408, description = "the body did not arrive in time", body = ErrorBody),
         (status = 413, description = "the body is over the limit", body = ErrorBody),
         (status = 500, description = "unexpected", body = ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
     ),
     security(("signature" = [])))]
 pub async fn cancel_reminder(
@@ -498,6 +505,8 @@ pub async fn cancel_reminder(
         (status = 413, description = "the body is over the limit", body = ErrorBody),
         (status = 415, description = "the body is not JSON", body = ErrorBody),
         (status = 500, description = "unexpected; may be retried", body = ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
     ),
     security(("signature" = [])))]
 pub async fn put_reminder(

@@ -45,6 +45,8 @@ const UNKNOWN_CONTACTS_FIELD: &str = "has a field other than `destinations`; its
         (status = 413, description = "the body is over the limit", body = ErrorBody),
         (status = 415, description = "the body is not JSON", body = ErrorBody),
         (status = 500, description = "unexpected", body = ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
     ),
     security(("signature" = [])))]
 pub async fn put_contacts(
@@ -115,6 +117,8 @@ pub async fn put_contacts(
         (status = 400, description = "invalid reference", body = InvalidRequest),
         (status = 401, description = "not authenticated", body = Unauthorized),
         (status = 500, description = "unexpected", body = ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
     ),
     security(("signature" = [])))]
 pub async fn erase_subscriber(

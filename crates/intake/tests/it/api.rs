@@ -18,7 +18,7 @@ use sqlx::PgPool;
 use tower::ServiceExt;
 
 /// The intake's clock in these tests: reminders are due at or after it.
-fn now() -> DateTime<Utc> {
+pub(crate) fn now() -> DateTime<Utc> {
     Utc.with_ymd_and_hms(2026, 12, 1, 9, 0, 0).unwrap()
 }
 
@@ -29,11 +29,11 @@ struct Intake {
     metrics: Arc<IntakeMetrics>,
 }
 
-fn cipher() -> DestinationCipher {
+pub(crate) fn cipher() -> DestinationCipher {
     DestinationCipher::new(&[7; 32]).with_subscriber_key(SubscriberKey::new(&[9; 32]))
 }
 
-fn operator() -> Operator {
+pub(crate) fn operator() -> Operator {
     Operator::new("test", Some("test"), Utc::now()).unwrap()
 }
 
@@ -66,7 +66,13 @@ async fn intake(pool: PgPool) -> Intake {
 }
 
 /// A `Nudge-Signature` value for this request, as a client computes it.
-fn signature(method: &str, target: &str, body: &[u8], t: i64, secrets: &[&str]) -> String {
+pub(crate) fn signature(
+    method: &str,
+    target: &str,
+    body: &[u8],
+    t: i64,
+    secrets: &[&str],
+) -> String {
     let secrets: Vec<&[u8]> = secrets.iter().map(|s| s.as_bytes()).collect();
     header_value(
         &secrets,
@@ -79,7 +85,7 @@ fn signature(method: &str, target: &str, body: &[u8], t: i64, secrets: &[&str]) 
     )
 }
 
-fn reminder(event_id: &str) -> Value {
+pub(crate) fn reminder(event_id: &str) -> Value {
     json!({
         "event_id": event_id,
         "subscriber_ref": "patient-42",
@@ -164,7 +170,7 @@ impl Intake {
     }
 }
 
-fn assert_no_phi(text: &str) {
+pub(crate) fn assert_no_phi(text: &str) {
     for secret in ["+15550100", "pat@example.org", "patient-42", "flu-shot"] {
         assert!(!text.contains(secret), "answer shows {secret}: {text}");
     }

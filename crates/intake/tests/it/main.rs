@@ -2,6 +2,7 @@
 //! the server's limits, each against a fresh database.
 
 mod api;
+mod away;
 mod commit;
 mod receipts;
 mod server;

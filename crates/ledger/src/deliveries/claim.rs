@@ -10,21 +10,54 @@ use nudge_domain::Channel;
 use super::{DueDelivery, DueRow, LedgerTime, to_i64};
 use crate::{Ledger, LedgerError};
 
-const CLAIM_DUE: &str = "WITH due AS (
-        SELECT id FROM deliveries
-        WHERE channel = $1 AND state IN ('scheduled', 'retry_wait')
-          AND next_attempt_at <= COALESCE($3, now()) AND owner = $4
-        ORDER BY next_attempt_at
-        LIMIT $2
-        FOR UPDATE SKIP LOCKED)
+/// Due work in weighted turns per tenant (invariant 14): each tenant with due work on the
+/// channel offers its oldest deliveries, the n-th of them at turn `(n - 1) / claim_weight`, and
+/// the claim takes the earliest turns, oldest first within a turn. Deliveries due at the same
+/// instant (a batch imported for one time) go in the order they were created (their ids are
+/// UUIDv7), so one given back by the reaper keeps its place among them. So a tenant with a backlog
+/// of thousands and one with twenty due share each claim by weight, and the twenty go out in
+/// the next claim or two instead of after the backlog. Each tenant offers at most the claim's
+/// limit, so a claim reads at most `tenants with due work x limit` index entries.
+const CLAIM_DUE: &str = "WITH due_tenants AS (
+        SELECT t.id, t.claim_weight FROM tenants t
+        WHERE EXISTS (
+            SELECT 1 FROM deliveries d
+            WHERE d.channel = $1 AND d.tenant_id = t.id AND d.state IN ('scheduled', 'retry_wait')
+              AND d.next_attempt_at <= COALESCE($3, now()) AND d.owner = $4)),
+    turns AS (
+        SELECT offered.id, offered.next_attempt_at,
+               (offered.n - 1)::float8 / t.claim_weight AS turn
+        FROM due_tenants t
+        CROSS JOIN LATERAL (
+            SELECT d.id, d.next_attempt_at,
+                   row_number() OVER (ORDER BY d.next_attempt_at, d.id) AS n
+            FROM deliveries d
+            WHERE d.channel = $1 AND d.tenant_id = t.id AND d.state IN ('scheduled', 'retry_wait')
+              AND d.next_attempt_at <= COALESCE($3, now()) AND d.owner = $4
+            ORDER BY d.next_attempt_at, d.id
+            LIMIT $2) offered
+        ORDER BY turn, offered.next_attempt_at, offered.id
+        LIMIT $2),
+    due AS (
+        SELECT d.id, turns.turn FROM deliveries d JOIN turns ON d.id = turns.id
+        WHERE d.state IN ('scheduled', 'retry_wait')
+        FOR UPDATE OF d SKIP LOCKED)
     UPDATE deliveries d
     SET state = 'queued', generation = d.generation + 1,
         queued_at = COALESCE($3, now()), updated_at = COALESCE($3, now())
     FROM due WHERE d.id = due.id
     RETURNING d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
-              d.next_attempt_at,
+              d.next_attempt_at, due.turn,
               (SELECT r.correlation_id FROM reminders r WHERE r.id = d.reminder_id)
                   AS correlation_id";
+
+/// A claimed row and its turn, so the batch is published in turn order.
+#[derive(sqlx::FromRow)]
+struct ClaimedRow {
+    #[sqlx(flatten)]
+    due: DueRow,
+    turn: f64,
+}
 
 impl Ledger {
     /// PostgreSQL's plan for [`claim_due`](Self::claim_due), the very statement the relay
@@ -47,7 +80,8 @@ impl Ledger {
     }
 
     /// Claims up to `limit` deliveries of `channel` whose `next_attempt_at` has come (first
-    /// attempts and retries), oldest first, skipping rows another relay is claiming, and commits
+    /// attempts and retries), in weighted turns per tenant and oldest first within a tenant
+    /// (see `CLAIM_DUE`), skipping rows another relay is claiming, and commits
     /// them as `queued` with a new generation. Publish one message per item afterwards. The
     /// relay claims per channel, so a backlog on one channel never crowds another out of a batch.
     ///
@@ -63,14 +97,24 @@ impl Ledger {
         limit: u32,
         at: LedgerTime,
     ) -> Result<Vec<DueDelivery>, LedgerError> {
-        let rows = sqlx::query_as::<_, DueRow>(CLAIM_DUE)
+        let mut rows = sqlx::query_as::<_, ClaimedRow>(CLAIM_DUE)
             .bind(channel.as_str())
             .bind(i64::from(limit))
             .bind(at.bind())
             .bind(&*self.sender)
             .fetch_all(&self.pool)
             .await?;
-        sorted(rows)
+        // Published in turn order, oldest first within a turn: a small tenant's first
+        // deliveries lead the batch beside a large one's, not behind all of it.
+        rows.sort_by(|a, b| {
+            a.turn
+                .total_cmp(&b.turn)
+                .then(a.due.next_attempt_at.cmp(&b.due.next_attempt_at))
+                .then(a.due.id.cmp(&b.due.id))
+        });
+        rows.into_iter()
+            .map(|r| DueDelivery::try_from(r.due))
+            .collect()
     }
 
     /// Marks claimed deliveries whose publish failed so that the next
@@ -90,13 +134,4 @@ impl Ledger {
         .await?;
         Ok(done.rows_affected())
     }
-}
-
-fn sorted(rows: Vec<DueRow>) -> Result<Vec<DueDelivery>, LedgerError> {
-    let mut items = rows
-        .into_iter()
-        .map(DueDelivery::try_from)
-        .collect::<Result<Vec<_>, _>>()?;
-    items.sort_by_key(|d| d.next_attempt_at);
-    Ok(items)
 }

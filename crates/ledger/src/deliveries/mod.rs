@@ -16,6 +16,8 @@
 //! - [`record`]: outcomes of concurrent sends are applied in one statement (group commit), each
 //!   only if its lease is still held as leased; the attempt rows are appended in the same
 //!   statement.
+//! - [`renew`]: the holder's heartbeat renews all of its leases in one statement; a lease
+//!   lives as long as its holder, not as long as a configured worst case.
 //! - [`sweep`]: the expiry sweep and the lease reaper. A lease that expired *without*
 //!   `send_started_at` was never sent: it goes back due, on its lane, without an attempt. One
 //!   that expired after its send started is decided like a timeout after send.
@@ -28,6 +30,7 @@
 mod claim;
 mod lease;
 mod record;
+mod renew;
 mod sweep;
 
 use std::time::Duration;
@@ -44,6 +47,7 @@ pub use lease::{
     FenceRefused, LeaseBatch, LeaseOutcome, LeaseResult, Material, SendSlot, Slotted, WorkerRoutes,
 };
 pub use record::{OutcomeToRecord, Recorded};
+pub use renew::RenewedLease;
 pub use sweep::Reaped;
 
 /// Which clock a statement's time conditions use.

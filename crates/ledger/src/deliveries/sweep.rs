@@ -6,6 +6,11 @@
 //! decides it as a timeout after send, so it is retried only where the idempotency key makes a
 //! resend safe and held `ambiguous` otherwise. Work being sent is never expired by the sweep:
 //! its outcome (or the reaper) decides.
+//!
+//! Either way the delivery keeps its place in line: it is due again at the time it was due
+//! (or now, if that is earlier), not behind the work that fell due while its holder was dying.
+//! A lease lapses only when its holder died or lost the ledger (a live one renews it, 0119),
+//! never because a provider was slow, so a retry here owes the provider no backoff.
 
 use chrono::{DateTime, Utc};
 use nudge_domain::{
@@ -37,6 +42,7 @@ struct ReapRow {
     expires_at: DateTime<Utc>,
     lease_idempotent: Option<bool>,
     send_started_at: Option<DateTime<Utc>>,
+    next_attempt_at: Option<DateTime<Utc>>,
     db_now: DateTime<Utc>,
 }
 
@@ -82,7 +88,8 @@ impl Ledger {
                  ORDER BY lease_expires_at LIMIT $1
                  FOR UPDATE SKIP LOCKED)
              UPDATE deliveries d
-             SET state = 'retry_wait', next_attempt_at = COALESCE($2, now()),
+             SET state = 'retry_wait',
+                 next_attempt_at = LEAST(d.next_attempt_at, COALESCE($2, now())),
                  lease_owner = NULL, lease_expires_at = NULL, lease_idempotent = NULL,
                  attempt_count = d.attempt_count - 1, updated_at = COALESCE($2, now())
              FROM lapsed WHERE d.id = lapsed.id
@@ -95,7 +102,8 @@ impl Ledger {
 
         let rows: Vec<ReapRow> = sqlx::query_as(
             "SELECT id, lease_owner, generation, lane, attempt_count, attempt_base, expires_at,
-                    lease_idempotent, send_started_at, COALESCE($2, now()) AS db_now
+                    lease_idempotent, send_started_at, next_attempt_at,
+                    COALESCE($2, now()) AS db_now
              FROM deliveries
              WHERE state = 'sending' AND lease_expires_at <= COALESCE($2, now())
                AND send_started_at IS NOT NULL
@@ -134,6 +142,9 @@ impl Ledger {
             };
             let now = row.db_now;
             let mut decision = decide(&ctx, &outcome, now, policy, jitter);
+            if decision.next_state == DeliveryState::RetryWait {
+                decision.next_attempt_at = Some(row.next_attempt_at.map_or(now, |t| t.min(now)));
+            }
             decision.facts.reason = Some(format!(
                 "lease_expired: {}",
                 decision.facts.reason.as_deref().unwrap_or("unknown")

@@ -144,8 +144,8 @@ async fn a_lease_whose_send_never_started_is_given_back_unsent_not_held_ambiguou
     assert_eq!(unsent.state, DeliveryState::RetryWait);
     assert_eq!(
         unsent.next_attempt_at,
-        Some(t0() + secs(61)),
-        "due again at once"
+        Some(t0()),
+        "due again at once, at its place in line: the time it was due"
     );
     assert_eq!(unsent.attempt_count, 0, "no attempt spent");
     assert_eq!(unsent.lane, nudge_domain::Lane::New, "on its own lane");

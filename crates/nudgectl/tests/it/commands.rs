@@ -426,6 +426,44 @@ async fn schedule_set_refuses_a_window_out_of_range_and_an_unknown_tenant(pool: 
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_tenants_weight_is_set_with_a_reason_audited_and_out_of_range_refused(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    create_tenant(&ledger, "clinic-a").await;
+
+    let set = run(
+        &ledger,
+        parse(&[
+            "tenant",
+            "set",
+            "clinic-a",
+            "--weight",
+            "3",
+            "--reason",
+            "largest clinic",
+        ])
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+
+    assert_eq!(set, "tenant clinic-a: weight 3 (was 1)\n");
+    let audit = ledger.recent_audit(1).await.unwrap();
+    assert_eq!(audit[0].action, "tenant_weight");
+    assert_eq!(audit[0].reason.as_deref(), Some("largest clinic"));
+    for refused in [
+        vec![
+            "tenant", "set", "clinic-a", "--weight", "0", "--reason", "r",
+        ],
+        vec![
+            "tenant", "set", "clinic-a", "--weight", "1001", "--reason", "r",
+        ],
+        vec!["tenant", "set", "clinic-a", "--weight", "2"],
+    ] {
+        assert!(parse(&refused).is_err(), "{refused:?}");
+    }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_channel_is_routed_to_an_account_then_back_to_the_default(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
     create_tenant(&ledger, "clinic-a").await;

@@ -78,11 +78,8 @@ fn worker(
         policy: RetryPolicy::default(),
         lease_for: Duration::from_secs(30),
         worker_id: format!("test-worker-{}", uuid::Uuid::new_v4().simple()),
-        recorder: Recorder::spawn(
-            setup.ledger.clone(),
-            clock.clone(),
-            AdmissionSettings::default().max_pause,
-        ),
+        recorder: Recorder::spawn(setup.ledger.clone(), AdmissionSettings::default().max_pause),
+        leases: Arc::default(),
         clock,
         admission: AdmissionSettings::default(),
         metrics: Arc::new(WorkerMetrics::new()),
@@ -310,10 +307,28 @@ async fn a_ledger_outage_before_the_lease_sends_nothing_and_spends_no_attempt(po
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn an_outcome_is_held_through_a_ledger_outage_and_recorded_when_it_returns(pool: PgPool) {
+    held_through_an_outage(pool, Duration::from_secs(30), Duration::from_secs(2)).await;
+}
+
+/// A connection cut between the send and its record, for longer than the lease: the lease
+/// lapses while the ledger is away, the heartbeat renews it first thing when the ledger is
+/// back (nobody else took it: the reaper clears the holder when it acts), and the outcome is
+/// recorded under it.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_outcome_held_through_an_outage_longer_than_its_lease_is_recorded_under_the_renewed_lease(
+    pool: PgPool,
+) {
+    held_through_an_outage(pool, Duration::from_secs(2), Duration::from_secs(4)).await;
+}
+
+/// The provider answers 1.5 s after the request; the database is cut off while it is at the
+/// provider, and stays away `outage_after_answer` after the answer. The worker's leases last
+/// `lease_for` and its heartbeat beats every third of that.
+async fn held_through_an_outage(pool: PgPool, lease_for: Duration, outage_after_answer: Duration) {
     let setup = setup(pool.clone()).await;
-    let worker = worker(&setup, false, 5_000, chrono::Duration::zero());
+    let mut worker = worker(&setup, false, 5_000, chrono::Duration::zero());
+    worker.lease_for = lease_for;
     let due = due_now(&setup.ledger, "e").await;
-    // The provider answers a second after the request: the database goes away meanwhile.
     script(
         &setup,
         json!({"sequence": [{"status": 202, "delay_ms": 1500}]}),
@@ -323,6 +338,15 @@ async fn an_outcome_is_held_through_a_ledger_outage_and_recorded_when_it_returns
         .await
         .unwrap();
     let worker = Arc::new(worker);
+    let stop_heartbeat = tokio_util::sync::CancellationToken::new();
+    let heartbeat = tokio::spawn(nudge_worker::heartbeat::run(
+        worker.leases.clone(),
+        worker.ledger.clone(),
+        worker.worker_id.clone(),
+        worker.lease_for,
+        worker.lease_for / 3,
+        stop_heartbeat.clone(),
+    ));
     let task = {
         let worker = worker.clone();
         let payload = envelope(&due);
@@ -348,8 +372,8 @@ async fn an_outcome_is_held_through_a_ledger_outage_and_recorded_when_it_returns
         .execute(&admin)
         .await
         .unwrap();
-    // The outage lasts until the provider has answered, and two seconds more.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let cut_at = std::time::Instant::now();
+    let deadline = cut_at + Duration::from_secs(10);
     while setup.stub.stats().total.accepted == 0 {
         assert!(
             std::time::Instant::now() < deadline,
@@ -357,8 +381,11 @@ async fn an_outcome_is_held_through_a_ledger_outage_and_recorded_when_it_returns
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The fault's length, not a wait for an effect.
+    tokio::time::sleep(outage_after_answer).await;
     assert!(!task.is_finished(), "the outcome is held, not given up");
+    assert!(worker.leases.len() == 1, "and its lease with it");
+    let outage = cut_at.elapsed();
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS true"
     )))
@@ -370,8 +397,14 @@ async fn an_outcome_is_held_through_a_ledger_outage_and_recorded_when_it_returns
         .await
         .unwrap()
         .unwrap();
+    stop_heartbeat.cancel();
+    heartbeat.await.unwrap();
 
     assert_eq!(processed, Processed::Attempted(DeliveryState::Delivered));
+    assert!(
+        worker.leases.is_empty(),
+        "the lease is let go once recorded"
+    );
     let ledger = Ledger::from_pool(
         sqlx::PgPool::connect_with((*pool.connect_options()).clone())
             .await
@@ -380,6 +413,12 @@ async fn an_outcome_is_held_through_a_ledger_outage_and_recorded_when_it_returns
     assert_eq!(state(&ledger, &due).await, DeliveryState::Delivered);
     assert_eq!(ledger.attempts(due.id).await.unwrap().len(), 1);
     assert_eq!(setup.stub.stats().total.requests, 1, "sent once");
+    assert!(
+        outage > lease_for || lease_for > Duration::from_secs(10),
+        "the outage ({} ms) outlasted the lease ({} ms) where the test meant it to",
+        outage.as_millis(),
+        lease_for.as_millis()
+    );
 }
 
 /// One outcome the ledger's constraints refuse (a provider status past 599, which no adapter
@@ -425,8 +464,7 @@ async fn an_outcome_the_ledger_refuses_costs_the_rest_of_its_group_nothing(pool:
         })
         .collect();
 
-    let clock = Arc::new(LedgerClock::new(Arc::new(Utc::now)));
-    let recorder = Recorder::spawn(ledger.clone(), clock, admission.max_pause);
+    let recorder = Recorder::spawn(ledger.clone(), admission.max_pause);
     let started = std::time::Instant::now();
     let now = db_now(ledger).await;
     let answers = leases.into_iter().enumerate().map(|(i, lease)| {

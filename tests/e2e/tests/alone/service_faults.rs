@@ -1,9 +1,15 @@
 //! Faults of the services and of the processes themselves, with deliveries in flight: RabbitMQ
-//! restarted, PostgreSQL restarted, a proxy that cuts and delays every connection, and each
-//! binary SIGKILLed in turn. Each test asserts counts (every delivery delivered, each key
-//! accepted exactly once by an account that dedups by key: the key's bound), that every process
-//! is back at work with no restart by hand (a killed process is restarted the way a supervisor
-//! does), and reports how long that took after the fault ended.
+//! restarted, PostgreSQL restarted, a proxy that cuts and delays every connection, each binary
+//! SIGKILLed in turn, and one of two workers SIGKILLed and not restarted. Each test asserts
+//! counts (every delivery delivered, each key accepted exactly once by an account that dedups by
+//! key: the key's bound), that every process is back at work with no restart by hand (a killed
+//! process is restarted the way a supervisor does), and the patient's view: how long after the
+//! fault ended the last delivery owed at the fault was settled.
+//!
+//! "Owed at the fault" is what a fault can strand: the deliveries published (`queued`) or being
+//! sent (`sending`) when it struck, whose messages, leases and outcomes a crash or a cut loses.
+//! The bucket (50/s; 25/s for the ten kills in turn) keeps about a second of work in flight, so
+//! that set is what recovery decides; the rest is paced by the bucket whatever happens.
 //!
 //! A test that stops a service stops its own ([`nudge_e2e::private`]): the machine's shared
 //! PostgreSQL and RabbitMQ stay up for every other test.
@@ -26,6 +32,69 @@ const RECOVERY_BOUND: Duration = Duration::from_secs(60);
 /// How long PostgreSQL stays down once every process has seen it go.
 const PG_OUTAGE: Duration = Duration::from_secs(3);
 
+/// The patient's view: every delivery owed at a fault is settled within this long of the
+/// fault's end...
+const PATIENT_TARGET: Duration = Duration::from_secs(10);
+/// ...give or take this, for a loaded 2-core machine (process start-up, reconnect backoff).
+const PATIENT_TOLERANCE: Duration = Duration::from_secs(5);
+
+/// The deliveries owed at a fault (see the module docs), read when it strikes.
+async fn owed_at_fault(env: &TestEnv) -> Vec<uuid::Uuid> {
+    sqlx::query_scalar("SELECT id FROM deliveries WHERE state IN ('queued', 'sending')")
+        .fetch_all(env.ledger.pool())
+        .await
+        .unwrap()
+}
+
+/// How long after `ended` the last of `owed` was settled (delivered, or held or settled
+/// otherwise: anything but owed), asserted within [`PATIENT_TARGET`] + [`PATIENT_TOLERANCE`].
+async fn patient_view(
+    env: &mut TestEnv,
+    fault: &str,
+    owed: &[uuid::Uuid],
+    ended: Instant,
+) -> Duration {
+    let ledger = env.ledger.clone();
+    let owed = owed.to_vec();
+    let bound = (PATIENT_TARGET + PATIENT_TOLERANCE) * 4;
+    let settled = env
+        .wait_for(
+            &format!(
+                "the {} deliveries owed at the fault ({fault}) settled",
+                owed.len()
+            ),
+            bound.saturating_sub(ended.elapsed()),
+            || {
+                let (ledger, owed) = (ledger.clone(), owed.clone());
+                async move {
+                    let still: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM deliveries WHERE id = ANY($1)
+                           AND state IN ('scheduled', 'queued', 'sending', 'retry_wait')",
+                    )
+                    .bind(&owed)
+                    .fetch_one(ledger.pool())
+                    .await?;
+                    Ok((still == 0).then(|| ended.elapsed()))
+                }
+            },
+        )
+        .await;
+    eprintln!(
+        "fault {fault}: owed_at_fault={} last_owed_settled_ms={} (target {} ms + {} ms)",
+        owed.len(),
+        settled.as_millis(),
+        PATIENT_TARGET.as_millis(),
+        PATIENT_TOLERANCE.as_millis()
+    );
+    assert!(
+        settled <= PATIENT_TARGET + PATIENT_TOLERANCE,
+        "fault {fault}: the last of {} deliveries owed at the fault settled {} ms after it ended",
+        owed.len(),
+        settled.as_millis()
+    );
+    settled
+}
+
 /// The processes of one pipeline, by index in the environment.
 struct Pipeline {
     procs: Vec<usize>,
@@ -37,8 +106,9 @@ async fn delivered(env: &TestEnv) -> anyhow::Result<i64> {
 }
 
 /// Seeds `total` SMS reminders due now and starts a producer, a janitor and `workers` SMS
-/// workers with admin listeners, against an account that dedups by key.
-async fn start_pipeline(env: &mut TestEnv, total: usize, workers: usize) -> Pipeline {
+/// workers with admin listeners, against an account that dedups by key, its bucket at `rate`
+/// per second.
+async fn start_pipeline(env: &mut TestEnv, total: usize, workers: usize, rate: f64) -> Pipeline {
     env.admin_listeners = true;
     let tenant = env.tenant("clinic-faults", 2).await.unwrap();
     let now = Utc::now();
@@ -61,8 +131,8 @@ async fn start_pipeline(env: &mut TestEnv, total: usize, workers: usize) -> Pipe
     .unwrap();
     let mut options = WorkerOptions::for_channel(Channel::Sms);
     options.prefetch = 4;
-    options.lease_seconds = 10;
     options.provider_timeout_ms = 2_000;
+    options.rate = Some((rate, 10));
     let mut procs = vec![
         env.start_producer("producer").unwrap(),
         env.start_janitor(200, 1_000).unwrap(),
@@ -202,16 +272,19 @@ async fn rabbitmq_restarted_mid_run_loses_nothing_and_every_process_reconnects_o
     let mut env = TestEnv::start_on("broker-restart", with_private_rabbit(&node))
         .await
         .unwrap();
-    let pipeline = start_pipeline(&mut env, 400, 1).await;
+    let pipeline = start_pipeline(&mut env, 400, 1, 50.0).await;
     let names = env.proc_names();
     wait_delivered(&mut env, 60, Duration::from_secs(90)).await;
 
+    let owed = owed_at_fault(&env).await;
     let down = Instant::now();
     node.stop().unwrap();
     let before = delivered(&env).await.unwrap();
     node.restart().unwrap();
     let outage = down.elapsed();
-    let back = recovery(&mut env, &names, before, Instant::now()).await;
+    let ended = Instant::now();
+    let back = recovery(&mut env, &names, before, ended).await;
+    patient_view(&mut env, "rabbitmq-restart", &owed, ended).await;
     let duplicates = finish(&mut env, &pipeline, "rabbitmq-restart").await;
     eprintln!(
         "fault rabbitmq-restart: outage_ms={} recovered_ms={} delivered_before={before} duplicate_requests={duplicates}",
@@ -227,11 +300,12 @@ async fn postgresql_restarted_mid_run_loses_nothing_and_every_process_reconnects
     let mut env = TestEnv::start_on("pg-restart", with_private_postgres(&postgres))
         .await
         .unwrap();
-    let pipeline = start_pipeline(&mut env, 400, 1).await;
+    let pipeline = start_pipeline(&mut env, 400, 1, 50.0).await;
     let names = env.proc_names();
     wait_delivered(&mut env, 60, Duration::from_secs(90)).await;
 
     let before = delivered(&env).await.unwrap();
+    let owed = owed_at_fault(&env).await;
     let down = Instant::now();
     postgres.stop().unwrap();
     // Down until every process has noticed (each `/readyz` fails while the ledger is away),
@@ -241,7 +315,9 @@ async fn postgresql_restarted_mid_run_loses_nothing_and_every_process_reconnects
     tokio::time::sleep(PG_OUTAGE).await;
     postgres.restart().unwrap();
     let outage = down.elapsed();
-    let back = recovery(&mut env, &names, before, Instant::now()).await;
+    let ended = Instant::now();
+    let back = recovery(&mut env, &names, before, ended).await;
+    patient_view(&mut env, "postgresql-restart", &owed, ended).await;
     let duplicates = finish(&mut env, &pipeline, "postgresql-restart").await;
     eprintln!(
         "fault postgresql-restart: outage_ms={} recovered_ms={} delivered_before={before} duplicate_requests={duplicates}",
@@ -278,7 +354,7 @@ async fn connections_cut_and_delayed_between_the_processes_and_both_services_los
                 .amqp_url
                 .replacen(&amqp_upstream, &amqp_proxy.addr(), 1),
         ];
-    let pipeline = start_pipeline(&mut env, 500, 1).await;
+    let pipeline = start_pipeline(&mut env, 500, 1, 50.0).await;
     let names = env.proc_names();
     wait_delivered(&mut env, 40, Duration::from_secs(90)).await;
 
@@ -292,8 +368,11 @@ async fn connections_cut_and_delayed_between_the_processes_and_both_services_los
         amqp_proxy.set_latency(Duration::ZERO);
         pg_proxy.set_latency(Duration::ZERO);
         let before = delivered(&env).await.unwrap();
+        let owed = owed_at_fault(&env).await;
         let cut = (amqp_proxy.cut(), pg_proxy.cut());
-        let back = recovery(&mut env, &names, before, Instant::now()).await;
+        let ended = Instant::now();
+        let back = recovery(&mut env, &names, before, ended).await;
+        patient_view(&mut env, &format!("proxy-cut-{round}"), &owed, ended).await;
         eprintln!(
             "fault proxy round {round}: cut amqp={} postgres={} connections, recovered_ms={}",
             cut.0,
@@ -311,7 +390,9 @@ async fn connections_cut_and_delayed_between_the_processes_and_both_services_los
 async fn each_binary_sigkilled_in_turn_and_restarted_loses_nothing() {
     let _alone = crate::alone().await;
     let mut env = TestEnv::start("kill-loop").await.unwrap();
-    let pipeline = start_pipeline(&mut env, 700, 2).await;
+    // Ten kills, each waiting for its owed deliveries (a worker's a lease length): the bucket
+    // paces the run to last through all of them.
+    let pipeline = start_pipeline(&mut env, 1_200, 2, 25.0).await;
     let (intake, _) = env.start_intake("intake").await.unwrap();
     let mut procs = pipeline.procs.clone();
     procs.push(intake);
@@ -323,9 +404,12 @@ async fn each_binary_sigkilled_in_turn_and_restarted_loses_nothing() {
         for &index in &procs {
             let name = env.proc(index).name.clone();
             let before = delivered(&env).await.unwrap();
+            let owed = owed_at_fault(&env).await;
             env.proc(index).kill();
             env.restart(index).unwrap();
-            let back = recovery(&mut env, &names, before, Instant::now()).await;
+            let ended = Instant::now();
+            let back = recovery(&mut env, &names, before, ended).await;
+            patient_view(&mut env, &format!("sigkill-{round}-{name}"), &owed, ended).await;
             eprintln!(
                 "fault sigkill round {round}: {name} recovered_ms={}",
                 back.as_millis()
@@ -343,4 +427,35 @@ async fn each_binary_sigkilled_in_turn_and_restarted_loses_nothing() {
     )
     .await;
     eprintln!("fault sigkill: recovered_ms={recoveries:?} duplicate_requests={duplicates}");
+}
+
+/// One of two workers SIGKILLed and not restarted (a node lost): its leases lapse one lease
+/// length after its last heartbeat, the reaper hands them on, and the other worker sends them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_sigkilled_and_not_restarted_strands_nothing_beyond_a_lease_length() {
+    let _alone = crate::alone().await;
+    let mut env = TestEnv::start("kill-one").await.unwrap();
+    let pipeline = start_pipeline(&mut env, 500, 2, 50.0).await;
+    wait_delivered(&mut env, 60, Duration::from_secs(90)).await;
+    let killed = *pipeline.procs.last().unwrap();
+
+    let leased_by_killed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM deliveries WHERE state = 'sending' AND lease_owner LIKE $1",
+    )
+    .bind(format!("sms-{}-%", env.proc(killed).pid()))
+    .fetch_one(env.ledger.pool())
+    .await
+    .unwrap();
+    let owed = owed_at_fault(&env).await;
+    env.proc(killed).kill();
+    let ended = Instant::now();
+    patient_view(&mut env, "worker-sigkill", &owed, ended).await;
+    let survivors = Pipeline {
+        procs: pipeline.procs[..pipeline.procs.len() - 1].to_vec(),
+        total: pipeline.total,
+    };
+    let duplicates = finish(&mut env, &survivors, "worker-sigkill").await;
+    eprintln!(
+        "fault worker-sigkill: leases held by the killed worker at the kill={leased_by_killed} duplicate_requests={duplicates}"
+    );
 }

@@ -127,7 +127,7 @@ fn the_example_has_every_key_of_the_workers_with_its_default() {
     let checked = check_binary::<WorkerConfig>("nudge-worker", WorkerConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 6 + 4 + 3 + 4 + 4 + 4,
+        6 + 6 + 4 + 3 + 5 + 4 + 4,
         "database, amqp, telemetry, crypto, worker, retry, admission"
     );
 }
@@ -137,7 +137,7 @@ fn the_example_has_every_key_of_the_janitor_with_its_default() {
     let checked = check_binary::<JanitorConfig>("nudge-janitor", JanitorConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 6 + 4 + 3 + 4 + 4 + 12,
+        6 + 6 + 4 + 4 + 4 + 4 + 12,
         "database, amqp, telemetry, janitor, retry, redrive, retention"
     );
 }
