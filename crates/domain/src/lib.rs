@@ -5,7 +5,8 @@
 //! the retry policy with injected jitter ([`policy`]), what a provider's answer means
 //! ([`answer`]: verdicts and their effects on bucket, contact and operators), how it is classified
 //! ([`mod@classify`]), the one function that turns an attempt's outcome into the next state
-//! ([`mod@decide`]) and the drain model: a channel's admitted rate, the time of each turn at it
+//! ([`mod@decide`]), what a client's reschedule or cancel did to each channel ([`change`]) and
+//! the drain model: a channel's admitted rate, the time of each turn at it
 //! and the drain floor ([`drain`]). Every other crate asks these questions here instead of
 //! answering them again.
 //!
@@ -15,6 +16,7 @@
 
 pub mod admission;
 pub mod answer;
+pub mod change;
 pub mod classify;
 pub mod decide;
 pub mod drain;
@@ -34,6 +36,7 @@ pub use answer::{
     Alert, BucketSignal, ContactFlag, Effects, ProviderAnswer, ProviderCode, Verdict,
     retry_after_at,
 };
+pub use change::{CancelChange, ChannelChange, Found, InvalidRevision, Revision, RevisionOrder};
 pub use classify::{
     IdempotencySupport, OutcomeClass, SendOutcome, classify, classify_verdict, response_class,
 };

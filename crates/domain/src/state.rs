@@ -105,13 +105,20 @@ impl DeliveryState {
             (self, to),
             (Scheduled, Queued | Expired | Cancelled)
                 // Dead-lettered from `queued`: its message was poison (the worker could not
-                // process it and the broker's delivery limit dead-lettered it).
-                | (Queued, Sending | RetryWait | DeadLettered | Expired | Cancelled)
-                // Cancelled or expired from `sending` only before the send started: the fence
-                // saw it and nothing was sent.
+                // process it and the broker's delivery limit dead-lettered it). Back to
+                // `scheduled`: a reschedule moved it (its message is stale by generation).
+                | (Queued, Scheduled | Sending | RetryWait | DeadLettered | Expired | Cancelled)
+                // Cancelled, expired or rescheduled from `sending` only before the send
+                // started: the fence saw it, or lost to the change, and nothing was sent.
                 | (
                     Sending,
-                    Delivered | RetryWait | DeadLettered | Expired | Ambiguous | Cancelled
+                    Scheduled
+                        | Delivered
+                        | RetryWait
+                        | DeadLettered
+                        | Expired
+                        | Ambiguous
+                        | Cancelled
                 )
                 | (RetryWait, Queued | Expired | Cancelled)
                 // Redrive: fed back due in the `redrive` lane, or republished directly.
@@ -176,11 +183,13 @@ mod tests {
         (Scheduled, Queued),
         (Scheduled, Expired),
         (Scheduled, Cancelled),
+        (Queued, Scheduled),
         (Queued, Sending),
         (Queued, RetryWait),
         (Queued, DeadLettered),
         (Queued, Expired),
         (Queued, Cancelled),
+        (Sending, Scheduled),
         (Sending, Delivered),
         (Sending, RetryWait),
         (Sending, DeadLettered),

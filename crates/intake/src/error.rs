@@ -54,6 +54,12 @@ impl Problem {
     pub fn input(prefix: &str, e: &InputError) -> Self {
         Self::new(format!("{prefix}{}", e.path()), e.to_string())
     }
+
+    /// The same problem, its path under `prefix` (an item of a batch).
+    pub fn under(mut self, prefix: &str) -> Self {
+        self.path = format!("{prefix}{}", self.path);
+        self
+    }
 }
 
 /// 400: the request cannot be accepted as it is; nothing was written.
@@ -83,13 +89,17 @@ pub const RETRY_AFTER_S: u64 = 2;
 /// from the request other than the event id.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
-    /// `not_found`, `event_conflict`, `payload_too_large`, `unsupported_media_type`,
-    /// `request_timeout`, `ledger_unavailable` or `internal`.
+    /// `not_found`, `event_conflict`, `revision_conflict`, `reminder_cancelled`,
+    /// `subscriber_differs`, `payload_too_large`, `unsupported_media_type`, `request_timeout`,
+    /// `ledger_unavailable` or `internal`.
     pub error: &'static str,
     pub message: String,
     /// The event id concerned (409 only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub event_id: Option<String>,
+    /// The reminder's current revision (409 `revision_conflict` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub current_revision: Option<i64>,
 }
 
 /// Every answer of the API that is not a success.
@@ -99,6 +109,14 @@ pub enum ApiError {
     Unauthorized(Refusal),
     NotFound,
     EventConflict(String),
+    /// A replacement refused as it stands (409): a code, a sentence, and the current revision
+    /// when that is why.
+    Conflict {
+        error: &'static str,
+        message: String,
+        event_id: String,
+        current_revision: Option<i64>,
+    },
     TooLarge,
     UnsupportedMediaType,
     Timeout,
@@ -138,6 +156,7 @@ pub fn error_body(status: StatusCode, error: &'static str, message: impl Into<St
             error,
             message: message.into(),
             event_id: None,
+            current_revision: None,
         }),
     )
         .into_response()
@@ -175,6 +194,22 @@ impl IntoResponse for ApiError {
                         "event id {event_id:?} is already used for a different reminder"
                     ),
                     event_id: Some(event_id),
+                    current_revision: None,
+                }),
+            )
+                .into_response(),
+            Self::Conflict {
+                error,
+                message,
+                event_id,
+                current_revision,
+            } => (
+                StatusCode::CONFLICT,
+                Json(ErrorBody {
+                    error,
+                    message,
+                    event_id: Some(event_id),
+                    current_revision,
                 }),
             )
                 .into_response(),

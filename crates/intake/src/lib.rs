@@ -60,7 +60,7 @@ pub fn router(state: AppState, body_limit: usize, request_timeout: Duration) -> 
         )
         .route(
             "/v1/tenants/{tenant}/reminders/{event_id}",
-            get(reminders::get_reminder),
+            get(reminders::get_reminder).put(reminders::put_reminder),
         )
         .route(
             "/v1/tenants/{tenant}/reminders/{event_id}/cancel",

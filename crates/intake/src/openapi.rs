@@ -30,6 +30,7 @@ use crate::handlers::{operations, receipts, reminders, subscribers};
     paths(
         reminders::post_reminders,
         reminders::get_reminder,
+        reminders::put_reminder,
         reminders::cancel_reminder,
         subscribers::put_contacts,
         subscribers::erase_subscriber,

@@ -62,6 +62,71 @@ pub struct ReminderBody {
     /// Template parameters: a JSON object of at most 16 KiB as JSON text. Stored encrypted.
     #[schema(value_type = Option<Object>)]
     pub content: Option<Value>,
+    /// The client's revision of this reminder: 0 when absent. A replacement (`PUT`) must give
+    /// a higher one.
+    #[schema(minimum = 0)]
+    pub revision: Option<i64>,
+}
+
+/// The body of `PUT /v1/tenants/{tenant}/reminders/{event_id}`: the whole reminder as it
+/// should now be, under a revision higher than its current one. The subscriber stays the
+/// same; `event_id`, when given, must be the path's.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RescheduleBody {
+    /// Must grow with each replacement (the first post is revision 0 unless it gave one). The
+    /// current revision with the same body again changes nothing; an older one, or the
+    /// current one with another body, is a 409 naming the current one.
+    #[schema(minimum = 0)]
+    pub revision: i64,
+    #[schema(min_length = 1, max_length = 200, pattern = "^[!-~]+$")]
+    pub event_id: Option<String>,
+    /// The reminder's subscriber, as posted.
+    #[schema(min_length = 1, max_length = 128, pattern = "^[!-~]+$")]
+    pub subscriber_ref: String,
+    #[schema(min_items = 1, max_items = 3)]
+    pub channels: Vec<ChannelName>,
+    /// The new time (RFC 3339 with an offset): not before now (unless unchanged), at most
+    /// `intake.max_schedule_ahead_days` ahead.
+    pub scheduled_at: DateTime<Utc>,
+    /// After this, never send (after `scheduled_at`, and after now).
+    pub expires_at: DateTime<Utc>,
+    pub destinations: Destinations,
+    #[schema(value_type = Option<Object>)]
+    pub content: Option<Value>,
+}
+
+/// What a reschedule did to one channel: `moved` (to the new time; its delivery keeps its
+/// key and attempts), `added`, `removed` (its owed delivery cancelled), `unchanged` (its
+/// time did not change), or `too_late` with `state` (`sending`: its send started;
+/// `delivered`, ...: settled), which the reschedule did not touch.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChannelRescheduled {
+    pub channel: ChannelName,
+    /// `moved`, `added`, `removed`, `unchanged` or `too_late`.
+    pub change: &'static str,
+    /// The delivery's state, with `too_late`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<&'static str>,
+}
+
+/// The answer to a reschedule (200): applied (`rescheduled`) or the same revision and body
+/// again (`unchanged`, nothing changed). Committed before it is sent.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RescheduleAnswer {
+    pub reminder_id: uuid::Uuid,
+    pub event_id: String,
+    /// `rescheduled` or `unchanged`.
+    pub status: &'static str,
+    pub revision: i64,
+    /// The reminder's time now.
+    pub scheduled_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    /// Every channel of the old and the new reminder.
+    pub channels: Vec<ChannelRescheduled>,
+    /// Deliveries created now (an added channel, or the reminder moved to a time that has
+    /// come or whose window ran).
+    pub deliveries_created: u64,
 }
 
 /// Several reminders in one request, each answered on its own.
@@ -164,15 +229,30 @@ pub struct ReminderState {
     pub expires_at: DateTime<Utc>,
     pub cancelled_at: Option<DateTime<Utc>>,
     pub correlation_id: Option<String>,
+    /// The current revision: a reschedule (`PUT`) must give a higher one.
+    pub revision: i64,
     pub channels: Vec<ChannelState>,
 }
 
-/// What a cancellation did: `cancelled` lists the channels settled now; `reminder` shows
-/// every channel after it (one already sent stays `delivered`; one being sent finishes and
-/// is never retried).
+/// What a cancellation did to one channel: `cancelled` (no request will ever be made for
+/// it), `too_late` with `state` (`sending`: its send started and finishes, never retried;
+/// `delivered`; `ambiguous`: maybe sent), or `already_settled` with `state` (`cancelled`,
+/// `expired`, `dead_lettered`).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChannelCancelled {
+    pub channel: ChannelName,
+    /// `cancelled`, `too_late` or `already_settled`.
+    pub answer: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<&'static str>,
+}
+
+/// What a cancellation did: `channels` answers every channel; `cancelled` lists the
+/// deliveries settled now; `reminder` shows every channel after it.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct CancelAnswer {
     pub cancelled: Vec<ChannelName>,
+    pub channels: Vec<ChannelCancelled>,
     pub reminder: ReminderState,
 }
 

@@ -8,7 +8,7 @@
 use std::fmt;
 
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, EventId, IdError, SubscriberRef, TenantId};
+use nudge_domain::{Channel, EventId, IdError, Revision, SubscriberRef, TenantId};
 use serde::Deserialize;
 use serde_json::Value;
 use serde_json::error::Category;
@@ -77,6 +77,8 @@ pub enum InputError {
     UnlistedDestination(Channel),
     #[error("destinations has a key that is not one of push, email, sms")]
     UnknownDestinationChannel,
+    #[error("revision must be an integer from 0 to 9223372036854775807")]
+    Revision,
     #[error("refused by the ledger: {0}")]
     Refused(&'static str),
 }
@@ -125,7 +127,7 @@ impl InputError {
 
 /// The fields of a reminder, as an unknown field's message lists them.
 const FIELDS: &str = "event_id, subscriber_ref, channels, scheduled_at, expires_at, \
-                      destinations, content (and tenant in a `reminders load` line)";
+                      destinations, content, revision (and tenant in a `reminders load` line)";
 
 fn unknown_field(at: Option<TextPosition>) -> String {
     let place = at.map_or_else(String::new, |TextPosition { line, column }| {
@@ -152,6 +154,8 @@ struct RawLine {
     destinations: Value,
     #[serde(default)]
     content: Option<Value>,
+    #[serde(default)]
+    revision: Option<Value>,
 }
 
 /// One reminder, checked: every listed channel has a non-empty destination and no other channel
@@ -167,6 +171,9 @@ pub struct ReminderInput {
     pub expires_at: DateTime<Utc>,
     pub destinations: Vec<(Channel, Destination)>,
     pub content: Option<Vec<u8>>,
+    /// The client's revision of this reminder, when given (a post without one is revision 0;
+    /// a replacement must give one).
+    pub revision: Option<Revision>,
 }
 
 /// Whether the reminder names its tenant: a `reminders load` line does, an HTTP body does
@@ -188,6 +195,7 @@ impl fmt::Debug for ReminderInput {
             .field("expires_at", &self.expires_at)
             .field("destinations", &self.destinations)
             .field("content", &self.content.as_ref().map(|_| "<redacted>"))
+            .field("revision", &self.revision)
             .finish()
     }
 }
@@ -257,6 +265,15 @@ impl ReminderInput {
             }
             Some(_) => return Err(InputError::wrong_type("content", "a JSON object")),
         };
+        let revision = match raw.revision {
+            None | Some(Value::Null) => None,
+            Some(value) => Some(
+                value
+                    .as_i64()
+                    .and_then(|v| Revision::new(v).ok())
+                    .ok_or(InputError::Revision)?,
+            ),
+        };
         Ok(Self {
             tenant,
             event_id,
@@ -266,6 +283,7 @@ impl ReminderInput {
             expires_at,
             destinations,
             content,
+            revision,
         })
     }
 }
@@ -350,6 +368,7 @@ impl InputError {
             | Self::EmptyDestination(c)
             | Self::UnlistedDestination(c) => format!("/destinations/{c}"),
             Self::ContentTooLong => "/content".to_owned(),
+            Self::Revision => "/revision".to_owned(),
             Self::Syntax { .. }
             | Self::NotAnObject
             | Self::Refused(_)
@@ -401,6 +420,9 @@ impl ReminderInput {
             reminder = reminder
                 .with_content(content)
                 .map_err(InputError::refused)?;
+        }
+        if let Some(revision) = self.revision {
+            reminder = reminder.with_revision(revision);
         }
         Ok(ImportReminder {
             reminder,

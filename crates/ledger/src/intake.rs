@@ -9,13 +9,16 @@
 //! reference after erasure.
 
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, DeliveryState, EventId, ReminderId, SubscriberRef, TenantId};
+use nudge_domain::{
+    CancelChange, Channel, DeliveryState, EventId, ReminderId, SubscriberRef, TenantId,
+};
 use rand::RngExt;
 
 use crate::audit::{self, Operator};
 use crate::contacts::{seal_contact, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher, SealedWith};
 use crate::deliveries::LedgerTime;
+use crate::reschedule::{cancel_locked, lock_deliveries};
 use crate::{Ledger, LedgerError};
 
 /// The most signing secrets a tenant has at once (the current one and the one it replaces).
@@ -85,6 +88,8 @@ pub struct ReminderStatus {
     pub expires_at: DateTime<Utc>,
     pub cancelled_at: Option<DateTime<Utc>>,
     pub correlation_id: Option<String>,
+    /// The client's current revision (a reschedule must give a higher one).
+    pub revision: i64,
     pub channels: Vec<ReminderChannelState>,
 }
 
@@ -93,6 +98,8 @@ pub struct ReminderStatus {
 pub struct Cancellation {
     /// Deliveries settled `cancelled` by this request.
     pub cancelled: Vec<Channel>,
+    /// Every channel of the reminder, in channel order, with what the cancellation could do.
+    pub channels: Vec<(Channel, CancelChange)>,
     /// The reminder after the cancellation: what had already gone, or is being sent and will
     /// finish (never retried: its reminder is cancelled).
     pub status: ReminderStatus,
@@ -145,6 +152,7 @@ struct StatusRow {
     expires_at: DateTime<Utc>,
     cancelled_at: Option<DateTime<Utc>>,
     correlation_id: Option<String>,
+    revision: i64,
 }
 
 #[derive(sqlx::FromRow)]
@@ -325,52 +333,125 @@ impl Ledger {
         status_in(&mut conn, tenant_id, event_id).await
     }
 
-    /// Cancels a reminder ([`Ledger::cancel_reminder`]'s rules) and answers per channel, in
-    /// one transaction; `None` when the tenant has no such event. `cancelled_at` and the
-    /// deliveries' `settled_at` are the database's time ([`LedgerTime::Database`]), like every
-    /// other settlement.
+    /// Cancels a reminder and answers per channel, in one transaction; `None` when the tenant
+    /// has no such event. Every delivery of the reminder is locked (see `reschedule`): one
+    /// that nothing can have been sent for (owed, or leased and waiting for its slot) is
+    /// settled `cancelled`, and its fence, if it comes, finds no lease of its own; one whose
+    /// send started, or that was delivered or is held as maybe sent, is answered `too_late`
+    /// (it is never retried: its reminder is cancelled); one settled before is
+    /// `already_settled`. A channel with no delivery yet is `cancelled` (none will be made).
+    /// `cancelled_at` and the deliveries' `settled_at` are the database's time
+    /// ([`LedgerTime::Database`]), like every other settlement.
     pub async fn cancel_reminder_by_channel(
         &self,
         tenant_id: TenantId,
         event_id: &EventId,
         at: LedgerTime,
     ) -> Result<Option<Cancellation>, LedgerError> {
+        self.cancel_audited(tenant_id, event_id, None, at).await
+    }
+
+    /// [`Ledger::cancel_reminder_by_channel`] by an operator (`nudgectl reminders cancel`),
+    /// audited with what it answered in the same transaction.
+    pub async fn cancel_reminder_as(
+        &self,
+        tenant_id: TenantId,
+        event_id: &EventId,
+        by: &Operator,
+        at: LedgerTime,
+    ) -> Result<Option<Cancellation>, LedgerError> {
+        self.cancel_audited(tenant_id, event_id, Some(by), at).await
+    }
+
+    async fn cancel_audited(
+        &self,
+        tenant_id: TenantId,
+        event_id: &EventId,
+        by: Option<&Operator>,
+        at: LedgerTime,
+    ) -> Result<Option<Cancellation>, LedgerError> {
         let mut tx = self.pool.begin().await?;
-        let id: Option<uuid::Uuid> = sqlx::query_scalar(
-            "UPDATE reminders SET cancelled_at = COALESCE(cancelled_at, $3, now())
-             WHERE tenant_id = $1 AND event_id = $2 RETURNING id",
+        // `before`: whether it was cancelled already (a repeated cancel answers as the first).
+        let row: Option<(uuid::Uuid, Vec<String>, DateTime<Utc>, bool)> = sqlx::query_as(
+            "WITH before AS (
+                 SELECT id, cancelled_at IS NOT NULL AS cancelled FROM reminders
+                 WHERE tenant_id = $1 AND event_id = $2 FOR NO KEY UPDATE)
+             UPDATE reminders r SET cancelled_at = COALESCE(r.cancelled_at, $3, now())
+             FROM before b WHERE r.id = b.id
+             RETURNING r.id, r.channels, COALESCE($3, now()), b.cancelled",
         )
         .bind(tenant_id.as_uuid())
         .bind(event_id.as_str())
         .bind(at.bind())
         .fetch_optional(&mut *tx)
         .await?;
-        let Some(id) = id else {
+        let Some((id, names, now, cancelled_before)) = row else {
             return Ok(None);
         };
-        let cancelled: Vec<String> = sqlx::query_scalar(
-            "UPDATE deliveries
-             SET state = 'cancelled', settled_at = COALESCE($2, now()),
-                 updated_at = COALESCE($2, now()), next_attempt_at = NULL,
-                 last_error_reason = 'cancelled_by_client'
-             WHERE reminder_id = $1 AND state IN ('scheduled', 'queued', 'retry_wait')
-             RETURNING channel",
-        )
-        .bind(id)
-        .bind(at.bind())
-        .fetch_all(&mut *tx)
-        .await?;
+        let locked = lock_deliveries(&mut tx, id).await?;
+        let mut movable = Vec::new();
+        for delivery in &locked {
+            if delivery.found()?.movable() {
+                movable.push(delivery.id);
+            }
+        }
+        cancel_locked(&mut tx, &movable, "cancelled_by_client", now).await?;
         let status = status_in(&mut tx, tenant_id, event_id)
             .await?
             .ok_or_else(|| LedgerError::corrupt("reminders", "cancelled row vanished"))?;
+        let mut channels = Vec::with_capacity(names.len());
+        for name in &names {
+            let channel: Channel = name
+                .parse()
+                .map_err(|_| LedgerError::corrupt("reminders", "unknown channel"))?;
+            let delivery = locked.iter().find(|d| d.channel == *name);
+            let found = delivery
+                .map(crate::reschedule::LockedDelivery::found)
+                .transpose()?;
+            let now_state = status
+                .channels
+                .iter()
+                .find(|c| c.channel == channel)
+                .and_then(|c| c.state);
+            // Settled by an earlier cancel of this reminder: answered as that cancel was.
+            let by_earlier_cancel = cancelled_before
+                && delivery.is_some_and(|d| {
+                    d.state == DeliveryState::Cancelled.as_str()
+                        && d.reason.as_deref() == Some("cancelled_by_client")
+                });
+            let change = if by_earlier_cancel {
+                CancelChange::Cancelled
+            } else {
+                nudge_domain::change::cancelled(found, now_state)
+            };
+            channels.push((channel, change));
+        }
+        channels.sort_by_key(|(c, _)| *c);
+        if let Some(by) = by {
+            let answers: serde_json::Map<String, serde_json::Value> = channels
+                .iter()
+                .map(|(c, change)| (c.as_str().to_owned(), change.as_str().into()))
+                .collect();
+            let mut entry = by.entry(
+                "reminder_cancel",
+                format!("reminder:{id}"),
+                serde_json::json!({ "channels": answers }),
+            );
+            entry.at = now;
+            audit::insert(&mut tx, &entry).await?;
+        }
         tx.commit().await?;
-        let mut cancelled = cancelled
+        let cancelled = channels
             .iter()
-            .map(|c| c.parse::<Channel>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|_| LedgerError::corrupt("deliveries", "unknown channel"))?;
-        cancelled.sort();
-        Ok(Some(Cancellation { cancelled, status }))
+            .filter(|(_, change)| *change == CancelChange::Cancelled)
+            .filter(|(c, _)| locked.iter().any(|d| d.channel == c.as_str()))
+            .map(|(c, _)| *c)
+            .collect();
+        Ok(Some(Cancellation {
+            cancelled,
+            channels,
+            status,
+        }))
     }
 
     /// Replaces a subscriber's destinations for the channels given (others are kept), in one
@@ -409,12 +490,13 @@ impl Ledger {
     }
 
     /// Erases a subscriber of a tenant, in one transaction: deletes their destinations (the
-    /// rows, so the ciphertext with them), settles their owed deliveries `cancelled` (one
-    /// being sent finishes), and strips their reminders to the audit fields: the reference is
-    /// replaced by a random value unrelated to the subscriber, content and request digest are
-    /// dropped, `erased_at` is set. An audit row with the counts (never the reference) is
-    /// written in the same transaction. Every time it writes, the audit row's included, is the
-    /// database's ([`LedgerTime::Database`]), read once at its start. Needs the subscriber key.
+    /// rows, so the ciphertext with them), settles their owed deliveries `cancelled` (a lease
+    /// waiting for its slot too; one whose send started finishes), and strips their reminders
+    /// to the audit fields: the reference is replaced by a random value unrelated to the
+    /// subscriber, content and request digest are dropped, `erased_at` is set. An audit row
+    /// with the counts (never the reference) is written in the same transaction. Every time it
+    /// writes, the audit row's included, is the database's ([`LedgerTime::Database`]), read
+    /// once at its start. Needs the subscriber key.
     pub async fn erase_subscriber(
         &self,
         tenant_id: TenantId,
@@ -449,11 +531,19 @@ impl Ledger {
         .bind(subscriber_ref.as_str())
         .fetch_all(&mut *tx)
         .await?;
+        // As a cancel does (see `reschedule`): a lease waiting for its slot is taken too, under
+        // the row lock its fence needs, so nothing leaves for an erased subscriber once this
+        // commits.
         let deliveries_cancelled = sqlx::query(
             "UPDATE deliveries
              SET state = 'cancelled', settled_at = $2, updated_at = $2, next_attempt_at = NULL,
-                 last_error_reason = 'subscriber_erased'
-             WHERE reminder_id = ANY($1) AND state IN ('scheduled', 'queued', 'retry_wait')",
+                 last_error_reason = 'subscriber_erased',
+                 attempt_count = CASE WHEN state = 'sending' THEN attempt_count - 1
+                                      ELSE attempt_count END,
+                 lease_owner = NULL, lease_expires_at = NULL, lease_idempotent = NULL
+             WHERE reminder_id = ANY($1)
+               AND (state IN ('scheduled', 'queued', 'retry_wait')
+                    OR (state = 'sending' AND send_started_at IS NULL))",
         )
         .bind(&reminders)
         .bind(now)
@@ -464,7 +554,7 @@ impl Ledger {
         let reminders_erased = sqlx::query(
             "UPDATE reminders r
              SET subscriber_ref = p.placeholder, subscriber_ref_keyed = true,
-                 content_ciphertext = NULL, request_digest = NULL,
+                 content_ciphertext = NULL, request_digest = NULL, revision_digest = NULL,
                  cancelled_at = COALESCE(r.cancelled_at, $3), erased_at = $3
              FROM UNNEST($1::uuid[], $2::text[]) AS p(id, placeholder)
              WHERE r.id = p.id",
@@ -508,7 +598,7 @@ async fn status_in(
     event_id: &EventId,
 ) -> Result<Option<ReminderStatus>, LedgerError> {
     let row: Option<StatusRow> = sqlx::query_as(
-        "SELECT id, channels, scheduled_at, expires_at, cancelled_at, correlation_id
+        "SELECT id, channels, scheduled_at, expires_at, cancelled_at, correlation_id, revision
          FROM reminders WHERE tenant_id = $1 AND event_id = $2",
     )
     .bind(tenant_id.as_uuid())
@@ -550,6 +640,7 @@ async fn status_in(
         expires_at: row.expires_at,
         cancelled_at: row.cancelled_at,
         correlation_id: row.correlation_id,
+        revision: row.revision,
         channels,
     }))
 }

@@ -34,6 +34,7 @@ mod receipts;
 mod redrive;
 mod reminders;
 mod republish;
+mod reschedule;
 mod restore;
 mod retention;
 mod schedules;
@@ -73,6 +74,7 @@ pub use reminders::{
     CreatedReminder, ImportOutcome, ImportReminder, MAX_CONTENT_BYTES, MAX_CORRELATION_ID_BYTES,
     MAX_DESTINATION_BYTES, NewReminder, WINDOW_BATCH, WindowOutcome,
 };
+pub use reschedule::{ReplacedBy, Replacement, RescheduleOutcome, Rescheduled};
 pub use restore::{
     ConfirmedSend, IdentityEvent, IdentityObservation, IdentityVerdict, RecordedIdentity,
     RestoreCount, RestoreReconciliation, RestoreStatus, SendingRefused, ServerIdentity,
@@ -86,8 +88,8 @@ pub use status::ChannelStatus;
 pub use tenants::Tenant;
 pub use trace::{
     AttemptTiming, CLOCK_TOLERANCE_MS, DeliveryTrace, EarlyStart, Findings, LeaseHeld, MatchedAs,
-    RedriveMembership, ReminderSummary, Timeline, Trace, TraceError, TraceId, TraceIdError,
-    findings,
+    RedriveMembership, ReminderSummary, RescheduleEntry, Timeline, Trace, TraceError, TraceId,
+    TraceIdError, findings,
 };
 
 use std::time::Duration;

@@ -36,11 +36,12 @@ pub struct NewReminder {
     event_id: EventId,
     subscriber_ref: SubscriberRef,
     channels: Vec<Channel>,
-    scheduled_at: DateTime<Utc>,
-    expires_at: DateTime<Utc>,
-    content: Option<Vec<u8>>,
+    pub(crate) scheduled_at: DateTime<Utc>,
+    pub(crate) expires_at: DateTime<Utc>,
+    pub(crate) content: Option<Vec<u8>>,
     correlation_id: Option<String>,
-    request_digest: Option<Vec<u8>>,
+    pub(crate) request_digest: Option<Vec<u8>>,
+    revision: nudge_domain::Revision,
 }
 
 /// The longest correlation id stored with a reminder (printable ASCII, as on the envelope).
@@ -85,6 +86,7 @@ impl NewReminder {
             content: None,
             correlation_id: None,
             request_digest: None,
+            revision: nudge_domain::Revision::FIRST,
         })
     }
 
@@ -125,6 +127,17 @@ impl NewReminder {
     pub fn with_request_digest(mut self, digest: Vec<u8>) -> Self {
         self.request_digest = Some(digest);
         self
+    }
+
+    /// The client's revision of the reminder: 0 unless given. A replacement
+    /// ([`crate::Ledger::reschedule_reminder`]) must give a higher one.
+    pub fn with_revision(mut self, revision: nudge_domain::Revision) -> Self {
+        self.revision = revision;
+        self
+    }
+
+    pub fn revision(&self) -> nudge_domain::Revision {
+        self.revision
     }
 
     pub fn event_id(&self) -> &EventId {
@@ -191,11 +204,11 @@ pub enum WindowOutcome {
 
 /// A reminder as the producer reads it to materialise deliveries.
 #[derive(sqlx::FromRow)]
-struct WindowReminder {
-    id: uuid::Uuid,
-    channels: Vec<String>,
-    scheduled_at: DateTime<Utc>,
-    expires_at: DateTime<Utc>,
+pub(crate) struct WindowReminder {
+    pub(crate) id: uuid::Uuid,
+    pub(crate) channels: Vec<String>,
+    pub(crate) scheduled_at: DateTime<Utc>,
+    pub(crate) expires_at: DateTime<Utc>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -224,16 +237,18 @@ impl ExistingReminder {
         channels.sort();
         let mut wanted: Vec<&str> = reminder.channels.iter().map(|c| c.as_str()).collect();
         wanted.sort_unstable();
-        // Both posted with a digest (through the intake): the whole request must match.
-        let same_request = match (&self.request_digest, &reminder.request_digest) {
-            (Some(stored), Some(posted)) => stored == posted,
-            _ => true,
-        };
-        same_request
-            && self.subscriber_ref == subscriber
-            && channels == wanted
-            && self.scheduled_at == reminder.scheduled_at
-            && self.expires_at == reminder.expires_at
+        // Both posted with a digest (through the intake): the whole request must match, and
+        // then the first post's fields did: a reschedule since (which changes them, never
+        // the post's digest) does not make the client's retry of its post a conflict.
+        match (&self.request_digest, &reminder.request_digest) {
+            (Some(stored), Some(posted)) => stored == posted && self.subscriber_ref == subscriber,
+            _ => {
+                self.subscriber_ref == subscriber
+                    && channels == wanted
+                    && self.scheduled_at == reminder.scheduled_at
+                    && self.expires_at == reminder.expires_at
+            }
+        }
     }
 }
 
@@ -578,14 +593,16 @@ async fn import_in(
     let created: HashSet<uuid::Uuid> = sqlx::query_scalar(
         "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, subscriber_ref_keyed,
                                 channels, content_ciphertext, scheduled_at, expires_at, created_at,
-                                correlation_id, request_digest)
+                                correlation_id, request_digest, revision)
          SELECT r.id, r.tenant_id, r.event_id, r.subscriber_ref, true,
                 string_to_array(r.channels, ','), r.content, r.scheduled_at, r.expires_at, $9,
-                r.correlation_id, r.request_digest
+                r.correlation_id, r.request_digest, r.revision
          FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bytea[],
-                     $7::timestamptz[], $8::timestamptz[], $10::text[], $11::bytea[])
+                     $7::timestamptz[], $8::timestamptz[], $10::text[], $11::bytea[],
+                     $12::bigint[])
               WITH ORDINALITY AS r(id, tenant_id, event_id, subscriber_ref, channels, content,
-                                   scheduled_at, expires_at, correlation_id, request_digest, ord)
+                                   scheduled_at, expires_at, correlation_id, request_digest,
+                                   revision, ord)
          ORDER BY r.tenant_id, r.event_id, r.ord
          ON CONFLICT (tenant_id, event_id) DO NOTHING
          RETURNING id",
@@ -631,6 +648,11 @@ async fn import_in(
     .bind(
         rows.iter()
             .map(|r| r.item.reminder.request_digest.as_deref())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        rows.iter()
+            .map(|r| r.item.reminder.revision.get())
             .collect::<Vec<_>>(),
     )
     .fetch_all(&mut *tx)
@@ -898,7 +920,7 @@ pub(crate) async fn materialise_withheld(
 /// The channels' control rows are read `FOR SHARE`: a drain turned on waits for this
 /// transaction, and this one for a drain being turned on. The idempotency key comes from the
 /// domain, the one place that defines it.
-async fn insert_deliveries(
+pub(crate) async fn insert_deliveries(
     tx: &mut PgConnection,
     tenant_id: TenantId,
     reminders: &[WindowReminder],

@@ -129,6 +129,26 @@ pub struct ReminderSummary {
     pub expires_at: DateTime<Utc>,
     pub cancelled_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
+    /// The client's current revision (0 until a reschedule).
+    pub revision: i64,
+    /// Each applied reschedule, oldest first.
+    pub reschedules: Vec<RescheduleEntry>,
+}
+
+/// One applied reschedule of a reminder: from and to, its revision, who asked and when (the
+/// database's clock).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, sqlx::FromRow)]
+pub struct RescheduleEntry {
+    pub revision: i64,
+    pub from_scheduled_at: DateTime<Utc>,
+    pub to_scheduled_at: DateTime<Utc>,
+    pub from_expires_at: DateTime<Utc>,
+    pub to_expires_at: DateTime<Utc>,
+    pub channels_added: Vec<String>,
+    pub channels_removed: Vec<String>,
+    /// `intake` (the client) or `nudgectl` (an operator; the audit log names who).
+    pub source: String,
+    pub at: DateTime<Utc>,
 }
 
 /// A worker's hold on a delivery (state `sending`).
@@ -333,6 +353,7 @@ struct ReminderRow {
     expires_at: DateTime<Utc>,
     cancelled_at: Option<DateTime<Utc>>,
     created_at: DateTime<Utc>,
+    revision: i64,
 }
 
 #[derive(sqlx::FromRow)]
@@ -482,13 +503,26 @@ impl Ledger {
     ) -> Result<Option<ReminderSummary>, LedgerError> {
         let row: Option<ReminderRow> = sqlx::query_as(
             "SELECT r.id, r.tenant_id, t.name AS tenant_name, r.event_id, r.channels,
-                    r.scheduled_at, r.expires_at, r.cancelled_at, r.created_at
+                    r.scheduled_at, r.expires_at, r.cancelled_at, r.created_at, r.revision
              FROM reminders r JOIN tenants t ON t.id = r.tenant_id
              WHERE r.id = $1",
         )
         .bind(id.as_uuid())
         .fetch_optional(&self.pool)
         .await?;
+        let reschedules: Vec<RescheduleEntry> = if row.is_some() {
+            sqlx::query_as(
+                "SELECT revision, from_scheduled_at, to_scheduled_at, from_expires_at,
+                        to_expires_at, channels_added, channels_removed, source,
+                        created_at AS at
+                 FROM reminder_revisions WHERE reminder_id = $1 ORDER BY revision",
+            )
+            .bind(id.as_uuid())
+            .fetch_all(&self.pool)
+            .await?
+        } else {
+            Vec::new()
+        };
         row.map(|row| {
             Ok(ReminderSummary {
                 id: ReminderId::from_uuid(row.id),
@@ -504,6 +538,8 @@ impl Ledger {
                 expires_at: row.expires_at,
                 cancelled_at: row.cancelled_at,
                 created_at: row.created_at,
+                revision: row.revision,
+                reschedules,
             })
         })
         .transpose()

@@ -7,6 +7,7 @@
 //! stdout, errors to stderr with their whole chain. It must never print a destination,
 //! subscriber reference or message content.
 
+mod change;
 mod config;
 mod dlq;
 mod estimate;
@@ -25,6 +26,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
+use chrono::{DateTime, Utc};
 use clap::{Parser, Subcommand};
 use nudge_domain::{Channel, DeliveryId, ProviderAccount};
 use nudge_ledger::{
@@ -382,7 +384,67 @@ pub enum RemindersCommand {
         #[arg(long)]
         reason: Option<String>,
     },
+    /// Move reminders to a new time: one by --tenant and --event with --at, or every line of
+    /// --file (a `reminders load` line with `revision`: the whole reminder as it should now
+    /// be). A dry run unless --execute.
+    #[command(long_about = RESCHEDULE_HELP)]
+    Reschedule {
+        #[command(flatten)]
+        target: ChangeTarget,
+        /// The new time (RFC 3339), with --event.
+        #[arg(long, requires = "event")]
+        at: Option<DateTime<Utc>>,
+        /// The new expiry, with --event (default: as long after --at as it was).
+        #[arg(long, requires = "at")]
+        expires_at: Option<DateTime<Utc>>,
+        /// The new revision, with --event (default: the current one + 1).
+        #[arg(long, requires = "event")]
+        revision: Option<i64>,
+    },
+    /// Cancel reminders: one by --tenant and --event, or every line of --file
+    /// (`{"tenant": ..., "event_id": ...}`). Answers per channel cancelled, too_late or
+    /// already_settled. A dry run unless --execute.
+    Cancel {
+        #[command(flatten)]
+        target: ChangeTarget,
+    },
 }
+
+/// What `reminders reschedule` and `reminders cancel` act on, and how.
+#[derive(Debug, clap::Args)]
+pub struct ChangeTarget {
+    /// The tenant of --event.
+    #[arg(long, requires = "event", conflicts_with = "file")]
+    pub tenant: Option<String>,
+    /// One event id (with --tenant).
+    #[arg(long, requires = "tenant", conflicts_with = "file")]
+    pub event: Option<String>,
+    /// JSON Lines, one event a line (at most 64 KiB a line); `-` reads stdin.
+    #[arg(long, value_name = "FILE", required_unless_present = "event")]
+    pub file: Option<PathBuf>,
+    /// Act (without it, a dry run: each line checked and its reminder looked up).
+    #[arg(long)]
+    pub execute: bool,
+    /// Print the answers as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Why: recorded in the audit log with every change.
+    #[arg(long)]
+    pub reason: String,
+}
+
+const RESCHEDULE_HELP: &str = "\
+Move reminders to a new time, with the intake's rules (docs/decisions/0309): each owed delivery
+not yet being sent moves (its key and attempts kept), one being sent or settled is answered
+too_late with its state, and nothing is ever both moved and sent.
+
+One reminder: --tenant T --event E --at TIME [--expires-at TIME] [--revision N]; its channels,
+destinations and content are kept. From a file: each line is a `reminders load` line with a
+`revision` higher than the reminder's current one, the whole reminder as it should now be.
+
+A dry run unless --execute. Each line is answered on its own (`line N: tenant/event outcome
+channel=answer(state) ...`); exit status is 0 only when no line was rejected. Every change is
+audited with --actor and --reason in its own transaction.";
 
 const LOAD_HELP: &str = "\
 Import reminders from a JSON Lines file, one reminder per line; `-` reads stdin.
@@ -395,7 +457,8 @@ Each line is one JSON object:
    \"content\": {\"template\": \"appointment\"}}
 Every listed channel needs a non-empty destination, and only listed channels may have one.
 Timestamps are RFC 3339 with an offset; expires_at must be after scheduled_at. `content` is
-optional (any JSON object). Unknown fields are an error. Blank lines are skipped.
+optional (any JSON object); so is `revision` (the reminder's first revision, 0 when absent; a
+reschedule must give a higher one). Unknown fields are an error. Blank lines are skipped.
 
 Each line is imported in its own transaction (the reminder and its encrypted destinations),
 so a bad line writes nothing and the good lines still load. Re-posting an event id with the
@@ -775,6 +838,35 @@ pub async fn execute(
             };
             load::load(ledger, actor, cipher, &file, options, out, err).await?;
         }
+        Command::Reminders(RemindersCommand::Reschedule {
+            target,
+            at,
+            expires_at,
+            revision,
+        }) => {
+            change_reminders(
+                ledger,
+                cipher,
+                actor,
+                change::Kind::Reschedule,
+                target,
+                (at, expires_at, revision),
+                out,
+            )
+            .await?;
+        }
+        Command::Reminders(RemindersCommand::Cancel { target }) => {
+            change_reminders(
+                ledger,
+                cipher,
+                actor,
+                change::Kind::Cancel,
+                target,
+                (None, None, None),
+                out,
+            )
+            .await?;
+        }
         Command::Schedule(ScheduleCommand::Set {
             name,
             cron,
@@ -977,6 +1069,44 @@ pub(crate) async fn operator(
     let now = database_now(ledger).await?;
     Operator::new(actor, reason, now)
         .context("the change cannot be audited: --actor (NUDGE_ACTOR) must name who acts")
+}
+
+/// `reminders reschedule` and `reminders cancel`.
+async fn change_reminders(
+    ledger: &Ledger,
+    cipher: Option<&DestinationCipher>,
+    actor: &str,
+    kind: change::Kind,
+    target: ChangeTarget,
+    (at, expires_at, revision): (Option<DateTime<Utc>>, Option<DateTime<Utc>>, Option<i64>),
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    require_reason(&target.reason)?;
+    let Some(cipher) = cipher.filter(|c| c.has_subscriber_key()) else {
+        bail!(
+            "reminders reschedule and cancel need crypto.destination_key and \
+             crypto.subscriber_key (NUDGE_CRYPTO__DESTINATION_KEY, NUDGE_CRYPTO__SUBSCRIBER_KEY)"
+        );
+    };
+    let source = match (target.tenant, target.event, target.file) {
+        (Some(tenant), Some(event_id), None) => change::Source::One {
+            tenant,
+            event_id,
+            at,
+            expires_at,
+            revision,
+        },
+        (None, None, Some(file)) => change::Source::File(file),
+        _ => bail!("give --tenant and --event, or --file"),
+    };
+    let by = operator(ledger, actor, Some(&target.reason)).await?;
+    let options = change::Options {
+        kind,
+        execute: target.execute,
+        json: target.json,
+        by: &by,
+    };
+    change::run(ledger, cipher, source, &options, out).await
 }
 
 /// Every change names why; the reason goes to the audit log.

@@ -296,7 +296,7 @@ enum Loaded {
 }
 
 /// One line of input: its bytes, or how long it was when over [`MAX_LINE_BYTES`].
-enum Line {
+pub(crate) enum Line {
     End,
     Bytes,
     TooLong,
@@ -304,7 +304,7 @@ enum Line {
 
 /// Reads one line into `buf` (without its `\n`), holding at most `max` bytes of it: the rest
 /// of a longer line is read and dropped.
-async fn read_line(
+pub(crate) async fn read_line(
     input: &mut (impl AsyncBufRead + Unpin),
     buf: &mut Vec<u8>,
     max: usize,

@@ -41,7 +41,9 @@ Never prints a destination, subscriber reference or message content.
 
 --json prints {\"matched_as\": \"delivery\"|\"reminder\"|\"event\", \"reminder\": {\"id\", \
 \"tenant_id\", \"tenant_name\", \"event_id\", \"channels\", \"scheduled_at\", \"expires_at\", \
-\"cancelled_at\", \"created_at\"}, \"deliveries\": [{\"id\", \"channel\", \"state\", \"lane\", \
+\"cancelled_at\", \"created_at\", \"revision\", \"reschedules\": [{\"revision\", \
+\"from_scheduled_at\", \"to_scheduled_at\", \"from_expires_at\", \"to_expires_at\", \
+\"channels_added\", \"channels_removed\", \"source\", \"at\"}]}, \"deliveries\": [{\"id\", \"channel\", \"state\", \"lane\", \
 \"scheduled_at\", \"first_attempt_at\", \"last_attempt_at\", \"expires_at\", \"next_attempt_at\", \
 \"settled_at\", \"attempt_count\", \"attempt_base\", \"lease\": null|{\"owner\", \"expires_at\", \
 \"send_started_at\"}, \"provider_account\", \"provider_message_id\", \"last_error_class\", \
@@ -147,6 +149,29 @@ fn write_trace(trace: &Trace, out: &mut impl Write) -> std::io::Result<()> {
         ts(r.expires_at),
         opt_ts(r.cancelled_at)
     )?;
+    if r.revision > 0 || !r.reschedules.is_empty() {
+        writeln!(out, "  revision {}", r.revision)?;
+    }
+    for h in &r.reschedules {
+        let mut changed = String::new();
+        for added in &h.channels_added {
+            changed.push_str(&format!("  +{added}"));
+        }
+        for removed in &h.channels_removed {
+            changed.push_str(&format!("  -{removed}"));
+        }
+        writeln!(
+            out,
+            "  rescheduled at {} by {} to revision {}: {} -> {} (expires {} -> {}){changed}",
+            ts(h.at),
+            h.source,
+            h.revision,
+            ts(h.from_scheduled_at),
+            ts(h.to_scheduled_at),
+            ts(h.from_expires_at),
+            ts(h.to_expires_at),
+        )?;
+    }
     if trace.deliveries.is_empty() {
         writeln!(
             out,

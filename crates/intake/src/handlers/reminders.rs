@@ -1,4 +1,6 @@
-//! The reminders of the `/v1` API: post (one or a batch), read and cancel.
+//! The reminders of the `/v1` API: post (one or a batch), read, reschedule (replace under a
+//! growing revision) and cancel; a reschedule and a cancel answer per channel what they could
+//! do and what was too late (`nudge_domain::change`).
 //!
 //! A single reminder goes to the committers ([`crate::commit`]) and is answered once the
 //! transaction holding it committed (202 new, 200 the same event again, 409 the event id with
@@ -11,9 +13,12 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use nudge_domain::{Channel, EventId};
+use nudge_domain::{CancelChange, Channel, ChannelChange, EventId};
 use nudge_ledger::input::{ReminderInput, TenantField};
-use nudge_ledger::{ImportOutcome, ImportReminder, IntakeTenant, LedgerTime, ReminderStatus};
+use nudge_ledger::{
+    ImportOutcome, ImportReminder, IntakeTenant, LedgerTime, ReminderStatus, ReplacedBy,
+    Replacement, RescheduleOutcome, Rescheduled,
+};
 use serde_json::Value;
 
 use crate::auth::{FromCache, SignedTenant};
@@ -21,8 +26,9 @@ use crate::commit::{Check, CommitError};
 use crate::error::{ApiError, ErrorBody, InvalidRequest, Problem, Unauthorized};
 use crate::extract::{ApiPath, JsonContent};
 use crate::shapes::{
-    Accepted, BatchAnswer, BatchItem, CORRELATION_HEADER, CancelAnswer, ChannelName, ChannelState,
-    PostAnswer, PostReminders, ReminderState, Withheld, channel_name,
+    Accepted, BatchAnswer, BatchItem, CORRELATION_HEADER, CancelAnswer, ChannelCancelled,
+    ChannelName, ChannelRescheduled, ChannelState, PostAnswer, PostReminders, ReminderState,
+    RescheduleAnswer, RescheduleBody, Withheld, channel_name,
 };
 use crate::state::AppState;
 
@@ -105,27 +111,13 @@ fn prepare(
     correlation: &str,
     prefix: &str,
 ) -> Result<ImportReminder, Vec<Problem>> {
-    let canonical = serde_json::to_vec(&value).map_err(|_| {
-        vec![Problem::new(
-            prefix,
-            "the reminder cannot be read back as JSON",
-        )]
-    })?;
+    let canonical = canonical(&value).map_err(|p| vec![p.under(prefix)])?;
     let input = match raw {
         Some(raw) => ReminderInput::parse(raw, TenantField::Absent),
         None => ReminderInput::from_value(value, TenantField::Absent),
     }
     .map_err(|e| vec![Problem::input(prefix, &e)])?;
-    let ahead = state.now() + state.limits().max_schedule_ahead;
-    if input.scheduled_at > ahead {
-        return Err(vec![Problem::new(
-            format!("{prefix}/scheduled_at"),
-            format!(
-                "is more than {} days ahead (intake.max_schedule_ahead_days)",
-                state.limits().max_schedule_ahead.num_days()
-            ),
-        )]);
-    }
+    within_schedule_ahead(state, &input, prefix).map_err(|p| vec![p])?;
     let mut item = input
         .into_import(tenant.id)
         .map_err(|e| vec![Problem::input(prefix, &e)])?;
@@ -144,6 +136,37 @@ fn prepare(
         })?
         .with_request_digest(digest);
     Ok(item)
+}
+
+/// The text a reminder's request digest is taken over: its JSON, keys in order, without its
+/// revision (a repeat is the same revision with the same digest, and a post's retry is the
+/// same post whatever revision it gave).
+fn canonical(value: &Value) -> Result<Vec<u8>, Problem> {
+    let mut value = value.clone();
+    if let Value::Object(map) = &mut value {
+        map.remove("revision");
+    }
+    serde_json::to_vec(&value)
+        .map_err(|_| Problem::new("", "the reminder cannot be read back as JSON"))
+}
+
+/// The schedule-ahead limit (`intake.max_schedule_ahead_days`), from the intake's clock.
+fn within_schedule_ahead(
+    state: &AppState,
+    input: &ReminderInput,
+    prefix: &str,
+) -> Result<(), Problem> {
+    let ahead = state.now() + state.limits().max_schedule_ahead;
+    if input.scheduled_at > ahead {
+        return Err(Problem::new(
+            format!("{prefix}/scheduled_at"),
+            format!(
+                "is more than {} days ahead (intake.max_schedule_ahead_days)",
+                state.limits().max_schedule_ahead.num_days()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Why a reminder of `tenant` for `channels` is withheld, if it is.
@@ -333,6 +356,7 @@ fn reminder_state(event_id: &EventId, status: ReminderStatus) -> ReminderState {
         expires_at: status.expires_at,
         cancelled_at: status.cancelled_at,
         correlation_id: status.correlation_id,
+        revision: status.revision,
         channels: status
             .channels
             .into_iter()
@@ -402,8 +426,10 @@ pub async fn get_reminder(
     Ok(Json(reminder_state(&event_id, status)).into_response())
 }
 
-/// Cancel a reminder: every owed delivery is settled `cancelled`; one being sent finishes but
-/// is never retried. Cancelling again answers the same.
+/// Cancel a reminder, answered per channel: `cancelled` (settled now, or none will be made: no
+/// request will ever be made for it), `too_late` with its state (its send started, and
+/// finishes but is never retried; or it was delivered, or is held as maybe sent), or
+/// `already_settled` with its state. Cancelling again answers the same.
 #[utoipa::path(post, path = "/v1/tenants/{tenant}/reminders/{event_id}/cancel", tag = "reminders",
     params(
         ("tenant" = String, Path, description = "the tenant's name"),
@@ -440,7 +466,173 @@ pub async fn cancel_reminder(
             .iter()
             .map(|c| channel_name(*c))
             .collect(),
+        channels: cancellation
+            .channels
+            .iter()
+            .map(|(channel, change)| ChannelCancelled {
+                channel: channel_name(*channel),
+                answer: change.as_str(),
+                state: CancelChange::state(*change).map(|s| s.as_str()),
+            })
+            .collect(),
         reminder: reminder_state(&event_id, cancellation.status),
     })
     .into_response())
+}
+
+/// Replace a pending reminder: its schedule, expiry, channels, destinations and content,
+/// under a revision higher than its current one.
+///
+/// In one transaction: each owed delivery not yet being sent moves to the new time (its key
+/// and attempts kept; a queued message becomes stale), a removed channel's is cancelled, an
+/// added channel's is created, content and destinations are sealed again. A delivery being
+/// sent or settled is not touched: its channel is answered `too_late` with its state. The
+/// same revision and body again is a 200 that changed nothing.
+#[utoipa::path(put, path = "/v1/tenants/{tenant}/reminders/{event_id}", tag = "reminders",
+    params(
+        ("tenant" = String, Path, description = "the tenant's name"),
+        ("event_id" = String, Path, description = "the client's event id", min_length = 1, max_length = 200, pattern = "^[!-~]+$"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path and the body"),
+    ),
+    request_body(content = RescheduleBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "rescheduled, or the same revision and body again", body = RescheduleAnswer),
+        (status = 400, description = "invalid (a time in the past, past the expiry or beyond the schedule-ahead limit, no revision); nothing changed", body = InvalidRequest),
+        (status = 401, description = "not authenticated; nothing changed", body = Unauthorized),
+        (status = 404, description = "no such event (or its subscriber was erased)", body = ErrorBody),
+        (status = 408, description = "the body did not arrive in time", body = ErrorBody),
+        (status = 409, description = "revision_conflict (older, or the current one with another body; names the current one), reminder_cancelled or subscriber_differs; nothing changed", body = ErrorBody),
+        (status = 413, description = "the body is over the limit", body = ErrorBody),
+        (status = 415, description = "the body is not JSON", body = ErrorBody),
+        (status = 500, description = "unexpected; may be retried", body = ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
+    ),
+    security(("signature" = [])))]
+pub async fn put_reminder(
+    State(state): State<AppState>,
+    ApiPath((_, event)): ApiPath<(String, String)>,
+    _: JsonContent,
+    signed: SignedTenant,
+) -> Result<Response, ApiError> {
+    let event_id = event_id(&event)?;
+    let tenant = &signed.tenant;
+    let mut value: Value = serde_json::from_slice(&signed.body)
+        .map_err(|e| ApiError::Invalid(vec![Problem::json(&e)]))?;
+    let Value::Object(map) = &mut value else {
+        return Err(ApiError::invalid("", "expected a JSON object"));
+    };
+    match map.get("event_id") {
+        None => {
+            map.insert(
+                "event_id".to_owned(),
+                Value::String(event_id.as_str().to_owned()),
+            );
+        }
+        Some(Value::String(given)) if given == event_id.as_str() => {}
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "/event_id",
+                "must be the path's event id when given",
+            ));
+        }
+    }
+    let canonical = canonical(&value).map_err(|p| ApiError::Invalid(vec![p]))?;
+    let input = ReminderInput::from_value(value, TenantField::Absent)
+        .map_err(|e| ApiError::Invalid(vec![Problem::input("", &e)]))?;
+    let revision = input.revision.ok_or_else(|| {
+        ApiError::invalid(
+            "/revision",
+            "is required: an integer higher than the reminder's current revision",
+        )
+    })?;
+    within_schedule_ahead(&state, &input, "").map_err(|p| ApiError::Invalid(vec![p]))?;
+    let digest = state
+        .cipher()
+        .request_digest(tenant.id, &canonical)
+        .map_err(ApiError::internal)?;
+    let mut item = input
+        .into_import(tenant.id)
+        .map_err(|e| ApiError::Invalid(vec![Problem::input("", &e)]))?;
+    item.reminder = item.reminder.with_request_digest(digest);
+    let outcome = state
+        .ledger()
+        .reschedule_reminder(
+            &Replacement { item, revision },
+            state.cipher(),
+            &ReplacedBy::Client,
+            LedgerTime::Database,
+        )
+        .await
+        .map_err(ApiError::internal)?;
+    let conflict = |error, message: String, current_revision| ApiError::Conflict {
+        error,
+        message,
+        event_id: event_id.as_str().to_owned(),
+        current_revision,
+    };
+    let (status, done) = match outcome {
+        RescheduleOutcome::Applied(done) => ("rescheduled", done),
+        RescheduleOutcome::Repeat(done) => ("unchanged", done),
+        RescheduleOutcome::RevisionConflict { current } => {
+            return Err(conflict(
+                "revision_conflict",
+                format!(
+                    "revision {revision} is not newer than the reminder's current revision \
+                     {current}, or is the current one with another body"
+                ),
+                Some(current.get()),
+            ));
+        }
+        RescheduleOutcome::Cancelled => {
+            return Err(conflict(
+                "reminder_cancelled",
+                "the reminder is cancelled: post a new event".to_owned(),
+                None,
+            ));
+        }
+        RescheduleOutcome::SubscriberDiffers => {
+            return Err(conflict(
+                "subscriber_differs",
+                "the reminder is for another subscriber: post a new event".to_owned(),
+                None,
+            ));
+        }
+        RescheduleOutcome::ScheduledInThePast => {
+            return Err(ApiError::invalid("/scheduled_at", "is in the past"));
+        }
+        RescheduleOutcome::ExpiresInThePast => {
+            return Err(ApiError::invalid("/expires_at", "is in the past"));
+        }
+        RescheduleOutcome::NotFound => return Err(ApiError::NotFound),
+    };
+    Ok(Json(reschedule_answer(&event_id, status, done)).into_response())
+}
+
+fn reschedule_answer(
+    event_id: &EventId,
+    status: &'static str,
+    done: Rescheduled,
+) -> RescheduleAnswer {
+    RescheduleAnswer {
+        reminder_id: done.id.as_uuid(),
+        event_id: event_id.as_str().to_owned(),
+        status,
+        revision: done.revision.get(),
+        scheduled_at: done.scheduled_at,
+        expires_at: done.expires_at,
+        channels: done
+            .channels
+            .iter()
+            .map(|(channel, change)| ChannelRescheduled {
+                channel: channel_name(*channel),
+                change: change.as_str(),
+                state: match change {
+                    ChannelChange::TooLate(state) => Some(state.as_str()),
+                    _ => None,
+                },
+            })
+            .collect(),
+        deliveries_created: done.deliveries_created,
+    }
 }

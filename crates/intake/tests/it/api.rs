@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use axum::body::{Body, to_bytes};
 use axum::http::{Request, StatusCode};
-use chrono::{DateTime, TimeZone, Utc};
+use chrono::{DateTime, TimeZone, Timelike, Utc};
 use nudge_domain::Channel;
 use nudge_intake::signature::{Signed, header_value};
 use nudge_intake::{AppState, IntakeMetrics, Limits, router};
@@ -1036,4 +1036,203 @@ async fn cancellation_and_erasure_are_stamped_with_the_databases_clock(pool: PgP
         assert!(stamp >= before, "{stamp} is not the database's time");
         assert_ne!(stamp, now());
     }
+}
+
+/// `reminder(event_id)` at `scheduled_at` for two hours, under `revision`.
+fn replacement(event_id: &str, scheduled_at: DateTime<Utc>, revision: Value) -> Value {
+    let mut body = reminder(event_id);
+    body["scheduled_at"] = json!(scheduled_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
+    body["expires_at"] = json!(
+        (scheduled_at + chrono::Duration::hours(2))
+            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    );
+    body["revision"] = revision;
+    body
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_reschedule_moves_every_owed_channel_and_orders_revisions(pool: PgPool) {
+    let intake = intake(pool).await;
+    let posted = intake.post(&reminder("appt-r")).await;
+    assert_eq!(posted.status, StatusCode::ACCEPTED, "{}", posted.text);
+    let uri = "/v1/tenants/clinic/reminders/appt-r";
+    // The ledger's clock is the database's: an hour from its now is ahead.
+    let later = (Utc::now() + chrono::Duration::hours(1))
+        .with_nanosecond(0)
+        .unwrap();
+
+    let moved = intake
+        .call("PUT", uri, &replacement("appt-r", later, json!(1)))
+        .await;
+    assert_eq!(moved.status, StatusCode::OK, "{}", moved.text);
+    assert_eq!(moved.body["status"], "rescheduled");
+    assert_eq!(moved.body["revision"], 1);
+    assert_eq!(moved.body["reminder_id"], posted.body["reminder_id"]);
+    assert_eq!(
+        moved.body["channels"],
+        json!([{"channel": "email", "change": "moved"}, {"channel": "sms", "change": "moved"}])
+    );
+    assert_no_phi(&moved.text);
+    let moved_at: DateTime<Utc> = moved.body["scheduled_at"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(moved_at, later);
+
+    let again = intake
+        .call("PUT", uri, &replacement("appt-r", later, json!(1)))
+        .await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text);
+    assert_eq!(again.body["status"], "unchanged");
+
+    let elsewhere = later + chrono::Duration::hours(1);
+    for (revision, why) in [
+        (1, "the current revision with another body"),
+        (0, "an older one"),
+    ] {
+        let refused = intake
+            .call(
+                "PUT",
+                uri,
+                &replacement("appt-r", elsewhere, json!(revision)),
+            )
+            .await;
+        assert_eq!(
+            refused.status,
+            StatusCode::CONFLICT,
+            "{why}: {}",
+            refused.text
+        );
+        assert_eq!(refused.body["error"], "revision_conflict");
+        assert_eq!(refused.body["current_revision"], 1);
+    }
+
+    let mut unrevised = replacement("appt-r", elsewhere, Value::Null);
+    unrevised.as_object_mut().unwrap().remove("revision");
+    let past = later - chrono::Duration::days(2);
+    let ahead = now() + chrono::Duration::days(31);
+    let mut expiring_first = replacement("appt-r", elsewhere, json!(2));
+    expiring_first["expires_at"] = json!("2026-12-01T07:00:00Z");
+    for (body, path) in [
+        (unrevised, "/revision"),
+        (replacement("appt-r", past, json!(2)), "/scheduled_at"),
+        (replacement("appt-r", ahead, json!(2)), "/scheduled_at"),
+        (expiring_first, "/expires_at"),
+        (replacement("appt-r", elsewhere, json!(-1)), "/revision"),
+        (replacement("appt-other", elsewhere, json!(2)), "/event_id"),
+    ] {
+        let refused = intake.call("PUT", uri, &body).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::BAD_REQUEST,
+            "{path}: {}",
+            refused.text
+        );
+        assert_eq!(refused.body["errors"][0]["path"], path, "{}", refused.text);
+    }
+    let state = intake.call("GET", uri, &Value::Null).await;
+    let state_at: DateTime<Utc> = state.body["scheduled_at"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(state_at, later, "nothing refused changed anything");
+    assert_eq!(state.body["revision"], 1);
+
+    // The client's retry of its first post is still that post.
+    let retried = intake.post(&reminder("appt-r")).await;
+    assert_eq!(retried.status, StatusCode::OK, "{}", retried.text);
+    assert_eq!(retried.body["status"], "duplicate");
+
+    // A post that gives its revision starts there.
+    let mut numbered = reminder("appt-n");
+    numbered["revision"] = json!(3);
+    assert_eq!(intake.post(&numbered).await.status, StatusCode::ACCEPTED);
+    let numbered_uri = "/v1/tenants/clinic/reminders/appt-n";
+    let repeat = intake.call("PUT", numbered_uri, &numbered).await;
+    assert_eq!(repeat.status, StatusCode::OK, "{}", repeat.text);
+    assert_eq!(
+        repeat.body["status"], "unchanged",
+        "revision 3 with its own body"
+    );
+    let older = intake
+        .call("PUT", numbered_uri, &replacement("appt-n", later, json!(2)))
+        .await;
+    assert_eq!(older.status, StatusCode::CONFLICT, "{}", older.text);
+    assert_eq!(older.body["current_revision"], 3);
+
+    let unknown = intake
+        .call(
+            "PUT",
+            "/v1/tenants/clinic/reminders/nope",
+            &replacement("nope", later, json!(1)),
+        )
+        .await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_reschedule_of_an_erased_subscribers_reminder_is_not_found_and_a_cancel_answers_per_channel(
+    pool: PgPool,
+) {
+    let intake = intake(pool).await;
+    assert_eq!(
+        intake.post(&reminder("appt-e")).await.status,
+        StatusCode::ACCEPTED
+    );
+    assert_eq!(
+        intake.post(&reminder("appt-k")).await.status,
+        StatusCode::ACCEPTED
+    );
+    sqlx::query(
+        "UPDATE deliveries d SET state = 'delivered', settled_at = now()
+         FROM reminders r WHERE r.id = d.reminder_id AND r.event_id = 'appt-k'
+           AND d.channel = 'email'",
+    )
+    .execute(intake.ledger.pool())
+    .await
+    .unwrap();
+    let cancelled = intake
+        .call(
+            "POST",
+            "/v1/tenants/clinic/reminders/appt-k/cancel",
+            &Value::Null,
+        )
+        .await;
+    assert_eq!(cancelled.status, StatusCode::OK, "{}", cancelled.text);
+    assert_eq!(
+        cancelled.body["channels"],
+        json!([
+            {"channel": "email", "answer": "too_late", "state": "delivered"},
+            {"channel": "sms", "answer": "cancelled"},
+        ])
+    );
+    let later = Utc::now() + chrono::Duration::hours(1);
+    let refused = intake
+        .call(
+            "PUT",
+            "/v1/tenants/clinic/reminders/appt-k",
+            &replacement("appt-k", later, json!(1)),
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.text);
+    assert_eq!(refused.body["error"], "reminder_cancelled");
+
+    let erased = intake
+        .call(
+            "DELETE",
+            "/v1/tenants/clinic/subscribers/patient-42",
+            &Value::Null,
+        )
+        .await;
+    assert_eq!(erased.status, StatusCode::OK, "{}", erased.text);
+    let gone = intake
+        .call(
+            "PUT",
+            "/v1/tenants/clinic/reminders/appt-e",
+            &replacement("appt-e", later, json!(1)),
+        )
+        .await;
+    assert_eq!(gone.status, StatusCode::NOT_FOUND, "{}", gone.text);
 }

@@ -14,6 +14,7 @@ mod provider_effects;
 mod recovery;
 mod redrive;
 mod reminders;
+mod reschedule;
 mod restore;
 mod retention;
 mod roles;

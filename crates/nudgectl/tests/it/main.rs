@@ -3,6 +3,7 @@
 mod commands;
 mod ledger_away;
 mod rates;
+mod reminders_change;
 mod reminders_load;
 mod replication;
 mod retention;

@@ -16,6 +16,7 @@ mod phi_scan;
 mod pipeline;
 mod provider_kinds;
 mod push_providers;
+mod reschedule_race;
 mod restore_refusal;
 mod retries;
 mod traces;
