@@ -498,7 +498,6 @@ async fn sweep_loop(
     // The reaper's grace: from the start, and again from the first pass after the ledger was
     // away, the workers renew their leases before any lapsed one is settled.
     let mut reap_from = std::time::Instant::now() + reaper_grace;
-    let mut away = false;
     // The ledger away is logged once, when the sweep first finds it, and its end once; the
     // redrive feeder and the orphan watchdog fail the same way meanwhile, and say nothing.
     let outage = Outage::new("sweep");
@@ -509,23 +508,16 @@ async fn sweep_loop(
             Reaper::Wait
         };
         let swept = sweep_pass(ledger, policy, batch_size, LedgerTime::Database, reaper).await;
-        match (&swept, away) {
-            (Ok(_), true) => {
-                away = false;
-                reap_from = std::time::Instant::now() + reaper_grace;
-                info!(
-                    grace_ms = reaper_grace.as_millis() as u64,
-                    "the ledger is back; the lease reaper waits its grace for the workers to renew their leases"
-                );
-            }
-            (Err(_), _) => away = true,
-            (Ok(_), false) => {}
-        }
         if let Ok(report) = &swept {
             metrics.expired(report.expired);
             metrics.lease_expiries(report.returned_unsent, report.reaped);
-        }
-        if swept.is_ok() {
+            if outage.is_away() {
+                reap_from = std::time::Instant::now() + reaper_grace;
+                info!(
+                    grace_ms = reaper_grace.as_millis() as u64,
+                    "the lease reaper waits its grace for the workers to renew their leases"
+                );
+            }
             outage.back();
         }
         match swept {

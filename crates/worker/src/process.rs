@@ -340,29 +340,47 @@ impl Worker {
         Result<nudge_ledger::LeaseResult, LedgerError>,
         DateTime<Utc>,
     ) {
+        let batch = self.lease_batch();
+        let mut sent = self.clock.local();
+        let (result, tries) = self
+            .while_away("lease", || {
+                sent = self.clock.local();
+                self.ledger.lease_batch(&batch, messages)
+            })
+            .await;
+        if tries > 0 && result.is_ok() {
+            info!(
+                tries,
+                messages = messages.len(),
+                "leased after the ledger came back"
+            );
+        }
+        (result, sent)
+    }
+
+    /// Runs `statement` again while it finds the ledger away and the worker is not stopping,
+    /// pausing 100 ms, doubling to 1 s; the first time the ledger is found away is logged.
+    /// Returns the last result and how many tries found the ledger away.
+    async fn while_away<T, Fut>(
+        &self,
+        what: &'static str,
+        mut statement: impl FnMut() -> Fut,
+    ) -> (Result<T, LedgerError>, u32)
+    where
+        Fut: std::future::Future<Output = Result<T, LedgerError>>,
+    {
         let mut pause = LEDGER_AWAY_FIRST_PAUSE;
         let mut tries = 0u32;
         loop {
-            let sent = self.clock.local();
-            let result = self.ledger.lease_batch(&self.lease_batch(), messages).await;
-            match &result {
+            match statement().await {
                 Err(e) if e.is_unavailable() && !self.shutdown.is_cancelled() => {
                     tries += 1;
                     if tries == 1 {
-                        warn!(error.cause_chain = %error_chain(e), messages = messages.len(),
-                              "the ledger is away; holding the messages and leasing again when it is back");
+                        warn!(error.cause_chain = %error_chain(&e), statement = what,
+                              "the ledger is away; holding on and trying again when it is back");
                     }
                 }
-                _ => {
-                    if tries > 0 && result.is_ok() {
-                        info!(
-                            tries,
-                            messages = messages.len(),
-                            "leased after the ledger came back"
-                        );
-                    }
-                    return (result, sent);
-                }
+                result => return (result, tries),
             }
             tokio::select! {
                 () = tokio::time::sleep(pause) => {}
@@ -682,30 +700,17 @@ impl Worker {
         lease: &LeasedDelivery,
         reserved: DateTime<Utc>,
     ) -> Result<Result<DateTime<Utc>, FenceRefused>, LedgerError> {
-        let mut pause = LEDGER_AWAY_FIRST_PAUSE;
-        loop {
-            let fenced = self
-                .ledger
-                .fence(
-                    lease,
-                    reserved,
-                    self.lease_for,
-                    self.admission.closed_recheck,
-                    LedgerTime::Database,
-                )
-                .await;
-            match &fenced {
-                Err(e) if e.is_unavailable() && !self.shutdown.is_cancelled() => {
-                    debug!(error.cause_chain = %error_chain(e), "the ledger is away at the fence; trying again");
-                }
-                _ => return fenced,
-            }
-            tokio::select! {
-                () = tokio::time::sleep(pause) => {}
-                () = self.shutdown.cancelled() => {}
-            }
-            pause = (pause * 2).min(LEDGER_AWAY_MAX_PAUSE);
-        }
+        self.while_away("fence", || {
+            self.ledger.fence(
+                lease,
+                reserved,
+                self.lease_for,
+                self.admission.closed_recheck,
+                LedgerTime::Database,
+            )
+        })
+        .await
+        .0
     }
 
     /// A new slot for a lease whose bucket slowed while it waited (part of
