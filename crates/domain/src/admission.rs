@@ -53,6 +53,11 @@ const FEEDBACK_SPACING: TimeDelta = TimeDelta::seconds(1);
 /// A 429 met while spending the burst shrinks it to this share (at least 1): the provider took
 /// fewer back to back than we sent.
 const BURST_DECREASE_FACTOR: f64 = 0.75;
+/// A 429 moves the bucket (pause, slower rate) only when another came within this long before
+/// it: one alone is about its own request.
+const CONFIRM_WINDOW: Duration = Duration::from_secs(1);
+/// ...or within this many intervals at the admitting rate, when that is longer.
+const CONFIRM_INTERVALS: i128 = 3;
 
 /// Why a [`BucketConfig`] was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -173,6 +178,10 @@ pub struct BucketState {
     pub burst_from: Option<DateTime<Utc>>,
     /// When a 429 last shrank the burst: a 429 for a send reserved before it says nothing new.
     pub burst_cut_at: Option<DateTime<Utc>>,
+    /// When the provider last answered 429. One 429 alone is an answer about one request (a
+    /// send that met the provider's bucket a moment early); a second within the confirmation
+    /// window says the account is over its limit, and only then is the bucket paused or slowed.
+    pub last_throttled_at: Option<DateTime<Utc>>,
 }
 
 impl BucketState {
@@ -192,6 +201,7 @@ impl BucketState {
             burst_limit: None,
             burst_from: None,
             burst_cut_at: None,
+            last_throttled_at: None,
         }
     }
 }
@@ -220,6 +230,9 @@ pub enum DeferReason {
     Paused,
     /// The next slot for this lane is further away than the admission wait.
     Throttled,
+    /// The tenant's cap on its share of the bucket (`nudgectl tenant set --max-share`) has no
+    /// slot within the admission wait, though the bucket may.
+    Capped,
 }
 
 impl DeferReason {
@@ -229,6 +242,7 @@ impl DeferReason {
             DeferReason::Closed => "closed",
             DeferReason::Paused => "paused",
             DeferReason::Throttled => "throttled",
+            DeferReason::Capped => "capped",
         }
     }
 }
@@ -263,19 +277,51 @@ impl Default for AdmissionSettings {
     }
 }
 
-/// Asks the bucket for a send slot for `lane` at `now`.
+/// A tenant's cap on one bucket (`nudgectl tenant set TENANT --max-share S`): the tenant's own
+/// limiter at `S` times the bucket's admitting rate, with that share of the burst (at least 1),
+/// whose state (`tat`) is kept per tenant and bucket. It bounds the tenant even when it is
+/// alone on the account.
 ///
-/// The slot is the latest of: `now`, the pause, the global limiter's next slot and, while the
-/// other class of work has asked within `demand_window`, this class's sub-limiter's next slot
-/// (at the rate minus the other class's reserve). Within `max_wait` the slot is reserved;
-/// otherwise nothing is, and the answer says when it opens. Either way the lane's demand time
-/// is recorded, so the state must be written back in both cases.
+/// A request the cap holds back is deferred to the tenant's next slot rather than reserved
+/// ahead: a reservation later than the bucket's own next slot would move the bucket's TAT past
+/// the slots between, lost to every other tenant. The k-th request held back in one round of
+/// admission (`deferred` counts them) comes back k of the tenant's intervals later, so a batch
+/// of a capped tenant's work returns at its pace, not all at once.
+#[derive(Debug)]
+pub struct TenantCap<'a> {
+    pub share: crate::fairness::MaxShare,
+    /// The tenant's GCRA theoretical arrival time on this bucket.
+    pub tat: &'a mut Option<DateTime<Utc>>,
+    /// How many of the tenant's requests this round has held back so far.
+    pub deferred: &'a mut u32,
+}
+
+/// Asks the bucket for a send slot for `lane` at `now`; see [`admit_capped`].
 pub fn admit(
     config: &BucketConfig,
     state: &mut BucketState,
     lane: Lane,
     now: DateTime<Utc>,
     settings: &AdmissionSettings,
+) -> Admission {
+    admit_capped(config, state, lane, now, settings, None)
+}
+
+/// Asks the bucket for a send slot for `lane` at `now`, for a tenant with or without a cap.
+///
+/// The slot is the latest of: `now`, the pause, the global limiter's next slot, while the
+/// other class of work has asked within `demand_window` this class's sub-limiter's next slot
+/// (at the rate minus the other class's reserve), and with a cap the tenant's limiter's next
+/// slot. Within `max_wait` the slot is reserved (in every limiter that bounded it); otherwise
+/// nothing is, and the answer says when it opens. Either way the lane's demand time is
+/// recorded, so the state must be written back in both cases.
+pub fn admit_capped(
+    config: &BucketConfig,
+    state: &mut BucketState,
+    lane: Lane,
+    now: DateTime<Utc>,
+    settings: &AdmissionSettings,
+    cap: Option<TenantCap<'_>>,
 ) -> Admission {
     let now_ns = to_ns(now);
     let is_new = match lane {
@@ -331,6 +377,29 @@ pub fn admit(
     if let Some((limiter, tat)) = sub {
         slot = slot.max(limiter.earliest(tat, now_ns));
     }
+    let mut capped = cap.map(|cap| {
+        let share = cap.share.get();
+        let limiter = Gcra::new(rate * share, cap.share.burst(burst));
+        // A reservation is at most the wait ahead, so a TAT further than the wait plus the
+        // tenant's burst of intervals was paced at a slower rate (before the bucket's rate
+        // rose): it holds the tenant back no further than that, as `reconfigured` clamps the
+        // bucket's own.
+        let horizon =
+            now_ns + duration_ns(settings.max_wait) + limiter.tolerance + limiter.interval;
+        let tat = cap.tat.map(to_ns).map(|t| t.min(horizon));
+        (limiter, tat, cap.tat, cap.deferred)
+    });
+    if let Some((limiter, tat, _, deferred)) = &mut capped {
+        let own = limiter.earliest(*tat, now_ns);
+        if own > slot {
+            let until = own + i128::from(**deferred) * limiter.interval;
+            **deferred = deferred.saturating_add(1);
+            return Admission::Deferred {
+                until: from_ns(until),
+                reason: DeferReason::Capped,
+            };
+        }
+    }
 
     if slot > now_ns + duration_ns(settings.max_wait) {
         let reason = if pause == Some(slot) {
@@ -360,18 +429,26 @@ pub fn admit(
             state.tat_recovery = next;
         }
     }
+    if let Some((limiter, tat, stored_tat, _)) = capped {
+        *stored_tat = Some(stored(limiter.after(tat, slot)));
+    }
     Admission::Admitted {
         send_at: from_ns(slot),
     }
 }
 
-/// A 429: the provider is over its limit, so every 429 is a congestion signal. The effective
-/// rate drops to three quarters, at most once per second, floored at
-/// [`BucketConfig::floor_rate`], and the rate it dropped from is kept as the ceiling found. With
-/// a valid `Retry-After` (`retry_at` is `Some`) the whole bucket also pauses until then (a later
-/// existing pause is kept). Without the decrease on a `Retry-After`, a bucket configured above
-/// the provider's real limit would pause, resume at the same rate and be throttled again,
-/// forever. Returns true when the state changed. See [`on_throttled_after`].
+/// A 429. One alone is read as an answer about one request: a send that met the provider's
+/// bucket a moment early (the network's jitter at a bucket set at the provider's own limit).
+/// Its delivery waits for its own retry; the bucket keeps its rate and does not pause. A second
+/// 429 within the confirmation window (one second, or three intervals at the admitting rate
+/// when that is longer) says the account is over its limit: the effective rate drops (the
+/// first time a bucket is ever throttled to half, later to three quarters), at most once per
+/// second, floored at [`BucketConfig::floor_rate`], and the rate it dropped from is kept as the
+/// ceiling found. With a valid `Retry-After` (`retry_at` is `Some`) such a 429 also pauses the
+/// whole bucket until then (a later existing pause is kept). Without the decrease on a
+/// `Retry-After`, a bucket configured above the provider's real limit would pause, resume at
+/// the same rate and be throttled again, forever. Returns true when the state changed. See
+/// [`on_throttled_after`].
 pub fn on_throttled(
     config: &BucketConfig,
     state: &mut BucketState,
@@ -402,7 +479,12 @@ pub fn on_throttled_after(
     now: DateTime<Utc>,
 ) -> bool {
     let before = state.clone();
-    if let Some(retry_at) = retry_at {
+    // A closed bucket sends nothing more: a late answer's pause is kept, as the provider asked.
+    let confirmed = config.rate_per_second <= 0.0 || throttled_recently(config, state, now);
+    if config.rate_per_second > 0.0 {
+        state.last_throttled_at = Some(state.last_throttled_at.map_or(now, |at| at.max(now)));
+    }
+    if confirmed && let Some(retry_at) = retry_at {
         let until = from_ns(round_up_to_stored(to_ns(retry_at)));
         if until > now && state.paused_until.is_none_or(|p| p < until) {
             state.paused_until = Some(until);
@@ -419,6 +501,9 @@ pub fn on_throttled_after(
             state.burst_cut_at = Some(now);
             reburst(config, state, old, new);
         }
+        return *state != before;
+    }
+    if !confirmed {
         return *state != before;
     }
     let stale = matches!((reserved_at, state.last_decrease_at), (Some(r), Some(d)) if r <= d);
@@ -584,6 +669,18 @@ fn reburst(config: &BucketConfig, state: &mut BucketState, old_burst: u32, new_b
 /// The rate AIMD starts from: the admitting rate, but never below the floor.
 fn current_rate(config: &BucketConfig, state: &BucketState) -> f64 {
     admitting_rate(config, state).max(config.floor_rate())
+}
+
+/// Whether another 429 came within the confirmation window before `now`: one second, or
+/// [`CONFIRM_INTERVALS`] intervals at the admitting rate when that is longer (a slow bucket
+/// sends its next request only an interval later). One in the future (clock skew between
+/// replicas) counts as recent.
+fn throttled_recently(config: &BucketConfig, state: &BucketState, now: DateTime<Utc>) -> bool {
+    let window = duration_ns(CONFIRM_WINDOW)
+        .max(CONFIRM_INTERVALS * interval_ns(admitting_rate(config, state)));
+    state
+        .last_throttled_at
+        .is_some_and(|at| to_ns(now) - to_ns(at) <= window)
 }
 
 /// Whether `last` was less than [`FEEDBACK_SPACING`] before `now`. A `last` after `now` (clock
@@ -892,6 +989,7 @@ mod tests {
                 burst_limit: None,
                 burst_from: None,
                 burst_cut_at: None,
+                last_throttled_at: None,
             }
         );
     }
@@ -1004,6 +1102,8 @@ mod tests {
         let c = config(10.0, 2);
         let mut s = BucketState::fresh(&c);
         let until = t0() + ms(2_500);
+        // A 429 just before: the next one confirms it.
+        s.last_throttled_at = Some(t0());
         assert!(on_throttled(&c, &mut s, Some(until), t0()));
         assert_eq!(s.paused_until, Some(until));
         assert_eq!(
@@ -1034,6 +1134,8 @@ mod tests {
     fn a_shorter_or_past_retry_after_does_not_shorten_a_pause() {
         let c = config(10.0, 2);
         let mut s = BucketState::fresh(&c);
+        // A 429 just before: the next one confirms it.
+        s.last_throttled_at = Some(t0());
         assert!(on_throttled(&c, &mut s, Some(t0() + ms(5_000)), t0()));
         // Within the second after the decrease, neither a shorter nor a past Retry-After
         // changes anything.
@@ -1045,6 +1147,7 @@ mod tests {
         // A Retry-After already in the past still reports the 429 (the rate steps down) but
         // sets no pause.
         let mut fresh = BucketState::fresh(&c);
+        fresh.last_throttled_at = Some(t0());
         assert!(on_throttled(&c, &mut fresh, Some(t0()), t0()));
         assert_eq!(fresh.paused_until, None);
         assert_eq!(fresh.effective_rate, 5.0);
@@ -1055,6 +1158,8 @@ mod tests {
         let c = config(1.0, 1);
         let mut s = BucketState::fresh(&c);
         let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
+        // A 429 just before: the next one confirms it.
+        s.last_throttled_at = Some(t0());
         assert!(on_throttled(&c, &mut s, Some(t0() + ms(200)), t0()));
         // The 429 also halved the bucket's rate: the one outstanding reservation now spaces
         // the next slot 1/0.5 s after it.
@@ -1165,16 +1270,44 @@ mod tests {
     }
 
     #[test]
-    fn the_first_429_halves_the_rate_and_later_ones_lower_it_to_three_quarters_once_per_second() {
+    fn a_lone_429_moves_nothing_the_first_confirmed_halves_the_rate_and_later_ones_lower_it_to_three_quarters_once_per_second()
+     {
         let c = config(100.0, 10);
         let mut s = BucketState::fresh(&c);
+        let pause = t0() + ms(5_000);
+        assert!(on_throttled(&c, &mut s, Some(pause), t0() - ms(400)));
+        assert_eq!(
+            (s.effective_rate, s.paused_until, s.last_decrease_at),
+            (100.0, None, None),
+            "one 429 alone is about its own request: no pause, no decrease"
+        );
+        assert_eq!(s.last_throttled_at, Some(t0() - ms(400)));
         assert!(on_throttled(&c, &mut s, None, t0()));
-        assert_eq!(s.effective_rate, 50.0, "no ceiling known yet: halve");
+        assert_eq!(
+            s.effective_rate, 50.0,
+            "confirmed, no ceiling known yet: halve"
+        );
         assert_eq!(s.last_decrease_at, Some(t0()));
-        assert!(!on_throttled(&c, &mut s, None, t0() + ms(999)));
-        assert_eq!(s.effective_rate, 50.0);
+        assert!(on_throttled(&c, &mut s, None, t0() + ms(999)));
+        assert_eq!(s.effective_rate, 50.0, "once per second");
         assert!(on_throttled(&c, &mut s, None, t0() + ms(1_000)));
         assert_eq!(s.effective_rate, 37.5);
+        // Alone again: more than the window after the last one.
+        assert!(on_throttled(&c, &mut s, None, t0() + ms(2_001)));
+        assert_eq!(s.effective_rate, 37.5);
+    }
+
+    #[test]
+    fn a_slow_bucket_confirms_a_429_over_three_of_its_intervals() {
+        let c = config(0.5, 1);
+        let mut s = BucketState::fresh(&c);
+        let _ = on_throttled(&c, &mut s, None, t0());
+        let _ = on_throttled(&c, &mut s, None, t0() + ms(5_900));
+        assert_eq!(s.effective_rate, 0.25, "6 s (three 2 s intervals) confirms");
+        let mut s = BucketState::fresh(&c);
+        let _ = on_throttled(&c, &mut s, None, t0());
+        let _ = on_throttled(&c, &mut s, None, t0() + ms(6_100));
+        assert_eq!(s.effective_rate, 0.5, "beyond it, the second is alone too");
     }
 
     #[test]
@@ -1193,7 +1326,8 @@ mod tests {
         assert_eq!(s.effective_rate, 0.1, "never below 0.1/s");
         let tiny = config(0.05, 1);
         let mut s = BucketState::fresh(&tiny);
-        assert!(on_throttled(&tiny, &mut s, None, t0()));
+        s.last_throttled_at = Some(t0());
+        let _ = on_throttled(&tiny, &mut s, None, t0());
         assert_eq!(s.effective_rate, 0.05, "the floor is never above the rate");
     }
 
@@ -1203,6 +1337,7 @@ mod tests {
         let mut s = BucketState::fresh(&c);
         assert!(!on_success(&c, &mut s, t0()), "already at the rate");
         assert_eq!(s, BucketState::fresh(&c));
+        s.last_throttled_at = Some(t0());
         let _ = on_throttled(&c, &mut s, None, t0());
         assert_eq!(s.effective_rate, 50.0);
         assert_eq!(s.throttled_rate, Some(100.0), "the ceiling found");
@@ -1233,6 +1368,7 @@ mod tests {
 
         let slow = config(4.0, 1);
         let mut s = BucketState::fresh(&slow);
+        s.last_throttled_at = Some(t0());
         let _ = on_throttled(&slow, &mut s, None, t0());
         assert!(on_success(&slow, &mut s, t0() + ms(1_000)));
         assert_eq!(s.effective_rate, 2.5, "at least 0.5/s");
@@ -1242,6 +1378,8 @@ mod tests {
     fn a_429_for_a_slot_reserved_before_the_last_decrease_does_not_lower_the_rate_again() {
         let c = config(80.0, 5);
         let mut s = BucketState::fresh(&c);
+        // A 429 just before: the next one confirms it.
+        s.last_throttled_at = Some(t0());
         assert!(on_throttled_after(
             &c,
             &mut s,
@@ -1251,13 +1389,7 @@ mod tests {
         ));
         assert_eq!(s.effective_rate, 40.0);
         // Two seconds later, a 429 for a slot reserved before that decrease: paced at 80/s.
-        assert!(!on_throttled_after(
-            &c,
-            &mut s,
-            None,
-            Some(t0() + ms(50)),
-            t0() + ms(2_100)
-        ));
+        let _ = on_throttled_after(&c, &mut s, None, Some(t0() + ms(50)), t0() + ms(2_100));
         assert_eq!(s.effective_rate, 40.0);
         // ...but its Retry-After still pauses the bucket.
         let pause = t0() + ms(3_000);
@@ -1408,16 +1540,17 @@ mod tests {
             send_at(admit(&c, &mut s, Lane::New, t0() + ms(1), &waiting(100))),
             t0() + ms(25)
         );
-        let after_first = s.clone();
-        assert!(!on_throttled_after(
-            &c,
-            &mut s,
-            None,
-            Some(t0()),
-            t0() + ms(6)
-        ));
-        assert_eq!(s, after_first, "the same round: nothing new");
-        // After the burst's time (37 intervals), a 429 is about the rate again.
+        let mut after_first = s.clone();
+        let _ = on_throttled_after(&c, &mut s, None, Some(t0()), t0() + ms(6));
+        after_first.last_throttled_at = Some(t0() + ms(6));
+        assert_eq!(
+            s, after_first,
+            "the same round: nothing new but the 429's time"
+        );
+        // After the burst's time (37 intervals), a 429 is about the rate again, once
+        // another confirms it.
+        let _ = on_throttled_after(&c, &mut s, None, Some(t0() + ms(1_000)), t0() + ms(1_008));
+        assert_eq!(s.effective_rate, 40.0);
         assert!(on_throttled_after(
             &c,
             &mut s,
@@ -1459,6 +1592,7 @@ mod tests {
         let c = config(40.0, 50);
         let mut s = BucketState::fresh(&c);
         let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
+        s.last_throttled_at = Some(t0());
         assert!(on_throttled(&c, &mut s, None, t0() + ms(5)));
         assert_eq!((s.burst_limit, s.effective_rate), (None, 20.0));
     }

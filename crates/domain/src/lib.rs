@@ -5,9 +5,10 @@
 //! the retry policy with injected jitter ([`policy`]), what a provider's answer means
 //! ([`answer`]: verdicts and their effects on bucket, contact and operators), how it is classified
 //! ([`mod@classify`]), the one function that turns an attempt's outcome into the next state
-//! ([`mod@decide`]), what a client's reschedule or cancel did to each channel ([`change`]) and
-//! the drain model: a channel's admitted rate, the time of each turn at it
-//! and the drain floor ([`drain`]). Every other crate asks these questions here instead of
+//! ([`mod@decide`]), what a client's reschedule or cancel did to each channel ([`change`]),
+//! fairness between tenants: the claim's turns and a tenant's cap ([`fairness`]), and the drain
+//! model: a channel's admitted rate, the time of each turn at it and the drain floor
+//! ([`drain`]). Every other crate asks these questions here instead of
 //! answering them again.
 //!
 //! It must never do I/O: no clock reads inside the rules (time is a parameter), no network, no
@@ -20,6 +21,7 @@ pub mod change;
 pub mod classify;
 pub mod decide;
 pub mod drain;
+pub mod fairness;
 pub mod ids;
 pub mod lane;
 pub mod policy;
@@ -29,8 +31,8 @@ pub mod retry_after;
 pub mod state;
 
 pub use admission::{
-    Admission, AdmissionSettings, BucketConfig, BucketState, DeferReason, InvalidBucket, admit,
-    on_success, on_suspended, on_throttled, on_throttled_after, reconfigured,
+    Admission, AdmissionSettings, BucketConfig, BucketState, DeferReason, InvalidBucket, TenantCap,
+    admit, admit_capped, on_success, on_suspended, on_throttled, on_throttled_after, reconfigured,
 };
 pub use answer::{
     Alert, BucketSignal, ContactFlag, Effects, ProviderAnswer, ProviderCode, Verdict,
@@ -42,6 +44,10 @@ pub use classify::{
 };
 pub use decide::{
     AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide, is_account_fault,
+};
+pub use fairness::{
+    ClaimOrder, ClaimWeight, Claimed, Contender, InvalidFairness, MaxShare, TenantOffer,
+    claim_order, fair_shares,
 };
 pub use ids::{
     Channel, DeliveryId, EventId, IdError, IdempotencyKey, ProviderAccount, RedriveId, ReminderId,

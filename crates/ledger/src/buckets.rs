@@ -2,11 +2,13 @@
 //! Each admission locks the row, lets `nudge_domain::admission` decide, and writes the state
 //! back in the same transaction, so replicas together never admit more than the bucket allows.
 
+use std::collections::HashMap;
+
 use chrono::{DateTime, Utc};
 use nudge_domain::drain::{self, BucketRates};
 use nudge_domain::{
-    Admission, AdmissionSettings, BucketConfig, BucketState, Channel, Lane, ProviderAccount,
-    admission,
+    Admission, AdmissionSettings, BucketConfig, BucketState, Channel, Lane, MaxShare,
+    ProviderAccount, TenantCap, TenantId, admission,
 };
 
 use crate::{Ledger, LedgerError, LedgerTime};
@@ -78,6 +80,9 @@ pub struct BucketReading {
 pub(crate) struct SlotRequest<'a> {
     pub account: &'a ProviderAccount,
     pub lane: Lane,
+    pub tenant: TenantId,
+    /// The tenant's cap on its share of any bucket, if it has one.
+    pub max_share: Option<MaxShare>,
 }
 
 /// The slots of one admission round: the answers in request order, the database time they
@@ -109,6 +114,7 @@ struct BucketRow {
     burst_limit: Option<i32>,
     burst_from: Option<DateTime<Utc>>,
     burst_cut_at: Option<DateTime<Utc>>,
+    last_throttled_at: Option<DateTime<Utc>>,
     changed_by: String,
     changed_at: DateTime<Utc>,
     change_reason: Option<String>,
@@ -126,7 +132,7 @@ struct ChannelRateRow {
 const COLUMNS: &str = "provider_account, channel, rate_per_second, burst, effective_rate, \
      paused_until, reserve_new, reserve_recovery, tat, tat_new, tat_recovery, new_demand_at, \
      recovery_demand_at, last_decrease_at, last_increase_at, throttled_rate, burst_limit, burst_from, \
-     burst_cut_at, changed_by, changed_at, \
+     burst_cut_at, last_throttled_at, changed_by, changed_at, \
      change_reason, pause_cause";
 
 impl BucketRow {
@@ -156,6 +162,7 @@ impl BucketRow {
             burst_limit: self.burst_limit.and_then(|b| u32::try_from(b).ok()),
             burst_from: self.burst_from,
             burst_cut_at: self.burst_cut_at,
+            last_throttled_at: self.last_throttled_at,
         }
     }
 
@@ -240,7 +247,7 @@ async fn store(
          SET effective_rate = $3, paused_until = $4, tat = $5, tat_new = $6, tat_recovery = $7,
              new_demand_at = $8, recovery_demand_at = $9, last_decrease_at = $10,
              last_increase_at = $11, throttled_rate = $12, burst_limit = $13, burst_from = $14,
-             burst_cut_at = $15,
+             burst_cut_at = $15, last_throttled_at = $16,
              pause_cause = CASE WHEN $4::timestamptz IS NULL THEN NULL ELSE pause_cause END
          WHERE provider_account = $1 AND channel = $2",
     )
@@ -263,6 +270,7 @@ async fn store(
     )
     .bind(state.burst_from)
     .bind(state.burst_cut_at)
+    .bind(state.last_throttled_at)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -510,11 +518,14 @@ impl Ledger {
         rows.into_iter().map(BucketRow::bucket).collect()
     }
 
-    /// Applies a provider's answer to the bucket: a 429 with Retry-After pauses it for every
-    /// replica, one without lowers the effective rate, success raises it back. No answer pauses
+    /// Applies a provider's answer to the bucket: a 429 confirmed by another within the
+    /// confirmation window (`nudge_domain::on_throttled`) pauses it for every replica when it
+    /// carries a Retry-After and lowers the effective rate; a lone 429 is only recorded (its
+    /// delivery waits for its own retry); success raises the rate back. No answer pauses
     /// a bucket for longer than `max_pause` (`admission.max_pause_s`), whatever it asked for:
     /// after the pause the bucket sends at its lowered rate and climbs back only as sends
-    /// succeed. Returns what changed, if anything. Time is the database's, read under the lock.
+    /// succeed. Returns what changed of the rate, pause or burst, if anything. Time is the
+    /// database's, read under the lock.
     pub async fn bucket_feedback(
         &self,
         account: &ProviderAccount,
@@ -572,6 +583,15 @@ impl Ledger {
             .await?;
         }
         tx.commit().await?;
+        // A lone 429 only records when it came (decision 0412): nothing an operator or a
+        // metric needs to hear about.
+        let before = row.state();
+        if state.effective_rate == before.effective_rate
+            && state.paused_until == before.paused_until
+            && state.burst_limit == before.burst_limit
+        {
+            return Ok(None);
+        }
         Ok(Some(FeedbackApplied {
             effective_rate: state.effective_rate,
             paused_until: state.paused_until,
@@ -619,6 +639,90 @@ impl Ledger {
     }
 }
 
+/// A capped tenant's state on one bucket during a round of admission.
+struct CapState {
+    tat: Option<DateTime<Utc>>,
+    read: Option<DateTime<Utc>>,
+    deferred: u32,
+}
+
+/// The capped tenants' GCRA state on the bucket (locked by the caller's bucket row lock: only
+/// admission writes it, and only under that lock). No statement when no request has a cap.
+async fn load_caps(
+    conn: &mut sqlx::PgConnection,
+    account: &ProviderAccount,
+    channel: Channel,
+    requests: &[SlotRequest<'_>],
+) -> Result<HashMap<TenantId, CapState>, LedgerError> {
+    let mut caps: HashMap<TenantId, CapState> = requests
+        .iter()
+        .filter(|r| r.account == account && r.max_share.is_some())
+        .map(|r| {
+            (
+                r.tenant,
+                CapState {
+                    tat: None,
+                    read: None,
+                    deferred: 0,
+                },
+            )
+        })
+        .collect();
+    if caps.is_empty() {
+        return Ok(caps);
+    }
+    let tenants: Vec<uuid::Uuid> = caps.keys().map(|t| t.as_uuid()).collect();
+    let rows: Vec<(uuid::Uuid, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT tenant_id, tat FROM tenant_bucket_shares
+         WHERE provider_account = $1 AND channel = $2 AND tenant_id = ANY($3)",
+    )
+    .bind(account.as_str())
+    .bind(channel.as_str())
+    .bind(&tenants)
+    .fetch_all(&mut *conn)
+    .await?;
+    for (tenant, tat) in rows {
+        if let Some(cap) = caps.get_mut(&TenantId::from_uuid(tenant)) {
+            cap.tat = Some(tat);
+            cap.read = Some(tat);
+        }
+    }
+    Ok(caps)
+}
+
+/// Writes back the capped tenants' state that admission moved.
+async fn store_caps(
+    conn: &mut sqlx::PgConnection,
+    account: &ProviderAccount,
+    channel: Channel,
+    caps: &HashMap<TenantId, CapState>,
+) -> Result<(), LedgerError> {
+    let (tenants, tats): (Vec<uuid::Uuid>, Vec<DateTime<Utc>>) = caps
+        .iter()
+        .filter_map(|(tenant, cap)| {
+            cap.tat
+                .filter(|_| cap.tat != cap.read)
+                .map(|tat| (tenant.as_uuid(), tat))
+        })
+        .unzip();
+    if tenants.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "INSERT INTO tenant_bucket_shares (provider_account, channel, tenant_id, tat)
+         SELECT $1, $2, u.tenant_id, u.tat FROM unnest($3::uuid[], $4::timestamptz[])
+             AS u(tenant_id, tat)
+         ON CONFLICT (provider_account, channel, tenant_id) DO UPDATE SET tat = EXCLUDED.tat",
+    )
+    .bind(account.as_str())
+    .bind(channel.as_str())
+    .bind(&tenants)
+    .bind(&tats)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
 /// Takes a send slot for each request, in one round of the buckets' locks: each bucket is
 /// locked once (in account order, so concurrent rounds cannot deadlock), the domain admits its
 /// requests in order at the database time read under the lock, and the state is written back.
@@ -654,20 +758,30 @@ pub(crate) async fn admit_slots(
         decided_at = Some(decided_at.map_or(now, |d: DateTime<Utc>| d.max(now)));
         let config = row.config()?;
         let mut state = row.state();
+        let mut caps = load_caps(conn, account, channel, requests).await?;
         for (i, request) in requests.iter().enumerate() {
             if request.account == account {
-                admissions[i] = Some(admission::admit(
+                let cap = request.max_share.and_then(|share| {
+                    caps.get_mut(&request.tenant).map(|c| TenantCap {
+                        share,
+                        tat: &mut c.tat,
+                        deferred: &mut c.deferred,
+                    })
+                });
+                admissions[i] = Some(admission::admit_capped(
                     &config,
                     &mut state,
                     request.lane,
                     now,
                     settings,
+                    cap,
                 ));
             }
         }
         if state != row.state() {
             store(conn, account, channel, &state).await?;
         }
+        store_caps(conn, account, channel, &caps).await?;
         readings.push(BucketReading {
             account: account.clone(),
             rate_per_second: config.rate_per_second(),

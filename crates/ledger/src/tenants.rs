@@ -199,6 +199,45 @@ impl Ledger {
         Ok(Some(u32::try_from(previous).unwrap_or(1)))
     }
 
+    /// Sets (or with None clears) a tenant's cap on its share of every provider account it
+    /// sends through, audited (`tenant_max_share`, with the cap it replaced) in the same
+    /// transaction. Returns the cap it replaced (`Some(None)`: there was none), or None when
+    /// there is no such tenant. Workers apply it at their next admission.
+    pub async fn set_tenant_max_share(
+        &self,
+        id: TenantId,
+        share: Option<nudge_domain::MaxShare>,
+        by: &Operator,
+    ) -> Result<Option<Option<f64>>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let previous: Option<Option<f64>> =
+            sqlx::query_scalar("SELECT max_share FROM tenants WHERE id = $1 FOR UPDATE")
+                .bind(id.as_uuid())
+                .fetch_optional(&mut *tx)
+                .await?;
+        let Some(previous) = previous else {
+            return Ok(None);
+        };
+        let value = share.map(nudge_domain::MaxShare::get);
+        sqlx::query("UPDATE tenants SET max_share = $2, updated_at = $3 WHERE id = $1")
+            .bind(id.as_uuid())
+            .bind(value)
+            .bind(by.at())
+            .execute(&mut *tx)
+            .await?;
+        audit::insert(
+            &mut tx,
+            &by.entry(
+                "tenant_max_share",
+                format!("tenant:{id}"),
+                serde_json::json!({ "max_share": value, "previous": previous }),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(Some(previous))
+    }
+
     /// Routes a tenant's channel to a provider account (None = the channel's default account),
     /// audited (`tenant_route`, with the account it replaced) in the same transaction.
     pub async fn set_tenant_channel_account(

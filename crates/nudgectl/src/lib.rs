@@ -330,14 +330,21 @@ pub enum TenantCommand {
             the relay hands work out in weighted turns per tenant, oldest first within a \
             tenant, so one tenant's backlog never makes another's reminders wait behind it. \
             Default 1; a tenant with weight 3 gets three deliveries per turn where one with \
-            weight 1 gets one. Audited with the weight it replaced."
+            weight 1 gets one; the turns carry over from claim to claim. --max-share caps the \
+            tenant at a share of every provider account's rate it sends through, even when it \
+            is alone on the account (0.5: at most half); 1 removes the cap. Each change is \
+            audited with the value it replaced."
     )]
     Set {
         /// Tenant name.
         name: String,
         /// Share of each claim, 1 to 1000 (default for every tenant: 1).
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
-        weight: u32,
+        weight: Option<u32>,
+        /// The most the tenant may take of an account's rate, above 0 and at most 1 (1: no
+        /// cap, the default).
+        #[arg(long, value_name = "SHARE")]
+        max_share: Option<f64>,
         /// Why: recorded in the audit log.
         #[arg(long)]
         reason: String,
@@ -763,17 +770,43 @@ pub async fn execute(
         Command::Tenant(TenantCommand::Set {
             name,
             weight,
+            max_share,
             reason,
         }) => {
             require_reason(&reason)?;
+            if weight.is_none() && max_share.is_none() {
+                bail!("give at least one of --weight or --max-share");
+            }
+            let share = max_share
+                .map(|s| {
+                    nudge_domain::MaxShare::new(s)
+                        .map_err(|e| anyhow::anyhow!("--max-share {s}: {e}"))
+                })
+                .transpose()?;
             let by = operator(ledger, actor, Some(&reason)).await?;
             let tenant = find_tenant(ledger, &name).await?;
-            let previous = ledger
-                .set_tenant_weight(tenant.id, weight, &by)
-                .await
-                .context("failed to set the tenant's weight")?
-                .with_context(|| format!("no tenant named {name}"))?;
-            writeln!(out, "tenant {name}: weight {weight} (was {previous})")?;
+            if let Some(weight) = weight {
+                let previous = ledger
+                    .set_tenant_weight(tenant.id, weight, &by)
+                    .await
+                    .context("failed to set the tenant's weight")?
+                    .with_context(|| format!("no tenant named {name}"))?;
+                writeln!(out, "tenant {name}: weight {weight} (was {previous})")?;
+            }
+            if let Some(share) = share {
+                let previous = ledger
+                    .set_tenant_max_share(tenant.id, share, &by)
+                    .await
+                    .context("failed to set the tenant's maximum share")?
+                    .with_context(|| format!("no tenant named {name}"))?;
+                let shown = |s: Option<f64>| s.map_or_else(|| "none".to_owned(), |s| s.to_string());
+                writeln!(
+                    out,
+                    "tenant {name}: max share {} (was {})",
+                    shown(share.map(nudge_domain::MaxShare::get)),
+                    shown(previous)
+                )?;
+            }
         }
         Command::Tenant(TenantCommand::Secret(SecretCommand::Rotate { name, reason })) => {
             let Some(cipher) = cipher else {

@@ -78,7 +78,8 @@ fn provider_buckets() -> impl Iterator<Item = f64> {
 ///   `retry.max_retry_after_s`).
 /// - `nudge_admission_deferrals_total{provider_account, channel, reason}`: leases given back
 ///   to the ledger because the bucket had no slot in time (`bucket_closed`,
-///   `bucket_throttled`, `bucket_paused`, `bucket_closed_while_waiting`, `bucket_slowed`).
+///   `bucket_throttled`, `bucket_paused`, `bucket_closed_while_waiting`, `bucket_slowed`,
+///   `tenant_capped`).
 /// - `nudge_lease_releases_total{provider_account, channel, reason}`: leases given back unsent
 ///   for any other reason (`shutdown`, `ledger_unavailable`, `fence_refused`,
 ///   `unknown_provider_account`).

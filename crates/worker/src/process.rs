@@ -1102,6 +1102,7 @@ fn deferral_label(reason: nudge_domain::DeferReason) -> &'static str {
         nudge_domain::DeferReason::Closed => "bucket_closed",
         nudge_domain::DeferReason::Throttled => "bucket_throttled",
         nudge_domain::DeferReason::Paused => "bucket_paused",
+        nudge_domain::DeferReason::Capped => "tenant_capped",
     }
 }
 

@@ -10,46 +10,73 @@ use nudge_domain::Channel;
 use super::{DueDelivery, DueRow, LedgerTime, to_i64};
 use crate::{Ledger, LedgerError};
 
-/// Due work in weighted turns per tenant (invariant 14): each tenant with due work on the
-/// channel offers its oldest deliveries, the n-th of them at turn `(n - 1) / claim_weight`, and
-/// the claim takes the earliest turns, oldest first within a turn. Deliveries due at the same
-/// instant (a batch imported for one time) go in the order they were created (their ids are
-/// UUIDv7), so one given back by the reaper keeps its place among them. So a tenant with a backlog
-/// of thousands and one with twenty due share each claim by weight, and the twenty go out in
-/// the next claim or two instead of after the backlog. Each tenant offers at most the claim's
-/// limit, so a claim reads at most `tenants with due work x limit` index entries.
-const CLAIM_DUE: &str = "WITH due_tenants AS (
-        SELECT t.id, t.claim_weight FROM tenants t
+/// Due work in weighted turns per tenant (invariant 14; decision 0411), the rule of
+/// `nudge_domain::fairness::claim_order` in SQL (a ledger test holds the two together): each
+/// tenant with due work on the channel offers its oldest deliveries, the n-th at turn
+/// `start + (n - 1) / claim_weight`, where `start` is the tenant's pass on the channel, kept
+/// within one turn above the lowest pass among the tenants with due work (a tenant without one
+/// starts at that lowest pass). The claim takes the earliest turns; tenants at the same turn go
+/// in the order of the claim's draw (`$5`, fresh for every claim: a fixed order would serve the
+/// same tenant first at every turn, claim after claim); oldest first within a tenant.
+/// Deliveries due at the same instant go in the order they were created (their ids are UUIDv7),
+/// so one given back by the reaper keeps its place among them. The claim then moves each
+/// tenant's pass one turn past its last delivery claimed (to its start, for a tenant that had due
+/// work and got none), so claims of a few deliveries serve the tenants in turn, and by weight, as
+/// one large claim does. Each tenant offers at most the claim's limit, so a claim reads at most
+/// `tenants with due work x limit` index entries.
+const CLAIM_DUE: &str = "WITH due_tenants AS MATERIALIZED (
+        SELECT t.id, t.claim_weight, p.pass,
+               sha256(convert_to(t.id::text || ':' || $5, 'UTF8')) AS tiebreak
+        FROM tenants t
+        LEFT JOIN tenant_claim_passes p ON p.channel = $1 AND p.tenant_id = t.id
         WHERE EXISTS (
             SELECT 1 FROM deliveries d
             WHERE d.channel = $1 AND d.tenant_id = t.id AND d.state IN ('scheduled', 'retry_wait')
               AND d.next_attempt_at <= COALESCE($3, now()) AND d.owner = $4)),
+    starts AS MATERIALIZED (
+        SELECT dt.id, dt.claim_weight, dt.pass, dt.tiebreak,
+               LEAST(GREATEST(COALESCE(dt.pass, f.low), f.low), f.low + 1) AS start
+        FROM due_tenants dt
+        CROSS JOIN (SELECT COALESCE(min(pass), 0) AS low FROM due_tenants) f),
     turns AS (
-        SELECT offered.id, offered.next_attempt_at,
-               (offered.n - 1)::float8 / t.claim_weight AS turn
-        FROM due_tenants t
+        SELECT offered.id, offered.next_attempt_at, s.tiebreak,
+               s.start + (offered.n - 1)::float8 / s.claim_weight AS turn
+        FROM starts s
         CROSS JOIN LATERAL (
             SELECT d.id, d.next_attempt_at,
                    row_number() OVER (ORDER BY d.next_attempt_at, d.id) AS n
             FROM deliveries d
-            WHERE d.channel = $1 AND d.tenant_id = t.id AND d.state IN ('scheduled', 'retry_wait')
+            WHERE d.channel = $1 AND d.tenant_id = s.id AND d.state IN ('scheduled', 'retry_wait')
               AND d.next_attempt_at <= COALESCE($3, now()) AND d.owner = $4
             ORDER BY d.next_attempt_at, d.id
             LIMIT $2) offered
-        ORDER BY turn, offered.next_attempt_at, offered.id
+        ORDER BY turn, s.tiebreak, offered.next_attempt_at, offered.id
         LIMIT $2),
     due AS (
-        SELECT d.id, turns.turn FROM deliveries d JOIN turns ON d.id = turns.id
+        SELECT d.id, turns.turn, turns.tiebreak FROM deliveries d JOIN turns ON d.id = turns.id
         WHERE d.state IN ('scheduled', 'retry_wait')
-        FOR UPDATE OF d SKIP LOCKED)
-    UPDATE deliveries d
-    SET state = 'queued', generation = d.generation + 1,
-        queued_at = COALESCE($3, now()), updated_at = COALESCE($3, now())
-    FROM due WHERE d.id = due.id
-    RETURNING d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
-              d.next_attempt_at, due.turn,
-              (SELECT r.correlation_id FROM reminders r WHERE r.id = d.reminder_id)
-                  AS correlation_id";
+        FOR UPDATE OF d SKIP LOCKED),
+    claimed AS (
+        UPDATE deliveries d
+        SET state = 'queued', generation = d.generation + 1,
+            queued_at = COALESCE($3, now()), updated_at = COALESCE($3, now())
+        FROM due WHERE d.id = due.id
+        RETURNING d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
+                  d.next_attempt_at, due.turn, due.tiebreak,
+                  (SELECT r.correlation_id FROM reminders r WHERE r.id = d.reminder_id)
+                      AS correlation_id),
+    passes AS (
+        INSERT INTO tenant_claim_passes AS p (channel, tenant_id, pass, claimed_at)
+        SELECT $1, s.id,
+               COALESCE(max(c.turn) + 1::float8 / s.claim_weight, s.start),
+               CASE WHEN count(c.id) > 0 THEN COALESCE($3, now()) END
+        FROM starts s LEFT JOIN claimed c ON c.tenant_id = s.id
+        GROUP BY s.id, s.claim_weight, s.start, s.pass
+        HAVING count(c.id) > 0 OR s.pass IS DISTINCT FROM s.start
+        ORDER BY s.id
+        ON CONFLICT (channel, tenant_id) DO UPDATE
+        SET pass = EXCLUDED.pass, claimed_at = COALESCE(EXCLUDED.claimed_at, p.claimed_at))
+    SELECT * FROM claimed";
 
 /// A claimed row and its turn, so the batch is published in turn order.
 #[derive(sqlx::FromRow)]
@@ -57,6 +84,7 @@ struct ClaimedRow {
     #[sqlx(flatten)]
     due: DueRow,
     turn: f64,
+    tiebreak: Vec<u8>,
 }
 
 impl Ledger {
@@ -74,6 +102,7 @@ impl Ledger {
                 .bind(i64::from(limit))
                 .bind(at.bind())
                 .bind(&*self.sender)
+                .bind("0")
                 .fetch_all(&self.pool)
                 .await?;
         Ok(lines.join("\n"))
@@ -97,18 +126,33 @@ impl Ledger {
         limit: u32,
         at: LedgerTime,
     ) -> Result<Vec<DueDelivery>, LedgerError> {
+        self.claim_due_drawn(channel, limit, at, rand::random())
+            .await
+    }
+
+    /// [`claim_due`](Self::claim_due) with the claim's draw given: tenants at the same turn
+    /// go in the order of `sha256("{tenant id}:{draw}")`. Tests give it to know the order.
+    pub async fn claim_due_drawn(
+        &self,
+        channel: Channel,
+        limit: u32,
+        at: LedgerTime,
+        draw: u64,
+    ) -> Result<Vec<DueDelivery>, LedgerError> {
         let mut rows = sqlx::query_as::<_, ClaimedRow>(CLAIM_DUE)
             .bind(channel.as_str())
             .bind(i64::from(limit))
             .bind(at.bind())
             .bind(&*self.sender)
+            .bind(draw.to_string())
             .fetch_all(&self.pool)
             .await?;
-        // Published in turn order, oldest first within a turn: a small tenant's first
-        // deliveries lead the batch beside a large one's, not behind all of it.
+        // Published in turn order: a small tenant's first deliveries lead the batch beside a
+        // large one's, not behind all of it.
         rows.sort_by(|a, b| {
             a.turn
                 .total_cmp(&b.turn)
+                .then_with(|| a.tiebreak.cmp(&b.tiebreak))
                 .then(a.due.next_attempt_at.cmp(&b.due.next_attempt_at))
                 .then(a.due.id.cmp(&b.due.id))
         });

@@ -156,6 +156,8 @@ struct CandidateRow {
     expires_at: DateTime<Utc>,
     account: String,
     bucketed: bool,
+    /// The tenant's cap on its share of the bucket, if any.
+    max_share: Option<f64>,
     subscriber_ref: String,
     content_ciphertext: Option<Vec<u8>>,
     destination_ciphertext: Option<Vec<u8>>,
@@ -337,6 +339,7 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
            c.destination_ciphertext, c.destination_digest,
            COALESCE(c.invalid, false) AS contact_invalid,
            COALESCE(c.opted_out, false) AS contact_opted_out,
+           (SELECT t.max_share FROM tenants t WHERE t.id = d.tenant_id) AS max_share,
            COALESCE($5, now()) AS db_now
     FROM input i
     CROSS JOIN LATERAL (
@@ -585,11 +588,16 @@ impl Ledger {
             let requests: Vec<SlotRequest<'_>> = accounts
                 .iter()
                 .zip(&lanes)
-                .map(|(account, lane)| SlotRequest {
-                    account,
-                    lane: *lane,
+                .zip(&bucketed)
+                .map(|((account, lane), &i)| {
+                    Ok(SlotRequest {
+                        account,
+                        lane: *lane,
+                        tenant: TenantId::from_uuid(rows[i].tenant_id),
+                        max_share: max_share(rows[i].max_share)?,
+                    })
                 })
-                .collect();
+                .collect::<Result<_, LedgerError>>()?;
             let answers =
                 admit_slots(&mut tx, batch.channel, &requests, batch.admission, batch.at).await?;
             leased_at = Some(answers.decided_at);
@@ -715,9 +723,16 @@ impl Ledger {
         lease: LeasedDelivery,
     ) -> Result<Slotted, LedgerError> {
         let mut tx = self.pool.begin().await?;
+        let share: Option<f64> = sqlx::query_scalar("SELECT max_share FROM tenants WHERE id = $1")
+            .bind(lease.tenant_id.as_uuid())
+            .fetch_optional(&mut *tx)
+            .await?
+            .flatten();
         let requests = [SlotRequest {
             account: &lease.provider_account,
             lane: lease.lane,
+            tenant: lease.tenant_id,
+            max_share: max_share(share)?,
         }];
         let answers =
             admit_slots(&mut tx, batch.channel, &requests, batch.admission, batch.at).await?;
@@ -1031,4 +1046,13 @@ async fn stamp_or_release(
             (lease, slotted)
         })
         .collect())
+}
+
+/// A stored cap, parsed: NULL (or 1) is none.
+fn max_share(stored: Option<f64>) -> Result<Option<nudge_domain::MaxShare>, LedgerError> {
+    stored
+        .map(nudge_domain::MaxShare::new)
+        .transpose()
+        .map(Option::flatten)
+        .map_err(|e| LedgerError::corrupt("tenants", e))
 }

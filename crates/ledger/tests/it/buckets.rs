@@ -99,6 +99,25 @@ async fn feedback(
         .unwrap()
 }
 
+/// A 429 alone, a moment before `now`: it moves nothing but makes the next one within the
+/// confirmation window act (decision 0412).
+async fn an_earlier_429(ledger: &Ledger, now: DateTime<Utc>) {
+    let lone = feedback(
+        ledger,
+        Feedback::Throttled {
+            retry_at: None,
+            reserved_at: None,
+        },
+        now - chrono::Duration::milliseconds(100),
+    )
+    .await;
+    assert_eq!(
+        lone.map(|a| (a.effective_rate, a.paused_until)),
+        None,
+        "a lone 429 changes neither rate nor pause"
+    );
+}
+
 async fn send_started_at(pool: &PgPool, lease: &LeasedDelivery) -> Option<DateTime<Utc>> {
     sqlx::query_scalar("SELECT send_started_at FROM deliveries WHERE id = $1")
         .bind(lease.id.as_uuid())
@@ -201,6 +220,7 @@ async fn a_429_with_retry_after_pauses_the_bucket_for_every_replica(pool: PgPool
         .unwrap();
     let (waiting, reserved_at) = waiting_lease(&ledger, 5).await;
     let until = t0() + secs(3);
+    an_earlier_429(&ledger, t0() + secs(1)).await;
 
     let changed = feedback(
         &ledger,
@@ -263,6 +283,7 @@ async fn a_slot_reserved_before_a_slow_down_is_reserved_again(pool: PgPool) {
         .await
         .unwrap();
     let (waiting, reserved_at) = waiting_lease(&ledger, 5).await;
+    an_earlier_429(&ledger, t0() + secs(1)).await;
     feedback(
         &ledger,
         Feedback::Throttled {
@@ -410,6 +431,7 @@ async fn a_huge_retry_after_pauses_the_bucket_at_most_the_maximum_and_an_operato
         .await
         .unwrap();
     let asked = t0() + secs(99_999_999);
+    an_earlier_429(&ledger, t0()).await;
 
     let applied = feedback(
         &ledger,
@@ -689,4 +711,83 @@ async fn the_fence_refuses_exactly_the_buckets_the_drain_model_leaves_out(pool: 
         }
         assert_eq!(channel_rate, drain::admitted_rate([case], now), "{case:?}");
     }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_capped_tenant_alone_gets_its_share_and_its_held_back_work_returns_at_its_pace(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool.clone());
+    ledger
+        .ensure_bucket(&main_account(), Channel::Sms, 40.0, 8, t0())
+        .await
+        .unwrap();
+    let capped = ledger.create_tenant("capped", &ops(t0())).await.unwrap();
+    let share = nudge_domain::MaxShare::new(0.25).unwrap();
+    assert_eq!(
+        ledger
+            .set_tenant_max_share(capped.id, share, &ops(t0()))
+            .await
+            .unwrap(),
+        Some(None),
+        "no cap before"
+    );
+    for i in 0..12 {
+        owed(&ledger, capped.id, &format!("c{i}"), &[Channel::Sms], t0()).await;
+    }
+    let messages = ledger.claim_due(Channel::Sms, 100, at(t0())).await.unwrap();
+
+    let outcomes = lease_batch(&ledger, &messages, "worker-1", &wait(500), t0()).await;
+
+    // A quarter of 40/s is 10/s, with a quarter of the burst (2): two now, the rest given back
+    // one tenant interval (100 ms) apart, though the bucket itself had room for them.
+    let leased = outcomes
+        .iter()
+        .filter(|o| matches!(o, LeaseOutcome::Leased { .. }))
+        .count();
+    assert_eq!(leased, 2, "{outcomes:?}");
+    let untils: Vec<DateTime<Utc>> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            LeaseOutcome::Released {
+                until,
+                reason: DeferReason::Capped,
+                ..
+            } => Some(*until),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(untils.len(), 10);
+    for (k, until) in untils.iter().enumerate() {
+        assert_eq!(
+            *until,
+            t0() + chrono::Duration::milliseconds(100 * (i64::try_from(k).unwrap() + 1)),
+            "the {k}-th held back"
+        );
+    }
+    let stored: DateTime<Utc> =
+        sqlx::query_scalar("SELECT tat FROM tenant_bucket_shares WHERE tenant_id = $1")
+            .bind(capped.id.as_uuid())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(stored, t0() + chrono::Duration::milliseconds(200));
+
+    // Another tenant on the account is not held by that cap: the bucket's own burst is left.
+    let other = due(&ledger, 6).await;
+    let outcomes = lease_batch(&ledger, &other, "worker-1", &wait(0), t0()).await;
+    let leased = outcomes
+        .iter()
+        .filter(|o| matches!(o, LeaseOutcome::Leased { .. }))
+        .count();
+    assert_eq!(leased, 6, "{outcomes:?}");
+
+    // Cleared with a share of 1: the tenant's next work takes the bucket's pace only.
+    assert_eq!(
+        ledger
+            .set_tenant_max_share(capped.id, None, &ops(t0()))
+            .await
+            .unwrap(),
+        Some(Some(0.25))
+    );
 }

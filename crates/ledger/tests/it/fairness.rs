@@ -5,9 +5,11 @@
 
 use std::collections::HashMap;
 
-use nudge_domain::{Channel, TenantId};
+use chrono::{DateTime, Utc};
+use nudge_domain::{Channel, ClaimWeight, TenantId, TenantOffer, claim_order};
 use nudge_ledger::test_support::*;
 use nudge_ledger::{DueDelivery, Ledger};
+use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
 /// `count` SMS reminders of `tenant`, due `minutes_ago` minutes before `t0()` and on.
@@ -50,13 +52,12 @@ async fn a_small_tenants_due_work_is_claimed_beside_a_large_backlog_not_behind_i
     let counts = by_tenant(&claimed);
     assert_eq!(counts.get(&small.id), Some(&5), "{counts:?}");
     assert_eq!(counts.get(&big.id), Some(&5), "{counts:?}");
-    // In turns: the batch is published alternating, each tenant's oldest first.
+    // In turns: the batch is published alternating (which of the two leads a turn is the
+    // claim's draw), each tenant's oldest first.
     let order: Vec<bool> = claimed.iter().map(|d| d.tenant_id == big.id).collect();
-    assert_eq!(
-        order,
-        vec![
-            true, false, true, false, true, false, true, false, true, false
-        ]
+    assert!(
+        order.chunks(2).all(|turn| turn[0] != turn[1]),
+        "one of each per turn: {order:?}"
     );
     let big_times: Vec<_> = claimed
         .iter()
@@ -140,4 +141,187 @@ async fn a_weight_outside_one_to_a_thousand_is_refused_and_an_unknown_tenant_cha
             .await
             .unwrap();
     assert_eq!(audited, 0);
+}
+
+/// A tenant's offer as the claim sees it: due deliveries by (due time, id), the draw's hash.
+type Offer = TenantOffer<(DateTime<Utc>, uuid::Uuid), Vec<u8>>;
+
+/// A small deterministic generator, so a failing scenario reproduces from its seed.
+struct Draws(u64);
+
+impl Draws {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (self.0 >> 33) % below
+    }
+}
+
+/// The relay's claim against `nudge_domain::fairness::claim_order`, the rule it implements:
+/// random tenants (weights, passes left by earlier claims, due work at random times), three
+/// claims in a row of random sizes; each claim takes the same deliveries in the same order, and
+/// leaves the same passes, as the domain's function says.
+async fn the_claim_is_the_domains_rule(pool: PgPool, seed: u64) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let mut rng = Draws(seed);
+    let mut tenants = Vec::new();
+    for t in 0..2 + rng.next(4) {
+        let tenant = ledger
+            .create_tenant(&format!("tenant-{t}"), &ops(t0()))
+            .await
+            .unwrap();
+        let weight = u32::try_from(1 + rng.next(4)).unwrap();
+        ledger
+            .set_tenant_weight(tenant.id, weight, &ops(t0()))
+            .await
+            .unwrap();
+        if rng.next(2) == 0 {
+            #[allow(clippy::cast_precision_loss)]
+            let pass = rng.next(40) as f64 / 4.0;
+            sqlx::query(
+                "INSERT INTO tenant_claim_passes (channel, tenant_id, pass) VALUES ('sms', $1, $2)",
+            )
+            .bind(tenant.id.as_uuid())
+            .bind(pass)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+        for i in 0..rng.next(25) {
+            // Few distinct times, so deliveries due at one instant are common.
+            let due = t0() - secs(i64::try_from(rng.next(5)).unwrap() * 10);
+            owed(
+                &ledger,
+                tenant.id,
+                &format!("t{t}-{i}"),
+                &[Channel::Sms],
+                due,
+            )
+            .await;
+        }
+        tenants.push((tenant.id, weight));
+    }
+    let now = t0() + secs(60);
+    for round in 0..3 {
+        let limit = u32::try_from(1 + rng.next(30)).unwrap();
+        let draw = rng.next(u64::MAX);
+        let due: Vec<(uuid::Uuid, uuid::Uuid, DateTime<Utc>)> = sqlx::query_as(
+            "SELECT id, tenant_id, next_attempt_at FROM deliveries
+             WHERE channel = 'sms' AND state IN ('scheduled', 'retry_wait')
+               AND next_attempt_at <= $1",
+        )
+        .bind(now)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        let passes: HashMap<uuid::Uuid, f64> =
+            sqlx::query_as("SELECT tenant_id, pass FROM tenant_claim_passes WHERE channel = 'sms'")
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+                .into_iter()
+                .collect();
+        let offers: Vec<Offer> = tenants
+            .iter()
+            .map(|&(tenant, weight)| {
+                let mut items: Vec<_> = due
+                    .iter()
+                    .filter(|d| d.1 == tenant.as_uuid())
+                    .map(|d| (d.2, d.0))
+                    .collect();
+                items.sort();
+                TenantOffer {
+                    weight: ClaimWeight::new(weight).unwrap(),
+                    pass: passes.get(&tenant.as_uuid()).copied(),
+                    tiebreak: Sha256::digest(format!("{}:{draw}", tenant.as_uuid()).as_bytes())
+                        .to_vec(),
+                    due: items,
+                }
+            })
+            .collect();
+        let expected = claim_order(&offers, usize::try_from(limit).unwrap());
+
+        let claimed = ledger
+            .claim_due_drawn(Channel::Sms, limit, at(now), draw)
+            .await
+            .unwrap();
+        let got: Vec<uuid::Uuid> = claimed.iter().map(|d| d.id.as_uuid()).collect();
+        let want: Vec<uuid::Uuid> = expected.claimed.iter().map(|c| c.item.1).collect();
+        assert_eq!(got, want, "seed {seed}, claim {round} of {limit}");
+        let after: HashMap<uuid::Uuid, f64> =
+            sqlx::query_as("SELECT tenant_id, pass FROM tenant_claim_passes WHERE channel = 'sms'")
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+                .into_iter()
+                .collect();
+        for (i, &(tenant, _)) in tenants.iter().enumerate() {
+            assert_eq!(
+                after.get(&tenant.as_uuid()).copied(),
+                expected.passes[i],
+                "seed {seed}, claim {round}: tenant {i}'s pass"
+            );
+        }
+    }
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_claim_is_the_domains_rule_seed_1(pool: PgPool) {
+    the_claim_is_the_domains_rule(pool, 1).await;
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_claim_is_the_domains_rule_seed_2(pool: PgPool) {
+    the_claim_is_the_domains_rule(pool, 2).await;
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_claim_is_the_domains_rule_seed_3(pool: PgPool) {
+    the_claim_is_the_domains_rule(pool, 3).await;
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_claim_is_the_domains_rule_seed_4(pool: PgPool) {
+    the_claim_is_the_domains_rule(pool, 4).await;
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn claims_of_one_serve_tenants_with_equal_backlogs_in_turn(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let mut ids = Vec::new();
+    for name in ["a", "b", "c"] {
+        let tenant = ledger.create_tenant(name, &ops(t0())).await.unwrap();
+        // Every tenant's work due at one instant: only the passes tell them apart.
+        for i in 0..4 {
+            owed(
+                &ledger,
+                tenant.id,
+                &format!("{name}-{i}"),
+                &[Channel::Sms],
+                t0(),
+            )
+            .await;
+        }
+        ids.push(tenant.id);
+    }
+    let mut served = Vec::new();
+    for _ in 0..9 {
+        let claimed = ledger
+            .claim_due(Channel::Sms, 1, at(t0() + secs(1)))
+            .await
+            .unwrap();
+        served.push(claimed[0].tenant_id);
+    }
+    for round in served.chunks(3) {
+        let mut round = round.to_vec();
+        round.sort();
+        let mut all = ids.clone();
+        all.sort();
+        assert_eq!(
+            round, all,
+            "each tenant once in every three claims: {served:?}"
+        );
+    }
 }

@@ -319,7 +319,9 @@ async fn a_recipient_throttle_retries_that_delivery_and_leaves_the_bucket_alone(
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
-async fn an_account_throttle_slows_and_pauses_the_bucket_like_a_generic_429(pool: PgPool) {
+async fn an_account_throttle_confirmed_by_a_second_slows_and_pauses_the_bucket_like_a_generic_429(
+    pool: PgPool,
+) {
     let ledger = Ledger::from_pool(pool);
     let now = db_now(&ledger).await;
     ledger
@@ -332,11 +334,18 @@ async fn an_account_throttle_slows_and_pauses_the_bucket_like_a_generic_429(pool
             .with_retry_after(Some("10".into()))
             .with_code(Some("20429")),
     );
-    let (worker, _) = worker(&ledger, vec![throttled]);
+    let (worker, _) = worker(&ledger, vec![throttled.clone(), throttled]);
     let first = due(&ledger, "first", "patient-1").await;
     worker.process_one(&envelope(&first)).await;
     let bucket = ledger.rate_buckets().await.unwrap().remove(0);
-    assert!(bucket.paused_until.is_some());
+    assert_eq!(
+        bucket.paused_until, None,
+        "one 429 alone is about its own request (decision 0120)"
+    );
+    let second = due(&ledger, "second", "patient-1").await;
+    worker.process_one(&envelope(&second)).await;
+    let bucket = ledger.rate_buckets().await.unwrap().remove(0);
+    assert!(bucket.paused_until.is_some(), "the second confirms it");
     // Slowed: a 429 while the bucket spends its burst shrinks the burst, else it cuts the rate.
     let burst_cut: Option<chrono::DateTime<chrono::Utc>> =
         sqlx::query_scalar("SELECT burst_cut_at FROM rate_buckets")
