@@ -277,6 +277,39 @@ impl Default for AdmissionSettings {
     }
 }
 
+/// Why a [`MaxShare`] was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("a tenant's maximum share of an account is a number above 0 and at most 1")]
+pub struct InvalidShare;
+
+/// The most a tenant may take of any provider account's rate it sends through, as a share in
+/// `(0, 1)`. A share of 1 is no cap, and is represented by no `MaxShare` at all.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+pub struct MaxShare(f64);
+
+impl MaxShare {
+    /// `Ok(None)` for 1 (no cap); an error outside `(0, 1]` or for a non-number.
+    pub fn new(share: f64) -> Result<Option<Self>, InvalidShare> {
+        if !share.is_finite() || share <= 0.0 || share > 1.0 {
+            return Err(InvalidShare);
+        }
+        Ok((share < 1.0).then_some(Self(share)))
+    }
+
+    pub fn get(self) -> f64 {
+        self.0
+    }
+
+    /// The tenant's share of a bucket's burst: at least 1, rounded up (a cap never makes a
+    /// request impossible).
+    pub fn burst(self, burst: u32) -> u32 {
+        // At most `burst`, which fits.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let share = (f64::from(burst) * self.0).ceil() as u32;
+        share.clamp(1, burst.max(1))
+    }
+}
+
 /// A tenant's cap on one bucket (`nudgectl tenant set TENANT --max-share S`): the tenant's own
 /// limiter at `S` times the bucket's admitting rate, with that share of the burst (at least 1),
 /// whose state (`tat`) is kept per tenant and bucket. It bounds the tenant even when it is
@@ -289,7 +322,7 @@ impl Default for AdmissionSettings {
 /// of a capped tenant's work returns at its pace, not all at once.
 #[derive(Debug)]
 pub struct TenantCap<'a> {
-    pub share: crate::fairness::MaxShare,
+    pub share: MaxShare,
     /// The tenant's GCRA theoretical arrival time on this bucket.
     pub tat: &'a mut Option<DateTime<Utc>>,
     /// How many of the tenant's requests this round has held back so far.

@@ -22,11 +22,11 @@
 
 use std::cmp::Ordering;
 
-/// Why a [`MaxShare`] or [`ClaimWeight`] was refused.
+pub use crate::admission::MaxShare;
+
+/// Why a [`ClaimWeight`] was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum InvalidFairness {
-    #[error("a tenant's maximum share of an account is a number above 0 and at most 1")]
-    Share,
     #[error("a claim weight is a whole number from 1 to 1000")]
     Weight,
 }
@@ -48,34 +48,6 @@ impl ClaimWeight {
 
     pub fn get(self) -> u32 {
         self.0
-    }
-}
-
-/// The most a tenant may take of any provider account's rate it sends through, as a share in
-/// `(0, 1)`. A share of 1 is no cap, and is represented by no `MaxShare` at all.
-#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
-pub struct MaxShare(f64);
-
-impl MaxShare {
-    /// `Ok(None)` for 1 (no cap); an error outside `(0, 1]` or for a non-number.
-    pub fn new(share: f64) -> Result<Option<Self>, InvalidFairness> {
-        if !share.is_finite() || share <= 0.0 || share > 1.0 {
-            return Err(InvalidFairness::Share);
-        }
-        Ok((share < 1.0).then_some(Self(share)))
-    }
-
-    pub fn get(self) -> f64 {
-        self.0
-    }
-
-    /// The tenant's share of a bucket's burst: at least 1, rounded up (a cap never makes a
-    /// request impossible).
-    pub fn burst(self, burst: u32) -> u32 {
-        // At most `burst`, which fits.
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let share = (f64::from(burst) * self.0).ceil() as u32;
-        share.clamp(1, burst.max(1))
     }
 }
 
@@ -257,7 +229,11 @@ mod tests {
         assert_eq!(ClaimWeight::new(1001), Err(InvalidFairness::Weight));
         assert_eq!(ClaimWeight::new(1000).unwrap().get(), 1000);
         for bad in [0.0, -0.5, 1.01, f64::NAN, f64::INFINITY] {
-            assert_eq!(MaxShare::new(bad), Err(InvalidFairness::Share), "{bad}");
+            assert_eq!(
+                MaxShare::new(bad),
+                Err(crate::admission::InvalidShare),
+                "{bad}"
+            );
         }
         assert_eq!(MaxShare::new(1.0), Ok(None));
         assert_eq!(MaxShare::new(0.5).unwrap().unwrap().get(), 0.5);

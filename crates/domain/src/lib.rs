@@ -31,8 +31,9 @@ pub mod retry_after;
 pub mod state;
 
 pub use admission::{
-    Admission, AdmissionSettings, BucketConfig, BucketState, DeferReason, InvalidBucket, TenantCap,
-    admit, admit_capped, on_success, on_suspended, on_throttled, on_throttled_after, reconfigured,
+    Admission, AdmissionSettings, BucketConfig, BucketState, DeferReason, InvalidBucket,
+    InvalidShare, MaxShare, TenantCap, admit, admit_capped, on_success, on_suspended, on_throttled,
+    on_throttled_after, reconfigured,
 };
 pub use answer::{
     Alert, BucketSignal, ContactFlag, Effects, ProviderAnswer, ProviderCode, Verdict,
@@ -46,8 +47,8 @@ pub use decide::{
     AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide, is_account_fault,
 };
 pub use fairness::{
-    ClaimOrder, ClaimWeight, Claimed, Contender, InvalidFairness, MaxShare, TenantOffer,
-    claim_order, fair_shares,
+    ClaimOrder, ClaimWeight, Claimed, Contender, InvalidFairness, TenantOffer, claim_order,
+    fair_shares,
 };
 pub use ids::{
     Channel, DeliveryId, EventId, IdError, IdempotencyKey, ProviderAccount, RedriveId, ReminderId,

@@ -28,6 +28,8 @@ pub struct RateBucket {
     pub paused_until: Option<DateTime<Utc>>,
     /// Why it is paused: the answer that paused it, and whether the pause was cut short.
     pub pause_cause: Option<String>,
+    /// When the provider last answered 429 (a lone one moves nothing: decision 0120).
+    pub last_throttled_at: Option<DateTime<Utc>>,
     pub reserve_new: f64,
     pub reserve_recovery: f64,
     pub changed_by: String,
@@ -184,6 +186,7 @@ impl BucketRow {
             effective_rate: self.effective_rate,
             paused_until: self.paused_until,
             pause_cause: self.pause_cause.filter(|_| self.paused_until.is_some()),
+            last_throttled_at: self.last_throttled_at,
             reserve_new: self.reserve_new,
             reserve_recovery: self.reserve_recovery,
             changed_by: self.changed_by,

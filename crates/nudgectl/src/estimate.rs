@@ -310,6 +310,7 @@ mod tests {
             effective_rate: effective,
             paused_until: None,
             pause_cause: None,
+            last_throttled_at: None,
             reserve_new: 0.2,
             reserve_recovery: 0.1,
             changed_by: "ops".into(),

@@ -23,7 +23,9 @@ use crate::{Ledger, LedgerError};
 /// tenant's pass one turn past its last delivery claimed (to its start, for a tenant that had due
 /// work and got none), so claims of a few deliveries serve the tenants in turn, and by weight, as
 /// one large claim does. Each tenant offers at most the claim's limit, so a claim reads at most
-/// `tenants with due work x limit` index entries.
+/// `tenants with due work x limit` index entries. The lock re-checks that each row is still
+/// due and still this sender's, on its newest version: a reschedule that moved it later
+/// meanwhile leaves it for its new time, never queued early for a lease that would refuse it.
 const CLAIM_DUE: &str = "WITH due_tenants AS MATERIALIZED (
         SELECT t.id, t.claim_weight, p.pass,
                sha256(convert_to(t.id::text || ':' || $5, 'UTF8')) AS tiebreak
@@ -55,6 +57,7 @@ const CLAIM_DUE: &str = "WITH due_tenants AS MATERIALIZED (
     due AS (
         SELECT d.id, turns.turn, turns.tiebreak FROM deliveries d JOIN turns ON d.id = turns.id
         WHERE d.state IN ('scheduled', 'retry_wait')
+          AND d.next_attempt_at <= COALESCE($3, now()) AND d.owner = $4
         FOR UPDATE OF d SKIP LOCKED),
     claimed AS (
         UPDATE deliveries d

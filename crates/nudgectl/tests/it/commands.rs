@@ -464,6 +464,53 @@ async fn a_tenants_weight_is_set_with_a_reason_audited_and_out_of_range_refused(
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_tenants_max_share_is_set_and_cleared_audited_and_out_of_range_refused(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    create_tenant(&ledger, "clinic-a").await;
+    let set = |share: &'static str| {
+        parse(&[
+            "tenant",
+            "set",
+            "clinic-a",
+            "--max-share",
+            share,
+            "--reason",
+            "trial tenant",
+        ])
+        .unwrap()
+    };
+
+    let capped = run(&ledger, set("0.5")).await.unwrap();
+    assert_eq!(capped, "tenant clinic-a: max share 0.5 (was none)\n");
+    let audit = ledger.recent_audit(1).await.unwrap();
+    assert_eq!(audit[0].action, "tenant_max_share");
+    assert_eq!(audit[0].reason.as_deref(), Some("trial tenant"));
+    let cleared = run(&ledger, set("1")).await.unwrap();
+    assert_eq!(cleared, "tenant clinic-a: max share none (was 0.5)\n");
+
+    let audited = ledger.recent_audit(100).await.unwrap().len();
+    for bad in ["0", "1.5", "NaN"] {
+        let refused = run(&ledger, set(bad)).await.unwrap_err();
+        assert!(
+            format!("{refused:#}").contains("maximum share"),
+            "{bad}: {refused:#}"
+        );
+    }
+    let neither = run(
+        &ledger,
+        parse(&["tenant", "set", "clinic-a", "--reason", "r"]).unwrap(),
+    )
+    .await
+    .unwrap_err();
+    assert!(format!("{neither:#}").contains("--weight or --max-share"));
+    assert_eq!(
+        ledger.recent_audit(100).await.unwrap().len(),
+        audited,
+        "refusals write nothing"
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_channel_is_routed_to_an_account_then_back_to_the_default(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
     create_tenant(&ledger, "clinic-a").await;

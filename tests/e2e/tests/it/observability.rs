@@ -55,7 +55,9 @@ async fn every_binary_serves_health_readiness_and_metrics_that_move_with_a_deliv
     env.admin_listeners = true;
     let tenant = env.tenant("clinic-obs", 2).await.unwrap();
     let secret = env.rotate_secret("clinic-obs").unwrap();
-    // The first answer is a 429 that asks for one second; the retry is accepted.
+    // Each reminder's first answer is a 429 that asks for one second (the stub's sequence is
+    // per message); the two come within a second of each other, so the second pauses the
+    // bucket (decision 0120). The retries are accepted.
     env.script(
         "sms-main",
         json!({
@@ -91,58 +93,61 @@ async fn every_binary_serves_health_readiness_and_metrics_that_move_with_a_deliv
     }
 
     let now = Utc::now();
-    let body = serde_json::to_vec(&json!({
-        "event_id": "appt-obs",
-        "subscriber_ref": "patient-obs",
-        "channels": ["sms"],
-        "scheduled_at": now.to_rfc3339(),
-        "expires_at": (now + chrono::Duration::minutes(10)).to_rfc3339(),
-        "destinations": {"sms": "+15550199"},
-        "content": {"template": "appointment"}
-    }))
-    .unwrap();
-    let answer = env
-        .signed(
-            reqwest::Method::POST,
-            &format!("{url}/v1/tenants/clinic-obs/reminders"),
-            &secret,
-            body,
-        )
-        .send()
-        .await
+    for event in ["appt-obs-1", "appt-obs-2"] {
+        let body = serde_json::to_vec(&json!({
+            "event_id": event,
+            "subscriber_ref": "patient-obs",
+            "channels": ["sms"],
+            "scheduled_at": now.to_rfc3339(),
+            "expires_at": (now + chrono::Duration::minutes(10)).to_rfc3339(),
+            "destinations": {"sms": "+15550199"},
+            "content": {"template": "appointment"}
+        }))
         .unwrap();
-    assert_eq!(answer.status().as_u16(), 202);
+        let answer = env
+            .signed(
+                reqwest::Method::POST,
+                &format!("{url}/v1/tenants/clinic-obs/reminders"),
+                &secret,
+                body,
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status().as_u16(), 202);
+    }
 
     let ledger = env.ledger.clone();
     env.wait_for(
-        "the reminder to be delivered after one 429",
+        "both reminders to be delivered after one 429 each",
         Duration::from_secs(60),
         || {
             let ledger = ledger.clone();
             async move {
                 let delivered = count_in(&ledger, "delivered").await?;
-                Ok((delivered == 1).then_some(()))
+                Ok((delivered == 2).then_some(()))
             }
         },
     )
     .await;
 
-    // The intake counted the accepted reminder.
+    // The intake counted the accepted reminders.
     wait_sample(
         &mut env,
         "intake",
         "nudge_intake_reminders_total{outcome=\"accepted\"}",
-        1.0,
+        2.0,
         false,
     )
     .await;
-    // The producer ran windows and published the first attempt and the retry.
+    // The producer ran windows and published the first attempts and the retries (and again
+    // any lease the pause gave back).
     wait_sample(
         &mut env,
         "producer",
         "nudge_relay_published_total{channel=\"sms\"}",
-        2.0,
-        false,
+        4.0,
+        true,
     )
     .await;
     // The tenant's windows run every second (empty ones too: the intake materialised the
@@ -154,19 +159,19 @@ async fn every_binary_serves_health_readiness_and_metrics_that_move_with_a_deliv
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert!(windows >= 1.0, "{producer}");
-    // The worker: one 429 (a valid Retry-After that paused the bucket), then one 2xx.
+    // The worker: two 429s (valid Retry-Afters; the second paused the bucket), then two 2xx.
     for (series, want) in [
         (
             "nudge_attempts_total{provider_account=\"sms-main\",channel=\"sms\",response_class=\"429\",outcome_class=\"retryable\",next_state=\"retry_wait\"}",
-            1.0,
+            2.0,
         ),
         (
             "nudge_attempts_total{provider_account=\"sms-main\",channel=\"sms\",response_class=\"2xx\",outcome_class=\"delivered\",next_state=\"delivered\"}",
-            1.0,
+            2.0,
         ),
         (
             "nudge_retry_after_total{provider_account=\"sms-main\",channel=\"sms\",validity=\"valid\"}",
-            1.0,
+            2.0,
         ),
         (
             "nudge_bucket_pauses_total{provider_account=\"sms-main\",channel=\"sms\"}",
@@ -178,11 +183,11 @@ async fn every_binary_serves_health_readiness_and_metrics_that_move_with_a_deliv
         ),
         (
             "nudge_scheduled_to_delivered_seconds_count{channel=\"sms\"}",
-            1.0,
+            2.0,
         ),
         (
             "nudge_provider_request_duration_seconds_count{provider_account=\"sms-main\",channel=\"sms\"}",
-            2.0,
+            4.0,
         ),
     ] {
         wait_sample(&mut env, "sms", series, want, false).await;
