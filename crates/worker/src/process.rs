@@ -112,6 +112,15 @@ impl Providers {
         Self { by_account, routes }
     }
 
+    /// Every account of the channel this worker can send through.
+    pub fn accounts(&self) -> Vec<ProviderAccount> {
+        self.routes
+            .accounts
+            .iter()
+            .map(|(a, _)| a.clone())
+            .collect()
+    }
+
     fn get(&self, account: &ProviderAccount) -> Option<&dyn DynProvider> {
         self.by_account.get(account).map(|p| &**p)
     }
@@ -126,6 +135,9 @@ pub struct Worker {
     pub policy: RetryPolicy,
     /// How long a lease outlives the last heartbeat (`worker.lease_seconds`).
     pub lease_for: Duration,
+    /// How long a delivery routed to an account no live worker has waits before its next look
+    /// (`worker.account_recheck_ms`).
+    pub account_recheck: Duration,
     /// The leases this worker holds, renewed by its heartbeat (see [`crate::heartbeat`]).
     pub leases: Arc<LeaseBook>,
     pub worker_id: String,
@@ -243,6 +255,7 @@ impl Worker {
             lease_holder: &self.worker_id,
             lease_for: self.lease_for,
             routes: &self.providers.routes,
+            account_recheck: self.account_recheck,
             admission: &self.admission,
             cipher: &self.cipher,
             at: LedgerTime::Database,
@@ -475,10 +488,18 @@ impl Worker {
                 Processed::Dropped("owned_by_another_sender")
             }
             LeaseOutcome::UnknownAccount(account) => {
-                error!(provider_account = %account,
-                       "tenant routed to a provider account this worker has no configuration \
-                        for; leaving the delivery queued");
+                info!(provider_account = %account,
+                      "tenant routed to a provider account this worker lacks and another live \
+                       worker has; left queued for that one");
                 Processed::Dropped("unknown_provider_account")
+            }
+            LeaseOutcome::AccountUnavailable { until, account } => {
+                self.metrics
+                    .deferral(&account, self.channel, "account_unavailable");
+                warn!(provider_account = %account, %until,
+                      "tenant routed to a provider account no live worker has; the delivery \
+                       waits for it (account_unavailable), never sent through another account");
+                Processed::Released("account_unavailable")
             }
         };
         Step::Done(done)

@@ -81,6 +81,7 @@ fn worker(ledger: &Ledger, answers: Vec<SendOutcome>) -> (Worker, Arc<Scripted>)
         providers: Providers::new(vec![provider.clone()], account()),
         policy: RetryPolicy::default(),
         lease_for: Duration::from_secs(30),
+        account_recheck: Duration::from_secs(30),
         worker_id: format!("test-worker-{}", uuid::Uuid::new_v4().simple()),
         leases: Arc::default(),
         recorder: Recorder::spawn(ledger.clone(), admission.max_pause),
