@@ -3,8 +3,8 @@
 //! has the tenant's account its deliveries wait, visibly, and the other tenant on the default
 //! is served; once a worker with the account starts they go out through it (the worker
 //! without it leaving them to that one); not one request of the tenant goes through the
-//! default account. The suspended, paused and closed cases are the ledger's tests
-//! (`crates/ledger/tests/it/fail_closed.rs`).
+//! default account, nor through its own while an operator has closed its bucket. The
+//! suspended and paused cases are the ledger's tests (`crates/ledger/tests/it/fail_closed.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
 
 use std::collections::HashSet;
@@ -118,8 +118,20 @@ async fn a_tenant_on_its_own_account_waits_for_it_and_never_goes_through_the_def
     .await
     .unwrap();
 
-    // A worker with the tenant's account starts beside the one without it: the deliveries go
-    // out through the tenant's account, whichever worker their messages reach first.
+    // A worker with the tenant's account starts beside the one without it, while an operator
+    // has closed that account's bucket (rate 0): the deliveries wait for the bucket now.
+    let (code, _, err) = env
+        .nudgectl(&[
+            "rate",
+            "set",
+            "sms-own",
+            "sms",
+            "0",
+            "--reason",
+            "closed for the test",
+        ])
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
     let with_own = WorkerOptions {
         accounts: vec![
             ("sms-main".to_owned(), true, true),
@@ -129,6 +141,34 @@ async fn a_tenant_on_its_own_account_waits_for_it_and_never_goes_through_the_def
     };
     env.start_worker(Channel::Sms, "worker-own", &with_own)
         .unwrap();
+    let closed = "nudge_admission_deferrals_total{provider_account=\"sms-own\",channel=\"sms\",reason=\"bucket_closed\"}";
+    until(
+        "the closed bucket deferring the tenant's deliveries",
+        Duration::from_secs(30),
+        || async {
+            env.scrape("worker-own")
+                .await
+                .is_ok_and(|text| text.contains(closed))
+        },
+    )
+    .await
+    .unwrap();
+    let stub = stats(env.stub_stats().await.unwrap()).unwrap();
+    assert_eq!(
+        stub.accounts.get("sms-own").map_or(0, |a| a.requests),
+        0,
+        "nothing through the closed account"
+    );
+    assert_eq!(count_of(&ledger, routed, "delivered", None).await, 0);
+
+    // Reopened: the deliveries go out through the tenant's account, whichever worker their
+    // messages reach first.
+    let (code, _, err) = env
+        .nudgectl(&[
+            "rate", "set", "sms-own", "sms", "50", "--reason", "reopened",
+        ])
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
     env.wait_for(
         "the routed tenant delivered through its account",
         Duration::from_secs(90),
