@@ -5,9 +5,9 @@
 //!
 //! The lease step decodes the envelopes (poison is dead-lettered) and leases the batch in one
 //! transaction that also returns routing and send material and takes the send slots; a message
-//! it does not lease ends there (stale, expired, cancelled, no slot in time). A leased
-//! delivery then meets the send phases, in this order, each a method that hands it on or ends
-//! its message:
+//! it does not lease ends there (stale, expired, cancelled, no slot in time, its tenant's own
+//! account held by another worker or by none). A leased delivery then meets the send phases,
+//! in this order, each a method that hands it on or ends its message:
 //! 1. [`Worker::provider_for`]: the provider of the account the lease was routed to.
 //! 2. [`Worker::open_material`]: the destination and content opened; a flagged contact, no
 //!    destination or unreadable material settles it without a send.
@@ -70,7 +70,8 @@ pub enum Processed {
     /// The message itself is unusable: it goes to the dead-letter queue with this reason.
     Poison(&'static str),
     /// The lease was given back before its send, due again later (no slot in time, the bucket
-    /// closed, shutdown), on its own lane, without spending an attempt.
+    /// closed, shutdown, no live worker has the tenant's own account), on its own lane, without
+    /// spending an attempt.
     Released(&'static str),
 }
 
