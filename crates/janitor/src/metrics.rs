@@ -89,6 +89,9 @@ pub const GAUGE_STATES: [&str; 6] = [
 /// - `nudge_ledger_tenant_deliveries{tenant_id, channel, state}` (the four live states) and
 ///   `nudge_ledger_tenant_oldest_eligible_age_seconds{tenant_id, channel}`: the same per
 ///   tenant, for tenants with live work.
+/// - `nudge_ledger_tenant_awaiting_account_deliveries{tenant_id, channel}`: of the tenant's
+///   `backoff`, the deliveries waiting for its own provider account, which no live worker had
+///   at their last look (`account_unavailable`, 0411).
 /// - `nudge_tenant_paused{tenant_id}`: 1 for each tenant whose intake is paused.
 /// - `nudge_channel_draining{channel}`: 1 while the channel drains.
 /// - `nudge_bucket_paused{provider_account, channel}`: 1 while a provider's answer pauses it.
@@ -111,6 +114,7 @@ pub struct JanitorMetrics {
     oldest: Family<ChannelLabels, F64Gauge>,
     tenant_deliveries: Family<TenantChannelStateLabels, Gauge>,
     tenant_oldest: Family<TenantChannelLabels, F64Gauge>,
+    tenant_awaiting_account: Family<TenantChannelLabels, Gauge>,
     tenant_paused: Family<TenantLabels, Gauge>,
     draining: Family<ChannelLabels, Gauge>,
     bucket_paused: Family<BucketLabels, Gauge>,
@@ -130,6 +134,7 @@ pub struct JanitorMetrics {
 struct TenantSeries {
     deliveries: HashSet<TenantChannelStateLabels>,
     oldest: HashSet<TenantChannelLabels>,
+    awaiting_account: HashSet<TenantChannelLabels>,
     paused: HashSet<TenantLabels>,
 }
 
@@ -165,6 +170,7 @@ impl JanitorMetrics {
             oldest: Family::default(),
             tenant_deliveries: Family::default(),
             tenant_oldest: Family::default(),
+            tenant_awaiting_account: Family::default(),
             tenant_paused: Family::default(),
             draining: Family::default(),
             bucket_paused: Family::default(),
@@ -196,6 +202,12 @@ impl JanitorMetrics {
             "nudge_ledger_tenant_oldest_eligible_age_seconds",
             "How long the tenant's oldest due or queued delivery on the channel has waited",
             metrics.tenant_oldest.clone(),
+        );
+        registry.register(
+            "nudge_ledger_tenant_awaiting_account_deliveries",
+            "Deliveries of the tenant on the channel waiting for its own provider account, \
+             which no live worker had",
+            metrics.tenant_awaiting_account.clone(),
         );
         registry.register(
             "nudge_tenant_paused",
@@ -318,6 +330,7 @@ impl JanitorMetrics {
             .unwrap_or_else(PoisonError::into_inner);
         let mut deliveries = Vec::new();
         let mut oldest = Vec::new();
+        let mut awaiting_account = Vec::new();
         for w in &gauges.work {
             let tenant_id = w.tenant_id.to_string();
             for (state, n) in [
@@ -338,6 +351,18 @@ impl JanitorMetrics {
                 ));
             }
             let age = w.oldest_eligible_age_s.unwrap_or(0.0);
+            if w.awaiting_account > 0 {
+                let n = as_i64(w.awaiting_account);
+                awaiting_account.push((
+                    TenantChannelLabels {
+                        tenant_id: tenant_id.clone(),
+                        channel: w.channel.as_str(),
+                    },
+                    move |g: &Gauge| {
+                        g.set(n);
+                    },
+                ));
+            }
             oldest.push((
                 TenantChannelLabels {
                     tenant_id,
@@ -350,6 +375,11 @@ impl JanitorMetrics {
         }
         replace(&self.tenant_deliveries, &mut series.deliveries, deliveries);
         replace(&self.tenant_oldest, &mut series.oldest, oldest);
+        replace(
+            &self.tenant_awaiting_account,
+            &mut series.awaiting_account,
+            awaiting_account,
+        );
         let paused = gauges
             .paused_tenants
             .iter()
@@ -467,6 +497,7 @@ mod tests {
             queued: 1,
             leased: 0,
             backoff: 2,
+            awaiting_account: due - 1,
             oldest_eligible_age_s: Some(oldest),
         };
         metrics.set_gauges(&LedgerGauges {
@@ -504,6 +535,9 @@ mod tests {
             format!(
                 "nudge_ledger_tenant_oldest_eligible_age_seconds{{tenant_id=\"{a}\",channel=\"sms\"}} 40.0\n"
             ),
+            format!(
+                "nudge_ledger_tenant_awaiting_account_deliveries{{tenant_id=\"{a}\",channel=\"sms\"}} 2\n"
+            ),
         ] {
             assert!(text.contains(&line), "{line} missing from {text}");
         }
@@ -514,6 +548,10 @@ mod tests {
         });
         let text = metrics.encode().expect("encodes");
         assert!(!text.contains(&a.to_string()), "{text}");
+        assert!(
+            !text.contains("nudge_ledger_tenant_awaiting_account_deliveries{"),
+            "only tenants with deliveries waiting for an account have the series: {text}"
+        );
         assert!(!text.contains("nudge_tenant_paused{"), "{text}");
     }
 }

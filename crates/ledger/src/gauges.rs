@@ -25,6 +25,9 @@ pub struct TenantChannelWork {
     pub leased: u64,
     /// `retry_wait` whose next attempt is still ahead.
     pub backoff: u64,
+    /// Of `backoff`: waiting for the tenant's own provider account, which no live worker had
+    /// at their last look (`account_unavailable`, 0411).
+    pub awaiting_account: u64,
     /// How long the oldest eligible delivery (due or queued) has waited, in seconds.
     pub oldest_eligible_age_s: Option<f64>,
 }
@@ -78,6 +81,7 @@ struct WorkRow {
     queued: i64,
     leased: i64,
     backoff: i64,
+    awaiting_account: i64,
     oldest_eligible_age_s: Option<f64>,
 }
 
@@ -117,6 +121,10 @@ impl Ledger {
                     count(*) FILTER (WHERE d.state = 'sending') AS leased,
                     count(*) FILTER (WHERE d.state = 'retry_wait'
                                      AND d.next_attempt_at > c.at) AS backoff,
+                    count(*) FILTER (WHERE d.state = 'retry_wait'
+                                     AND d.next_attempt_at > c.at
+                                     AND d.last_error_reason = 'account_unavailable')
+                        AS awaiting_account,
                     extract(epoch FROM c.at - min(d.next_attempt_at) FILTER (
                         WHERE d.state IN ('scheduled', 'queued', 'retry_wait')
                           AND d.next_attempt_at <= c.at))::float8 AS oldest_eligible_age_s
@@ -166,6 +174,7 @@ impl Ledger {
                 queued: count(row.queued),
                 leased: count(row.leased),
                 backoff: count(row.backoff),
+                awaiting_account: count(row.awaiting_account),
                 oldest_eligible_age_s: row.oldest_eligible_age_s.map(|s| s.max(0.0)),
             });
         }

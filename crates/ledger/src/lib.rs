@@ -43,6 +43,7 @@ mod tenants;
 #[cfg(feature = "test-support")]
 pub mod test_support;
 mod trace;
+mod worker_accounts;
 
 pub use age::AgeBand;
 pub use audit::{AuditEntry, Operator};
@@ -84,13 +85,14 @@ pub use retention::{
     RetentionRun, RetentionTable, RunEnd, RunState, RunSummary, TableCount,
 };
 pub use schedules::Schedule;
-pub use status::ChannelStatus;
+pub use status::{ChannelStatus, TenantLateness, TenantLatenessReport};
 pub use tenants::Tenant;
 pub use trace::{
     AttemptTiming, CLOCK_TOLERANCE_MS, DeliveryTrace, EarlyStart, Findings, LeaseHeld, MatchedAs,
     RedriveMembership, ReminderSummary, RescheduleEntry, Timeline, Trace, TraceError, TraceId,
     TraceIdError, findings,
 };
+pub use worker_accounts::{ANNOUNCE_EVERY, AnnouncedAccount, AwaitingAccount, HOLD_FOR};
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 use chrono::{DateTime, Utc};
-use nudge_domain::Channel;
+use nudge_domain::{Channel, ProviderAccount, TenantId};
 
-use crate::{Ledger, LedgerError};
+use crate::{Ledger, LedgerError, LedgerTime};
 
 /// The live picture of one channel, for `nudgectl status` and the drain estimate.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -106,5 +106,128 @@ impl Ledger {
             }
         }
         Ok(out)
+    }
+}
+
+/// The live work of one tenant on one channel, for the per-tenant table of `nudgectl status`:
+/// a tenant's lateness, not the channel's average (invariant 14).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TenantLateness {
+    pub tenant_id: TenantId,
+    pub tenant: String,
+    pub channel: Channel,
+    /// The tenant's own account on the channel; None: the workers' default.
+    pub account: Option<ProviderAccount>,
+    /// `scheduled` or `retry_wait` whose time has come, not yet claimed by the relay.
+    pub due: u64,
+    /// Claimed and published, waiting for a worker.
+    pub queued: u64,
+    pub sending: u64,
+    /// `retry_wait` whose next attempt is still ahead (a backoff, a bucket's pause, or the
+    /// next look for an account: see `awaiting_account`).
+    pub backoff: u64,
+    /// Of `backoff`: given back because no live worker had the tenant's account.
+    pub awaiting_account: u64,
+    /// How long the tenant's oldest eligible delivery (due or queued) has waited, in seconds;
+    /// the same figure as the gauge `nudge_ledger_tenant_oldest_eligible_age_seconds`.
+    pub oldest_eligible_age_s: Option<i64>,
+}
+
+/// The tenants with live work, the latest first, at most as many as asked for.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TenantLatenessReport {
+    pub tenants: Vec<TenantLateness>,
+    /// How many tenant and channel pairs have live work (the report may show fewer).
+    pub total: u64,
+}
+
+#[derive(sqlx::FromRow)]
+struct TenantRow {
+    tenant_id: uuid::Uuid,
+    tenant: String,
+    channel: String,
+    account: Option<String>,
+    due: i64,
+    queued: i64,
+    sending: i64,
+    backoff: i64,
+    awaiting_account: i64,
+    oldest_eligible_age_s: Option<f64>,
+    total: i64,
+}
+
+impl Ledger {
+    /// Every tenant and channel with live work (due, queued, sending or waiting to retry), the
+    /// latest first: by the age of the oldest eligible delivery, then by the work waiting for
+    /// an account, then by the work due; at most `limit` of them. One pass over the live
+    /// rows, as the janitor's gauges make.
+    pub async fn tenant_lateness(
+        &self,
+        limit: u32,
+        at: LedgerTime,
+    ) -> Result<TenantLatenessReport, LedgerError> {
+        let rows: Vec<TenantRow> = sqlx::query_as(
+            "WITH c AS (SELECT COALESCE($1, now()) AS at),
+             work AS (
+                 SELECT d.tenant_id, d.channel,
+                        count(*) FILTER (WHERE d.state IN ('scheduled', 'retry_wait')
+                                         AND d.next_attempt_at <= c.at) AS due,
+                        count(*) FILTER (WHERE d.state = 'queued') AS queued,
+                        count(*) FILTER (WHERE d.state = 'sending') AS sending,
+                        count(*) FILTER (WHERE d.state = 'retry_wait'
+                                         AND d.next_attempt_at > c.at) AS backoff,
+                        count(*) FILTER (WHERE d.state = 'retry_wait'
+                                         AND d.next_attempt_at > c.at
+                                         AND d.last_error_reason = 'account_unavailable')
+                            AS awaiting_account,
+                        extract(epoch FROM c.at - min(d.next_attempt_at) FILTER (
+                            WHERE d.state IN ('scheduled', 'queued', 'retry_wait')
+                              AND d.next_attempt_at <= c.at))::float8 AS oldest_eligible_age_s
+                 FROM deliveries d CROSS JOIN c
+                 WHERE d.state IN ('queued', 'sending', 'retry_wait')
+                    OR (d.state = 'scheduled' AND d.next_attempt_at <= c.at)
+                 GROUP BY d.tenant_id, d.channel, c.at)
+             SELECT w.tenant_id, t.name AS tenant, w.channel, tc.provider_account AS account,
+                    w.due, w.queued, w.sending, w.backoff, w.awaiting_account,
+                    w.oldest_eligible_age_s, count(*) OVER () AS total
+             FROM work w JOIN tenants t ON t.id = w.tenant_id
+             LEFT JOIN tenant_channels tc ON tc.tenant_id = w.tenant_id AND tc.channel = w.channel
+             ORDER BY w.oldest_eligible_age_s DESC NULLS LAST, w.awaiting_account DESC,
+                      w.due DESC, t.name, w.channel
+             LIMIT $2",
+        )
+        .bind(at.bind())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        let total = rows.first().map_or(0, |r| count(r.total));
+        let tenants = rows
+            .into_iter()
+            .map(|r| {
+                Ok(TenantLateness {
+                    tenant_id: TenantId::from_uuid(r.tenant_id),
+                    tenant: r.tenant,
+                    channel: r
+                        .channel
+                        .parse()
+                        .map_err(|e| LedgerError::corrupt("deliveries", e))?,
+                    account: r
+                        .account
+                        .as_deref()
+                        .map(ProviderAccount::parse)
+                        .transpose()
+                        .map_err(|e| LedgerError::corrupt("tenant_channels", e))?,
+                    due: count(r.due),
+                    queued: count(r.queued),
+                    sending: count(r.sending),
+                    backoff: count(r.backoff),
+                    awaiting_account: count(r.awaiting_account),
+                    // Whole seconds, as the channel table shows them.
+                    oldest_eligible_age_s: r.oldest_eligible_age_s.map(|s| s.max(0.0) as i64),
+                })
+            })
+            .collect::<Result<Vec<_>, LedgerError>>()?;
+        Ok(TenantLatenessReport { tenants, total })
     }
 }

@@ -36,6 +36,9 @@ pub fn secs(n: i64) -> chrono::Duration {
 
 pub const LEASE: Duration = Duration::from_secs(60);
 
+/// How long a delivery routed to an account no live worker has waits before its next look.
+pub const ACCOUNT_RECHECK: Duration = Duration::from_secs(30);
+
 /// The destination key of [`cipher`]: a worker opening what the fixtures sealed is given it.
 pub const DESTINATION_KEY: [u8; 32] = [42; 32];
 
@@ -142,6 +145,7 @@ pub fn batch_of<'a>(
         lease_holder,
         lease_for: LEASE,
         routes,
+        account_recheck: ACCOUNT_RECHECK,
         admission,
         cipher,
         at,

@@ -19,6 +19,7 @@ mod replication;
 mod restore;
 mod retention;
 mod schedule;
+mod status;
 mod table;
 mod trace;
 
@@ -88,14 +89,21 @@ pub enum Command {
     /// Set and list the shared rate buckets (one per provider account + channel).
     #[command(subcommand)]
     Rate(RateCommand),
-    /// Per-channel counts of owed, in-flight, dead-lettered and ambiguous deliveries, then
-    /// the rate buckets. With `nudgectl.require_synchronous_standby` set, a warning when the
-    /// server reports no synchronous standby.
+    /// Per-channel counts of owed, in-flight, dead-lettered and ambiguous deliveries, the
+    /// rate buckets, the tenants with live work (the latest first), and the deliveries that
+    /// wait for their tenant's own provider account. With
+    /// `nudgectl.require_synchronous_standby` set, a warning when the server reports no
+    /// synchronous standby.
+    #[command(long_about = STATUS_HELP)]
     Status {
         /// Print the per-channel counts as a JSON array instead of the tables (the buckets
-        /// are in `rate list --json`).
+        /// are in `rate list --json`); each channel carries its rows of the tenant tables.
         #[arg(long)]
         json: bool,
+        /// Show at most this many tenant and channel pairs, the latest first (1 to 1000).
+        #[arg(long, default_value_t = 20,
+              value_parser = clap::value_parser!(u32).range(1..=1000))]
+        tenants: u32,
     },
     /// Estimate how long each channel's owed work takes to drain at its buckets' rate, and
     /// which deliveries would expire before their turn.
@@ -206,6 +214,26 @@ pub enum DlqCommand {
     },
 }
 
+const STATUS_HELP: &str = "\
+What is owed and in flight now, read-only, with the database's clock.
+
+Per channel: scheduled, due (its time has come), queued (published, waiting for a worker), \
+sending, retry_wait, dead_lettered, ambiguous, and oldest_due_s (how long the oldest eligible \
+delivery has waited). Then the rate buckets. Then the tenants with live work, the latest first \
+(by their oldest eligible delivery's age, then by what waits for an account, then by what is \
+due), at most --tenants of them: each tenant's own lateness, not the channel's average, with \
+the account it is routed to ((default): the workers' default). Then the deliveries that wait \
+for their tenant's own provider account because no running worker has it (retry_wait, reason \
+account_unavailable): per tenant and channel, how many, how long the oldest has been owed, \
+when the next is looked at again, and whether a worker has the account now. They are never \
+sent through another account; they expire at their expiry.
+
+--json prints the channel array, each channel with its counts as above plus \"tenants\": \
+[{\"tenant_id\", \"tenant\", \"channel\", \"account\", \"due\", \"queued\", \"sending\", \
+\"backoff\", \"awaiting_account\", \"oldest_eligible_age_s\"}] (its rows among the --tenants \
+latest) and \"awaiting_account\": [{\"tenant_id\", \"tenant\", \"channel\", \"account\", \
+\"deliveries\", \"oldest_scheduled_age_s\", \"next_look_at\", \"held_now\"}].";
+
 const ESTIMATE_HELP: &str = "\
 Estimate how long each channel's owed work takes to drain at its buckets' rate, and which \
 deliveries would expire before their turn. Read-only.
@@ -303,7 +331,11 @@ pub enum TenantCommand {
     #[command(
         long_about = "Route a tenant's channel to a provider account, or back to the channel's \
             default account with --default. The route is stored in the ledger per tenant and \
-            channel; the account it replaces is kept in the audit row."
+            channel; the account it replaces is kept in the audit row. A tenant on its own \
+            account is only ever sent through that account: while it is suspended, its bucket \
+            paused or closed, or no running worker has it, the tenant's deliveries wait \
+            (`status` shows them) and expire at their expiry; they never go through the \
+            default or another tenant's account."
     )]
     Route {
         /// Tenant name.
@@ -567,7 +599,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     // `status --json` keeps its stdout for the JSON: the warning goes to stderr there.
     let standby_check = match &command {
-        Command::Status { json } if config.nudgectl.require_synchronous_standby => Some(*json),
+        Command::Status { json, .. } if config.nudgectl.require_synchronous_standby => Some(*json),
         _ => None,
     };
     let mut out = std::io::stdout().lock();
@@ -930,14 +962,13 @@ pub async fn execute(
         Command::Rate(RateCommand::List { json }) => {
             rate::list(ledger, json, out).await?;
         }
-        Command::Status { json } => {
-            let status = ledger
-                .status(database_now(ledger).await?)
-                .await
-                .context("failed to read status")?;
+        Command::Status { json, tenants } => {
+            let now = database_now(ledger).await?;
+            let status = ledger.status(now).await.context("failed to read status")?;
+            let view = status::TenantView::read(ledger, tenants, now).await?;
             if json {
                 // The shape scripts rely on: an array of channels. Buckets: `rate list --json`.
-                serde_json::to_writer_pretty(&mut *out, &status)?;
+                serde_json::to_writer_pretty(&mut *out, &status::json(&status, &view))?;
                 writeln!(out)?;
             } else {
                 let buckets = ledger
@@ -947,6 +978,8 @@ pub async fn execute(
                 write_status_table(&status, out)?;
                 writeln!(out)?;
                 rate::write_bucket_table(&buckets, out)?;
+                writeln!(out)?;
+                status::write(&view, out)?;
                 for s in status.iter().filter(|s| s.draining) {
                     writeln!(
                         out,

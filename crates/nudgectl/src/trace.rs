@@ -201,6 +201,12 @@ fn write_delivery(d: &DeliveryTrace, out: &mut impl Write) -> std::io::Result<()
     };
     let last_error = match (&d.last_error_class, &d.last_error_reason) {
         (None, None) => "-".to_owned(),
+        // Not an attempt's error: why it waits (0411); `status` lists these per tenant.
+        (_, Some(reason)) if reason == "account_unavailable" => {
+            "account_unavailable: waits for its tenant's own provider account, which no \
+             running worker had at its last look (never sent through another)"
+                .to_owned()
+        }
         (class, reason) => format!("{}: {}", opt(class.as_deref()), opt(reason.as_deref())),
     };
     let fields = [

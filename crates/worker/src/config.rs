@@ -13,6 +13,13 @@
 //!   SIGTERM before the worker exits (their leases then expire and are reaped).
 //! - `worker.batch_size` (default 64, 1..=1000): the most messages leased in one transaction;
 //!   messages that arrived together are leased together, a lone one is not held back.
+//! - `worker.account_recheck_ms` (default 30000, 1000..=3600000): a delivery whose tenant is
+//!   routed to a provider account that no live worker has (none announced it in
+//!   `worker_accounts`) is given back as `retry_wait` (reason `account_unavailable`, no
+//!   attempt spent) and looked at again after this long; never sent through another account
+//!   (docs/decisions/0411-a-tenants-own-account-fails-closed.md). Each look is one claim,
+//!   publish and lease of the delivery: longer means less work while it waits, shorter means
+//!   sooner out once a worker has the account.
 //! - `retry.base_delay_ms` (1000), `retry.max_delay_ms` (300000), `retry.max_attempts` (8),
 //!   `retry.max_retry_after_s` (3600): the retry policy (see `nudge_domain::RetryPolicy`).
 //! - `admission.max_wait_ms` (default 1500): how long a worker may wait for its reserved send
@@ -146,6 +153,9 @@ pub struct WorkerSection {
     pub batch_size: usize,
     /// The sender whose deliveries this worker leases (`deliveries.owner`).
     pub owner: String,
+    /// How long a delivery routed to a provider account no live worker has waits before it
+    /// is looked at again.
+    pub account_recheck_ms: u64,
 }
 
 impl Default for WorkerSection {
@@ -156,6 +166,7 @@ impl Default for WorkerSection {
             shutdown_grace_ms: 20_000,
             batch_size: 64,
             owner: nudge_ledger::DEFAULT_SENDER.to_owned(),
+            account_recheck_ms: 30_000,
         }
     }
 }
@@ -194,6 +205,12 @@ impl WorkerSection {
             return Err(ConfigError::invalid(
                 format!("{prefix}.batch_size"),
                 "must be between 1 and 1000",
+            ));
+        }
+        if !(1_000..=3_600_000).contains(&self.account_recheck_ms) {
+            return Err(ConfigError::invalid(
+                format!("{prefix}.account_recheck_ms"),
+                "must be between 1000 and 3600000",
             ));
         }
         Ok(())

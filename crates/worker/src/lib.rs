@@ -13,6 +13,7 @@
 //! destination, subscriber reference or content; treat the queue as the authority (on any
 //! doubt it acknowledges and leaves the delivery to the ledger, which republishes or reaps).
 
+mod accounts;
 mod clock;
 mod config;
 pub mod heartbeat;
@@ -154,6 +155,13 @@ pub async fn build(
         providers.push(provider);
     }
     let default = default.context("no default provider account for this channel")?;
+    let accounts: Vec<ProviderAccount> = providers.iter().map(|p| p.account().clone()).collect();
+    // Before the first message: a worker of the channel that lacks one of these accounts then
+    // leaves a delivery routed to it for this one (0411).
+    ledger
+        .announce_accounts(channel, &accounts, nudge_ledger::LedgerTime::Database)
+        .await
+        .context("failed to announce the provider accounts")?;
     let clock = Arc::new(LedgerClock::new(Arc::new(chrono::Utc::now)));
     let admission = config.admission.settings();
     let recorder = Recorder::spawn(ledger.clone(), admission.max_pause);
@@ -164,6 +172,7 @@ pub async fn build(
         providers: Providers::new(providers, default),
         policy: config.retry_policy()?,
         lease_for: Duration::from_secs(config.worker.lease_seconds),
+        account_recheck: Duration::from_millis(config.worker.account_recheck_ms),
         leases: Arc::default(),
         worker_id: format!(
             "{}-{}-{}",
@@ -215,6 +224,12 @@ pub async fn run(
         worker.worker_id.clone(),
         worker.lease_for,
         settings.heartbeat,
+        stop_heartbeat.clone(),
+    ));
+    let announcer = tokio::spawn(accounts::run(
+        worker.ledger.clone(),
+        worker.channel,
+        worker.providers.accounts(),
         stop_heartbeat.clone(),
     ));
     let queue = QueueKind::Work(worker.channel);
@@ -281,6 +296,9 @@ pub async fn run(
     stop_heartbeat.cancel();
     if let Err(e) = heartbeat.await {
         warn!(error.cause_chain = %error_chain(&e), "the heartbeat task failed");
+    }
+    if let Err(e) = announcer.await {
+        warn!(error.cause_chain = %error_chain(&e), "the account announcing task failed");
     }
 }
 

@@ -82,7 +82,8 @@ fn provider_buckets() -> impl Iterator<Item = f64> {
 ///   `tenant_capped`).
 /// - `nudge_lease_releases_total{provider_account, channel, reason}`: leases given back unsent
 ///   for any other reason (`shutdown`, `ledger_unavailable`, `fence_refused`,
-///   `unknown_provider_account`).
+///   `unknown_provider_account`, `account_unavailable`: routed to the tenant's own account,
+///   which no live worker has, so given back until the next look, 0411).
 /// - `nudge_scheduled_to_delivered_seconds{channel}`: from the reminder's time to the 2xx.
 /// - `nudge_provider_request_duration_seconds{provider_account, channel}`: provider calls.
 /// - `nudge_provider_alerts_total{provider_account, channel, reason}`: provider answers an

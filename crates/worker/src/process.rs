@@ -5,9 +5,9 @@
 //!
 //! The lease step decodes the envelopes (poison is dead-lettered) and leases the batch in one
 //! transaction that also returns routing and send material and takes the send slots; a message
-//! it does not lease ends there (stale, expired, cancelled, no slot in time). A leased
-//! delivery then meets the send phases, in this order, each a method that hands it on or ends
-//! its message:
+//! it does not lease ends there (stale, expired, cancelled, no slot in time, its tenant's own
+//! account held by another worker or by none). A leased delivery then meets the send phases,
+//! in this order, each a method that hands it on or ends its message:
 //! 1. [`Worker::provider_for`]: the provider of the account the lease was routed to.
 //! 2. [`Worker::open_material`]: the destination and content opened; a flagged contact, no
 //!    destination or unreadable material settles it without a send.
@@ -70,7 +70,8 @@ pub enum Processed {
     /// The message itself is unusable: it goes to the dead-letter queue with this reason.
     Poison(&'static str),
     /// The lease was given back before its send, due again later (no slot in time, the bucket
-    /// closed, shutdown), on its own lane, without spending an attempt.
+    /// closed, shutdown, no live worker has the tenant's own account), on its own lane, without
+    /// spending an attempt.
     Released(&'static str),
 }
 
@@ -112,6 +113,15 @@ impl Providers {
         Self { by_account, routes }
     }
 
+    /// Every account of the channel this worker can send through.
+    pub fn accounts(&self) -> Vec<ProviderAccount> {
+        self.routes
+            .accounts
+            .iter()
+            .map(|(a, _)| a.clone())
+            .collect()
+    }
+
     fn get(&self, account: &ProviderAccount) -> Option<&dyn DynProvider> {
         self.by_account.get(account).map(|p| &**p)
     }
@@ -126,6 +136,9 @@ pub struct Worker {
     pub policy: RetryPolicy,
     /// How long a lease outlives the last heartbeat (`worker.lease_seconds`).
     pub lease_for: Duration,
+    /// How long a delivery routed to an account no live worker has waits before its next look
+    /// (`worker.account_recheck_ms`).
+    pub account_recheck: Duration,
     /// The leases this worker holds, renewed by its heartbeat (see [`crate::heartbeat`]).
     pub leases: Arc<LeaseBook>,
     pub worker_id: String,
@@ -243,6 +256,7 @@ impl Worker {
             lease_holder: &self.worker_id,
             lease_for: self.lease_for,
             routes: &self.providers.routes,
+            account_recheck: self.account_recheck,
             admission: &self.admission,
             cipher: &self.cipher,
             at: LedgerTime::Database,
@@ -475,10 +489,18 @@ impl Worker {
                 Processed::Dropped("owned_by_another_sender")
             }
             LeaseOutcome::UnknownAccount(account) => {
-                error!(provider_account = %account,
-                       "tenant routed to a provider account this worker has no configuration \
-                        for; leaving the delivery queued");
+                info!(provider_account = %account,
+                      "tenant routed to a provider account this worker lacks and another live \
+                       worker has; left queued for that one");
                 Processed::Dropped("unknown_provider_account")
+            }
+            LeaseOutcome::AccountUnavailable { until, account } => {
+                self.metrics
+                    .deferral(&account, self.channel, "account_unavailable");
+                warn!(provider_account = %account, %until,
+                      "tenant routed to a provider account no live worker has; the delivery \
+                       waits for it (account_unavailable), never sent through another account");
+                Processed::Released("account_unavailable")
             }
         };
         Step::Done(done)

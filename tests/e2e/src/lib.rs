@@ -266,6 +266,9 @@ pub struct WorkerOptions {
     pub closed_recheck_ms: u64,
     /// The longest one provider answer may pause a bucket (`admission.max_pause_s`).
     pub max_pause_s: u64,
+    /// How long a delivery routed to an account no live worker has waits before its next
+    /// look (`worker.account_recheck_ms`).
+    pub account_recheck_ms: u64,
     /// Where the worker serves `GET /metrics`, if anywhere.
     pub metrics_port: Option<u16>,
     /// The provider kind of every account (`generic` when None) and the TOML body of the
@@ -287,6 +290,7 @@ impl WorkerOptions {
             max_wait_ms: 1_500,
             closed_recheck_ms: 1_000,
             max_pause_s: 60,
+            account_recheck_ms: 1_000,
             metrics_port: None,
             kind: None,
         }
@@ -693,7 +697,7 @@ log_filter = "info"
             );
         }
         body.push_str(&format!(
-            "\n[crypto]\ndestination_key = \"{key}\"\n\n[worker]\nlease_seconds = {lease}\nshutdown_grace_ms = 5000\n\n[retry]\nbase_delay_ms = {base}\nmax_delay_ms = {max}\nmax_attempts = {attempts}\nmax_retry_after_s = 60\n\n[admission]\nmax_wait_ms = {max_wait}\nclosed_recheck_ms = {recheck}\nmax_pause_s = {max_pause}\n",
+            "\n[crypto]\ndestination_key = \"{key}\"\n\n[worker]\nlease_seconds = {lease}\nshutdown_grace_ms = 5000\naccount_recheck_ms = {account_recheck}\n\n[retry]\nbase_delay_ms = {base}\nmax_delay_ms = {max}\nmax_attempts = {attempts}\nmax_retry_after_s = 60\n\n[admission]\nmax_wait_ms = {max_wait}\nclosed_recheck_ms = {recheck}\nmax_pause_s = {max_pause}\n",
             key = self.key_b64,
             lease = options.lease_seconds,
             base = options.retry_base_ms,
@@ -702,6 +706,7 @@ log_filter = "info"
             max_wait = options.max_wait_ms,
             recheck = options.closed_recheck_ms,
             max_pause = options.max_pause_s,
+            account_recheck = options.account_recheck_ms,
         ));
         for (account, idem, default) in &options.accounts {
             body.push_str(&format!(

@@ -130,6 +130,7 @@ async fn ambiguous(ledger: &Ledger, account: &str, channel: Channel) -> LeasedDe
         lease_holder: "worker",
         lease_for: Duration::from_secs(60),
         routes: &routes,
+        account_recheck: Duration::from_secs(30),
         admission: &admission,
         cipher: &cipher,
         at: LedgerTime::Database,

@@ -8,7 +8,10 @@
 //!    send through. It returns what the send needs: routing, the sealed destination and
 //!    content, and whether the account has a rate bucket.
 //! 2. Messages not locked are explained in one more statement (only when there are any):
-//!    expired or cancelled deliveries are settled so, others are stale or unknown.
+//!    expired or cancelled deliveries are settled so; one whose tenant is routed to an account
+//!    no live worker has is given back until the next look (`account_unavailable`, 0411);
+//!    others are stale, owned by another sender, or left for a worker that has their account.
+//!    A tenant routed to its own account is never sent through another (it fails closed).
 //! 3. Candidates on accounts with a bucket (or, without one, suspended: `account_suspensions`)
 //!    take their slots (`buckets::admit_slots`: one lock per bucket, the database's clock read
 //!    under it).
@@ -56,6 +59,9 @@ pub struct LeaseBatch<'a> {
     /// How long a lease is held before the reaper may settle it; renewed by the fence.
     pub lease_for: Duration,
     pub routes: &'a WorkerRoutes,
+    /// How long a delivery routed to an account no live worker has waits before it is looked
+    /// at again (`worker.account_recheck_ms`).
+    pub account_recheck: Duration,
     pub admission: &'a AdmissionSettings,
     pub cipher: &'a DestinationCipher,
     pub at: LedgerTime,
@@ -113,8 +119,18 @@ pub enum LeaseOutcome {
         generation: u64,
     },
     NotFound,
-    /// Routed to an account this worker has no configuration for: left `queued`.
+    /// Routed to an account this worker has no configuration for but another live worker of
+    /// its sender has (`worker_accounts`): left `queued`, for the republished message to reach
+    /// that worker.
     UnknownAccount(String),
+    /// Routed to an account no live worker of its sender has: given back in the same
+    /// transaction as `retry_wait` (reason `account_unavailable`), due at `until` (the next
+    /// look, never past its expiry), its lane kept, no attempt spent. Never sent through
+    /// another account: a tenant's own account fails closed.
+    AccountUnavailable {
+        until: DateTime<Utc>,
+        account: ProviderAccount,
+    },
     /// Owned by another sender (handed over with `nudgectl owner set`): left as it is.
     OwnedBy(String),
 }
@@ -293,6 +309,8 @@ struct UnleasedRow {
     generation: Option<i64>,
     expired: bool,
     cancelled: bool,
+    /// Given back by this statement, due again at this time: no live worker has its account.
+    unavailable_until: Option<DateTime<Utc>>,
     account: Option<String>,
     owner: Option<String>,
 }
@@ -379,7 +397,8 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
 /// transaction's clock, before the waits for the buckets' locks: a `now` delivery whose expiry
 /// has come by this statement's clock is leased unstamped (`started` false), and the fence
 /// that must then come before its send settles it expired. The fence stamps the digest of the
-/// destination the send will use.
+/// destination the send will use. A delivery that waited for its account
+/// (`account_unavailable`) no longer does: the reason is cleared.
 const APPLY_LEASES: &str = "WITH plan AS (
         SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::timestamptz[], $9::bytea[])
             AS p(id, action, account, until, digest))
@@ -398,6 +417,7 @@ const APPLY_LEASES: &str = "WITH plan AS (
                                ELSE COALESCE($7, clock_timestamp()) END,
         provider_account = CASE WHEN p.action = 'defer' THEN d.provider_account ELSE p.account END,
         lease_idempotent = CASE WHEN p.action = 'defer' THEN NULL ELSE p.account = ANY($8::text[]) END,
+        last_error_reason = NULLIF(d.last_error_reason, 'account_unavailable'),
         send_started_at = CASE WHEN p.action = 'now'
                                     AND d.expires_at > COALESCE($7, clock_timestamp())
                                THEN COALESCE($7, clock_timestamp()) END,
@@ -410,6 +430,13 @@ const APPLY_LEASES: &str = "WITH plan AS (
     RETURNING d.id, d.attempt_count, d.attempt_base, d.lease_expires_at, d.lease_idempotent,
               d.send_started_at IS NOT NULL AS started";
 
+/// Explains, and settles where it can, the messages the lease did not lock: expired or
+/// cancelled deliveries are settled so; a delivery whose tenant is routed to an account that
+/// neither this worker nor any live worker of its sender has (`worker_accounts`) is given back
+/// as `retry_wait` until the next look (`LeaseBatch::account_recheck`, never past its expiry),
+/// reason `account_unavailable`, its lane and attempts untouched; one whose account another
+/// live worker has is left `queued` for it. Runs only when a message was not leased, so the
+/// common batch never pays for it.
 const EXPLAIN_UNLEASED: &str = "WITH input AS (
         SELECT * FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation)),
     expired AS (
@@ -431,10 +458,29 @@ const EXPLAIN_UNLEASED: &str = "WITH input AS (
           AND d.state IN ('scheduled', 'queued', 'retry_wait')
           AND d.expires_at > COALESCE($4, now())
           AND r.id = d.reminder_id AND r.cancelled_at IS NOT NULL
-        RETURNING d.id)
+        RETURNING d.id),
+    unavailable AS (
+        UPDATE deliveries d
+        SET state = 'retry_wait',
+            next_attempt_at = LEAST(COALESCE($4, now()) + $6 * interval '1 millisecond',
+                                    d.expires_at),
+            last_error_reason = 'account_unavailable', updated_at = COALESCE($4, now())
+        FROM input i, reminders r, tenant_channels tc
+        WHERE d.id = i.id AND d.generation = i.generation AND d.state = 'queued'
+          AND d.owner = $7 AND d.expires_at > COALESCE($4, now())
+          AND r.id = d.reminder_id AND r.cancelled_at IS NULL
+          AND tc.tenant_id = d.tenant_id AND tc.channel = d.channel
+          AND tc.provider_account IS NOT NULL AND tc.provider_account <> ALL($5::text[])
+          AND NOT EXISTS (
+              SELECT 1 FROM worker_accounts w
+              WHERE w.owner = d.owner AND w.channel = d.channel
+                AND w.provider_account = tc.provider_account
+                AND w.held_until > COALESCE($4, now()))
+        RETURNING d.id, d.next_attempt_at)
     SELECT i.id, d.state, d.generation,
            EXISTS (SELECT 1 FROM expired e WHERE e.id = i.id) AS expired,
            EXISTS (SELECT 1 FROM cancelled c WHERE c.id = i.id) AS cancelled,
+           (SELECT u.next_attempt_at FROM unavailable u WHERE u.id = i.id) AS unavailable_until,
            COALESCE((SELECT tc.provider_account FROM tenant_channels tc
                      WHERE tc.tenant_id = d.tenant_id AND tc.channel = d.channel), $3) AS account,
            d.owner
@@ -561,6 +607,9 @@ impl Ledger {
                 .bind(&rest_generations)
                 .bind(batch.routes.default.as_str())
                 .bind(batch.at.bind())
+                .bind(&configured)
+                .bind(millis(batch.account_recheck))
+                .bind(&*self.sender)
                 .fetch_all(&mut *tx)
                 .await?;
             for (row, generation) in unleased.into_iter().zip(rest_generations) {
@@ -935,6 +984,13 @@ fn explain(
     }
     if row.cancelled {
         return Ok(LeaseOutcome::Cancelled);
+    }
+    if let (Some(until), Some(account)) = (row.unavailable_until, row.account.as_deref()) {
+        return Ok(LeaseOutcome::AccountUnavailable {
+            until,
+            account: ProviderAccount::parse(account)
+                .map_err(|e| LedgerError::corrupt("tenant_channels", e))?,
+        });
     }
     let (Some(state), Some(current)) = (row.state.as_deref(), row.generation) else {
         return Ok(LeaseOutcome::NotFound);

@@ -642,12 +642,18 @@ async fn one_batch_lease_explains_every_message_it_did_not_lease(pool: PgPool) {
         )
         .await
         .unwrap();
+    // Another live worker has that account.
+    ledger
+        .announce_accounts(Channel::Sms, &[account("nowhere")], at(t0()))
+        .await
+        .unwrap();
     let leaser = Leaser::new(IdempotencySupport::Honoured);
     let batch = leaser.batch(Channel::Sms, "worker-1", at(t0()));
     let messages: Vec<_> = due.iter().map(DueDelivery::message_pointer).collect();
     let result = ledger.lease_batch(&batch, &messages).await.unwrap();
 
-    // The tenant is routed to an account this worker lacks: nothing owed is leased.
+    // The tenant is routed to an account this worker lacks and another has: nothing owed is
+    // leased here, and it stays queued for the other.
     assert!(matches!(result.outcomes[0], LeaseOutcome::UnknownAccount(ref a) if a == "nowhere"));
     assert!(matches!(
         result.outcomes[1],

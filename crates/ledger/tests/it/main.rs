@@ -5,6 +5,7 @@ mod audit;
 mod buckets;
 mod deliveries;
 mod estimate;
+mod fail_closed;
 mod failover;
 mod fairness;
 mod gauges;

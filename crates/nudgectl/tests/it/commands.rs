@@ -259,7 +259,15 @@ async fn a_pause_by_an_empty_actor_is_refused_and_the_tenant_is_not_paused(pool:
 async fn status_as_json_lists_every_channel(pool: PgPool) {
     let ledger = Ledger::from_pool(pool);
 
-    let printed = run(&ledger, Command::Status { json: true }).await.unwrap();
+    let printed = run(
+        &ledger,
+        Command::Status {
+            json: true,
+            tenants: 20,
+        },
+    )
+    .await
+    .unwrap();
 
     let parsed: serde_json::Value = serde_json::from_str(&printed).unwrap();
     let channels: Vec<&str> = parsed

@@ -654,3 +654,100 @@ async fn rate_list_shows_the_burst_learnt_from_the_provider_beside_the_configure
     assert_eq!(json[0]["burst"], 40);
     assert_eq!(json[0]["learned_burst"], 30);
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn status_lists_each_tenants_lateness_and_what_waits_for_an_account_nobody_has(pool: PgPool) {
+    use nudge_domain::IdempotencySupport;
+    use nudge_ledger::test_support::{at, db_now, lease_as, ops, owed};
+    let ledger = Ledger::from_pool(pool);
+    let now = db_now(&ledger).await;
+    let routed = ledger.create_tenant("routed", &ops(now)).await.unwrap();
+    let shared = ledger.create_tenant("shared", &ops(now)).await.unwrap();
+    ledger
+        .set_tenant_channel_account(
+            routed.id,
+            Channel::Sms,
+            Some(&account("clinic-own")),
+            &ops(now),
+        )
+        .await
+        .unwrap();
+    owed(&ledger, routed.id, "one", &[Channel::Sms], now).await;
+    for event in ["a", "b"] {
+        owed(
+            &ledger,
+            shared.id,
+            event,
+            &[Channel::Sms],
+            now - Duration::seconds(90),
+        )
+        .await;
+    }
+    let due = ledger.claim_due(Channel::Sms, 10, at(now)).await.unwrap();
+    let ours = due.iter().find(|d| d.tenant_id == routed.id).unwrap();
+    let default_only = nudge_ledger::WorkerRoutes {
+        default: account("sms-main"),
+        accounts: vec![(account("sms-main"), IdempotencySupport::Honoured)],
+    };
+    lease_as(&ledger, ours, "worker-1", &default_only, now).await;
+
+    let table = ctl(&ledger, &["status"]).await.unwrap();
+    let json: Value = serde_json::from_str(
+        &ctl(&ledger, &["status", "--json", "--tenants", "1"])
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+
+    let tenants_at = table
+        .find("tenants with live work, the latest first (2 of 2)")
+        .unwrap();
+    let waiting_at = table
+        .find("deliveries waiting for their tenant's own provider account")
+        .unwrap();
+    let tenants = &table[tenants_at..waiting_at];
+    let rows: Vec<Vec<&str>> = tenants
+        .lines()
+        .skip(2)
+        .map(|l| l.split_whitespace().collect())
+        .filter(|r: &Vec<&str>| !r.is_empty())
+        .collect();
+    assert_eq!(
+        rows[0][..8],
+        ["shared", "sms", "(default)", "0", "2", "0", "0", "0"],
+        "{table}"
+    );
+    assert!(
+        rows[0][8].parse::<i64>().unwrap() >= 90,
+        "the latest first: {table}"
+    );
+    assert_eq!(
+        rows[1],
+        ["routed", "sms", "clinic-own", "0", "0", "0", "1", "1", "-"],
+        "{table}"
+    );
+    let waiting = &table[waiting_at..];
+    assert!(
+        waiting.lines().any(|l| l.trim_start().starts_with("routed")
+            && l.contains("clinic-own")
+            && l.contains("no live worker has it")),
+        "{table}"
+    );
+    let sms = json
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["channel"] == "sms")
+        .unwrap();
+    assert_eq!(sms["queued"], 2, "the channel's counts are as before");
+    assert_eq!(
+        sms["tenants"].as_array().unwrap().len(),
+        1,
+        "bounded by --tenants"
+    );
+    assert_eq!(sms["tenants"][0]["tenant"], "shared");
+    assert_eq!(sms["awaiting_account"][0]["tenant"], "routed");
+    assert_eq!(sms["awaiting_account"][0]["account"], "clinic-own");
+    assert_eq!(sms["awaiting_account"][0]["deliveries"], 1);
+    assert_eq!(sms["awaiting_account"][0]["held_now"], false);
+}

@@ -56,6 +56,7 @@ async fn send_once(ledger: &Ledger, at: DateTime<Utc>, outcome: SendOutcome) -> 
         lease_holder: "worker-1",
         lease_for: Duration::from_secs(60),
         routes: &routes,
+        account_recheck: Duration::from_secs(30),
         admission: &admission,
         cipher: &cipher,
         at: LedgerTime::Fixed(at),

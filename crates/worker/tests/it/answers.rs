@@ -1,7 +1,8 @@
 //! What a provider adapter's verdict does through the worker's one step, with a scripted
 //! adapter in place of a provider: the contact flagged with the outcome and later deliveries
 //! to it settled without a send; an account suspended when its credentials are refused, its
-//! other deliveries given back unsent; a recipient's throttle kept from the bucket.
+//! other deliveries given back unsent; a recipient's throttle kept from the bucket. And a
+//! tenant routed to an account no worker has: it waits, nothing goes through the default.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::VecDeque;
@@ -81,6 +82,7 @@ fn worker(ledger: &Ledger, answers: Vec<SendOutcome>) -> (Worker, Arc<Scripted>)
         providers: Providers::new(vec![provider.clone()], account()),
         policy: RetryPolicy::default(),
         lease_for: Duration::from_secs(30),
+        account_recheck: Duration::from_secs(30),
         worker_id: format!("test-worker-{}", uuid::Uuid::new_v4().simple()),
         leases: Arc::default(),
         recorder: Recorder::spawn(ledger.clone(), admission.max_pause),
@@ -360,4 +362,60 @@ async fn an_account_throttle_confirmed_by_a_second_slows_and_pauses_the_bucket_l
         record(&ledger, &first).await.last_error_reason.as_deref(),
         Some("throttled_account: 20429")
     );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_tenant_on_an_account_no_worker_has_waits_and_nothing_goes_through_the_default(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool);
+    contact(&ledger, "patient-1").await;
+    let clinic = test_support::clinic(&ledger).await;
+    let own = ProviderAccount::parse("clinic-own").unwrap();
+    ledger
+        .set_tenant_channel_account(
+            clinic.id,
+            Channel::Sms,
+            Some(&own),
+            &test_support::ops(db_now(&ledger).await),
+        )
+        .await
+        .unwrap();
+    let (worker, provider) = worker(&ledger, vec![]);
+
+    let waiting = due(&ledger, "waiting", "patient-1").await;
+    assert_eq!(
+        worker.process_one(&envelope(&waiting)).await,
+        Processed::Released("account_unavailable")
+    );
+    // Another worker with the account starts: this one now leaves the next for it.
+    ledger
+        .announce_accounts(
+            Channel::Sms,
+            std::slice::from_ref(&own),
+            nudge_ledger::LedgerTime::Database,
+        )
+        .await
+        .unwrap();
+    let left = due(&ledger, "left", "patient-1").await;
+    assert_eq!(
+        worker.process_one(&envelope(&left)).await,
+        Processed::Dropped("unknown_provider_account")
+    );
+
+    assert_eq!(
+        provider.sent.load(Ordering::SeqCst),
+        0,
+        "nothing through the default"
+    );
+    let r = record(&ledger, &waiting).await;
+    assert_eq!(r.state, DeliveryState::RetryWait);
+    assert_eq!(r.last_error_reason.as_deref(), Some("account_unavailable"));
+    assert_eq!(r.attempt_count, 0);
+    let next = r.next_attempt_at.unwrap() - db_now(&ledger).await;
+    assert!(
+        next > chrono::Duration::seconds(25) && next <= chrono::Duration::seconds(30),
+        "looked at again after worker.account_recheck_ms (30 s, 5 s tolerance): {next}"
+    );
+    assert_eq!(record(&ledger, &left).await.state, DeliveryState::Queued);
 }

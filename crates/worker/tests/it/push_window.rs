@@ -145,6 +145,7 @@ fn worker(setup: &Setup, token_base: &str, lease_for: Duration, timeout_ms: u64)
         providers: Providers::new(vec![provider], ProviderAccount::parse(ACCOUNT).unwrap()),
         policy: RetryPolicy::default(),
         lease_for,
+        account_recheck: Duration::from_secs(30),
         worker_id: format!("test-worker-{}", uuid::Uuid::new_v4().simple()),
         leases: Arc::default(),
         recorder: Recorder::spawn(setup.ledger.clone(), admission.max_pause),

@@ -127,7 +127,7 @@ fn the_example_has_every_key_of_the_workers_with_its_default() {
     let checked = check_binary::<WorkerConfig>("nudge-worker", WorkerConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 6 + 4 + 3 + 5 + 4 + 4,
+        6 + 6 + 4 + 3 + 6 + 4 + 4,
         "database, amqp, telemetry, crypto, worker, retry, admission"
     );
 }

@@ -9,6 +9,7 @@
 
 mod config_example;
 mod deploy_configs;
+mod fail_closed;
 mod intake;
 mod observability;
 mod observability_catalog;
