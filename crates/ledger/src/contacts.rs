@@ -1,10 +1,15 @@
 //! Contacts: a subscriber's destination per channel, encrypted, keyed by the *stored*
-//! subscriber reference (see `crypto`), and the conversion of rows written before subscriber
-//! references were stored as a keyed hash. What a send needs is read and opened with its lease
+//! subscriber reference (see `crypto`), with the subscriber's time zone, and the conversion
+//! of rows written before subscriber references were stored as a keyed hash.
+//!
+//! A subscriber's zone is one value kept on every one of their contacts (so that erasure and
+//! retention take it with them, and a send reads it with the destination): a zone given for
+//! a subscriber is written to all their contacts, and a contact stored without one keeps the
+//! zone it had. [`Ledger::subscriber_zone`] reads it. What a send needs is read and opened with its lease
 //! (`deliveries::lease`), with the associated data defined here.
 
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, SubscriberRef, TenantId};
+use nudge_domain::{Channel, SubscriberRef, TenantId, Zone};
 
 use crate::crypto::{Destination, DestinationCipher, DestinationDigest};
 use crate::{Ledger, LedgerError};
@@ -23,6 +28,50 @@ pub(crate) struct SealedContact {
     pub channel: Channel,
     pub ciphertext: Vec<u8>,
     pub digest: DestinationDigest,
+    /// The subscriber's zone, when this write gives one; none keeps the stored one.
+    pub time_zone: Option<Zone>,
+}
+
+impl SealedContact {
+    pub(crate) fn with_time_zone(mut self, zone: Option<Zone>) -> Self {
+        self.time_zone = zone;
+        self
+    }
+}
+
+/// A subscriber's zone, to be written to all their contacts.
+pub(crate) struct SubscriberZone {
+    pub tenant_id: uuid::Uuid,
+    pub stored_ref: String,
+    pub zone: Zone,
+}
+
+/// Writes each subscriber's zone to every one of their contacts (those of channels the
+/// write did not name too), in one statement; nothing when none is given.
+pub(crate) async fn set_subscriber_zones(
+    conn: &mut sqlx::PgConnection,
+    zones: &[SubscriberZone],
+) -> Result<(), LedgerError> {
+    if zones.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "UPDATE contacts c SET time_zone = z.time_zone
+         FROM UNNEST($1::uuid[], $2::text[], $3::text[]) AS z(tenant_id, subscriber_ref, time_zone)
+         WHERE c.tenant_id = z.tenant_id AND c.subscriber_ref = z.subscriber_ref
+           AND c.time_zone IS DISTINCT FROM z.time_zone",
+    )
+    .bind(zones.iter().map(|z| z.tenant_id).collect::<Vec<_>>())
+    .bind(
+        zones
+            .iter()
+            .map(|z| z.stored_ref.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(zones.iter().map(|z| z.zone.name()).collect::<Vec<_>>())
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 /// Stores sealed destinations in one statement. A contact that already holds the same
@@ -31,7 +80,8 @@ pub(crate) struct SealedContact {
 /// another destination takes it and loses its flags (invalid, opted out): they describe the
 /// destination they were learnt from. A contact stored before digests were (no digest) takes
 /// the new destination and its digest but keeps its flags: whether the destination changed is
-/// unknown, and an opt-out is never cleared on a guess. The caller gives each key once.
+/// unknown, and an opt-out is never cleared on a guess. A contact given a zone takes it; one
+/// given none keeps its own. The caller gives each key once.
 pub(crate) async fn upsert_contacts(
     conn: &mut sqlx::PgConnection,
     sealed: &[SealedContact],
@@ -42,12 +92,14 @@ pub(crate) async fn upsert_contacts(
     }
     sqlx::query(
         "INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
-                               destination_ciphertext, destination_digest, updated_at)
-         SELECT c.tenant_id, c.subscriber_ref, true, c.channel, c.ciphertext, c.digest, $6
-         FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::bytea[])
-              AS c(tenant_id, subscriber_ref, channel, ciphertext, digest)
+                               destination_ciphertext, destination_digest, updated_at, time_zone)
+         SELECT c.tenant_id, c.subscriber_ref, true, c.channel, c.ciphertext, c.digest, $6,
+                c.time_zone
+         FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::bytea[], $7::text[])
+              AS c(tenant_id, subscriber_ref, channel, ciphertext, digest, time_zone)
          ON CONFLICT (tenant_id, subscriber_ref, channel)
          DO UPDATE SET
+             time_zone = COALESCE(EXCLUDED.time_zone, contacts.time_zone),
              destination_ciphertext = CASE
                  WHEN contacts.destination_digest IS NOT DISTINCT FROM EXCLUDED.destination_digest
                  THEN contacts.destination_ciphertext
@@ -89,6 +141,12 @@ pub(crate) async fn upsert_contacts(
             .collect::<Vec<_>>(),
     )
     .bind(now)
+    .bind(
+        sealed
+            .iter()
+            .map(|c| c.time_zone.map(|z| z.name()))
+            .collect::<Vec<_>>(),
+    )
     .execute(&mut *conn)
     .await
     .map_err(|e| match &e {
@@ -118,6 +176,7 @@ pub(crate) fn seal_contact(
         stored_ref,
         channel,
         ciphertext,
+        time_zone: None,
     })
 }
 
@@ -143,6 +202,72 @@ impl Ledger {
                 other => other,
             })
     }
+}
+
+/// The zones a local time falls back on when its reminder gives none: the subscriber's,
+/// else the tenant's default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FallbackZones {
+    pub subscriber: Option<Zone>,
+    pub tenant: Option<Zone>,
+}
+
+impl Ledger {
+    /// The subscriber's zone as their contacts keep it (`None` when they have none, or no
+    /// contacts) and the tenant's default zone, as the ledger has them now, in one
+    /// statement. Needs the cipher's subscriber key.
+    pub async fn fallback_zones(
+        &self,
+        tenant_id: TenantId,
+        subscriber_ref: &SubscriberRef,
+        cipher: &DestinationCipher,
+    ) -> Result<FallbackZones, LedgerError> {
+        let stored_ref = cipher.stored_ref(tenant_id, subscriber_ref)?;
+        let (subscriber, tenant): (Option<String>, Option<String>) = sqlx::query_as(
+            "SELECT (SELECT time_zone FROM contacts
+                     WHERE tenant_id = $1 AND subscriber_ref = $2 AND time_zone IS NOT NULL
+                     LIMIT 1),
+                    (SELECT time_zone FROM tenants WHERE id = $1)",
+        )
+        .bind(tenant_id.as_uuid())
+        .bind(&stored_ref)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(FallbackZones {
+            subscriber: subscriber
+                .map(|name| stored_zone("contacts", &name))
+                .transpose()?,
+            tenant: tenant
+                .map(|name| stored_zone("tenants", &name))
+                .transpose()?,
+        })
+    }
+
+    /// The subscriber's zone, as their contacts keep it ([`Ledger::fallback_zones`]).
+    pub async fn subscriber_zone(
+        &self,
+        tenant_id: TenantId,
+        subscriber_ref: &SubscriberRef,
+        cipher: &DestinationCipher,
+    ) -> Result<Option<Zone>, LedgerError> {
+        Ok(self
+            .fallback_zones(tenant_id, subscriber_ref, cipher)
+            .await?
+            .subscriber)
+    }
+}
+
+/// A zone as a table stores it, read against the compiled-in database.
+pub(crate) fn stored_zone(table: &'static str, name: &str) -> Result<Zone, LedgerError> {
+    Zone::parse(name).map_err(|_| {
+        LedgerError::corrupt(
+            table,
+            format_args!(
+                "time_zone is not a zone of tz database {}",
+                nudge_domain::TZDB_VERSION
+            ),
+        )
+    })
 }
 
 /// What one pass of [`Ledger::convert_plaintext_subscribers`] did.

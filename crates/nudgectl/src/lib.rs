@@ -28,7 +28,7 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use chrono::{DateTime, Utc};
 use clap::{Parser, Subcommand};
-use nudge_domain::{Channel, DeliveryId, ProviderAccount};
+use nudge_domain::{Channel, DeliveryId, ProviderAccount, TZDB_VERSION, Zone};
 use nudge_ledger::{
     ChannelStatus, DestinationCipher, Ledger, LedgerTime, Operator, Tenant, TraceId,
 };
@@ -323,21 +323,34 @@ pub enum TenantCommand {
     /// The tenant's signing secrets for the intake's `Nudge-Signature` (at most two at once).
     #[command(subcommand)]
     Secret(SecretCommand),
-    /// Set a tenant's scheduling settings.
+    /// Set a tenant's scheduling settings: its claim weight, its default time zone.
     #[command(
-        long_about = "Set a tenant's scheduling settings. --weight is the tenant's share of \
-            each claim of due work beside the other tenants with due work on the same channel: \
-            the relay hands work out in weighted turns per tenant, oldest first within a \
-            tenant, so one tenant's backlog never makes another's reminders wait behind it. \
-            Default 1; a tenant with weight 3 gets three deliveries per turn where one with \
-            weight 1 gets one. Audited with the weight it replaced."
+        long_about = "Set a tenant's scheduling settings (at least one). --weight is the \
+            tenant's share of each claim of due work beside the other tenants with due work on \
+            the same channel: the relay hands work out in weighted turns per tenant, oldest \
+            first within a tenant, so one tenant's backlog never makes another's reminders \
+            wait behind it. Default 1; a tenant with weight 3 gets three deliveries per turn \
+            where one with weight 1 gets one. --time-zone is the tenant's default IANA zone \
+            (Europe/Berlin): a reminder's scheduled_local is read in the reminder's own \
+            time_zone, else its subscriber's, else this one; with none of them it is refused. \
+            Names are checked against the tz database built into nudge (its version: \
+            `nudgectl status`), never the host's. --clear-time-zone removes it. Each change \
+            is audited with the value it replaced.",
+        group(clap::ArgGroup::new("setting").required(true).multiple(true)
+            .args(["weight", "time_zone", "clear_time_zone"]))
     )]
     Set {
         /// Tenant name.
         name: String,
         /// Share of each claim, 1 to 1000 (default for every tenant: 1).
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
-        weight: u32,
+        weight: Option<u32>,
+        /// The tenant's default IANA time zone, e.g. Europe/Berlin (none by default).
+        #[arg(long, value_parser = parse_zone, conflicts_with = "clear_time_zone")]
+        time_zone: Option<Zone>,
+        /// Remove the tenant's default time zone.
+        #[arg(long)]
+        clear_time_zone: bool,
         /// Why: recorded in the audit log.
         #[arg(long)]
         reason: String,
@@ -763,17 +776,35 @@ pub async fn execute(
         Command::Tenant(TenantCommand::Set {
             name,
             weight,
+            time_zone,
+            clear_time_zone,
             reason,
         }) => {
             require_reason(&reason)?;
             let by = operator(ledger, actor, Some(&reason)).await?;
             let tenant = find_tenant(ledger, &name).await?;
-            let previous = ledger
-                .set_tenant_weight(tenant.id, weight, &by)
-                .await
-                .context("failed to set the tenant's weight")?
-                .with_context(|| format!("no tenant named {name}"))?;
-            writeln!(out, "tenant {name}: weight {weight} (was {previous})")?;
+            if let Some(weight) = weight {
+                let previous = ledger
+                    .set_tenant_weight(tenant.id, weight, &by)
+                    .await
+                    .context("failed to set the tenant's weight")?
+                    .with_context(|| format!("no tenant named {name}"))?;
+                writeln!(out, "tenant {name}: weight {weight} (was {previous})")?;
+            }
+            if time_zone.is_some() || clear_time_zone {
+                let previous = ledger
+                    .set_tenant_time_zone(tenant.id, time_zone, &by)
+                    .await
+                    .context("failed to set the tenant's time zone")?
+                    .with_context(|| format!("no tenant named {name}"))?;
+                let shown = |zone: Option<Zone>| zone.map_or("none", |z| z.name());
+                writeln!(
+                    out,
+                    "tenant {name}: time zone {} (was {}; tz database {TZDB_VERSION})",
+                    shown(time_zone),
+                    shown(previous),
+                )?;
+            }
         }
         Command::Tenant(TenantCommand::Secret(SecretCommand::Rotate { name, reason })) => {
             let Some(cipher) = cipher else {
@@ -914,6 +945,11 @@ pub async fn execute(
                 write_status_table(&status, out)?;
                 writeln!(out)?;
                 rate::write_bucket_table(&buckets, out)?;
+                writeln!(
+                    out,
+                    "\ntime zones: IANA tz database {TZDB_VERSION}, built in (the host's \
+                     zoneinfo and TZ are not read)"
+                )?;
                 for s in status.iter().filter(|s| s.draining) {
                     writeln!(
                         out,
@@ -1107,6 +1143,11 @@ async fn change_reminders(
         by: &by,
     };
     change::run(ledger, cipher, source, &options, out).await
+}
+
+/// A `--time-zone` value: an IANA name the built-in tz database knows.
+fn parse_zone(name: &str) -> Result<Zone, nudge_domain::UnknownZone> {
+    Zone::parse(name)
 }
 
 /// Every change names why; the reason goes to the audit log.

@@ -22,3 +22,4 @@ mod schema;
 mod subscribers;
 mod tenant_secrets;
 mod trace;
+mod zones;
