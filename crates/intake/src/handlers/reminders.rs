@@ -108,7 +108,6 @@ struct Parsed {
 }
 
 /// A reminder checked and ready to import, with the instants its times resolved to.
-#[derive(Clone)]
 struct Prepared {
     item: ImportReminder,
     times: ResolvedTimes,
