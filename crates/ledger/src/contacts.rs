@@ -74,24 +74,34 @@ pub(crate) async fn set_subscriber_zones(
     Ok(())
 }
 
-/// Stores sealed destinations in one statement. A contact that already holds the same
-/// destination (the same digest) keeps its ciphertext and its provider flags: only its
-/// `updated_at` moves, which keeps it from retention while it is posted. A contact given
-/// another destination takes it and loses its flags (invalid, opted out): they describe the
-/// destination they were learnt from. A contact stored before digests were (no digest) takes
-/// the new destination and its digest but keeps its flags: whether the destination changed is
-/// unknown, and an opt-out is never cleared on a guess. A contact given a zone takes it; one
-/// given none keeps its own. The caller gives each key once.
-pub(crate) async fn upsert_contacts(
-    conn: &mut sqlx::PgConnection,
-    sealed: &[SealedContact],
-    now: DateTime<Utc>,
-) -> Result<(), LedgerError> {
-    if sealed.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(
-        "INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
+/// What [`upsert_contacts`] does for the contacts it is given. A contact that already holds
+/// the same destination keeps its ciphertext and flags; another destination resets them.
+const UPSERT_CONTACTS: &str =
+    "INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
+                               destination_ciphertext, destination_digest, updated_at)
+         SELECT c.tenant_id, c.subscriber_ref, true, c.channel, c.ciphertext, c.digest, $6
+         FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::bytea[])
+              AS c(tenant_id, subscriber_ref, channel, ciphertext, digest)
+         ON CONFLICT (tenant_id, subscriber_ref, channel)
+         DO UPDATE SET
+             destination_ciphertext = CASE
+                 WHEN contacts.destination_digest IS NOT DISTINCT FROM EXCLUDED.destination_digest
+                 THEN contacts.destination_ciphertext
+                 ELSE EXCLUDED.destination_ciphertext END,
+             destination_digest = EXCLUDED.destination_digest,
+             updated_at = EXCLUDED.updated_at,
+             invalid_at = CASE
+                 WHEN contacts.destination_digest IS DISTINCT FROM EXCLUDED.destination_digest
+                  AND contacts.destination_digest IS NOT NULL
+                 THEN NULL ELSE contacts.invalid_at END,
+             opted_out_at = CASE
+                 WHEN contacts.destination_digest IS DISTINCT FROM EXCLUDED.destination_digest
+                  AND contacts.destination_digest IS NOT NULL
+                 THEN NULL ELSE contacts.opted_out_at END";
+
+/// [`UPSERT_CONTACTS`], and each contact given a zone (`$7`) takes it.
+const UPSERT_CONTACTS_WITH_ZONE: &str =
+    "INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
                                destination_ciphertext, destination_digest, updated_at, time_zone)
          SELECT c.tenant_id, c.subscriber_ref, true, c.channel, c.ciphertext, c.digest, $6,
                 c.time_zone
@@ -113,43 +123,70 @@ pub(crate) async fn upsert_contacts(
              opted_out_at = CASE
                  WHEN contacts.destination_digest IS DISTINCT FROM EXCLUDED.destination_digest
                   AND contacts.destination_digest IS NOT NULL
-                 THEN NULL ELSE contacts.opted_out_at END",
-    )
-    .bind(sealed.iter().map(|c| c.tenant_id).collect::<Vec<_>>())
-    .bind(
-        sealed
-            .iter()
-            .map(|c| c.stored_ref.as_str())
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        sealed
-            .iter()
-            .map(|c| c.channel.as_str())
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        sealed
-            .iter()
-            .map(|c| c.ciphertext.as_slice())
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        sealed
-            .iter()
-            .map(|c| c.digest.as_bytes())
-            .collect::<Vec<_>>(),
-    )
-    .bind(now)
-    .bind(
-        sealed
-            .iter()
-            .map(|c| c.time_zone.map(|z| z.name()))
-            .collect::<Vec<_>>(),
-    )
-    .execute(&mut *conn)
-    .await
-    .map_err(|e| match &e {
+                 THEN NULL ELSE contacts.opted_out_at END";
+
+/// Stores sealed destinations in one statement. A contact that already holds the same
+/// destination (the same digest) keeps its ciphertext and its provider flags: only its
+/// `updated_at` moves, which keeps it from retention while it is posted. A contact given
+/// another destination takes it and loses its flags (invalid, opted out): they describe the
+/// destination they were learnt from. A contact stored before digests were (no digest) takes
+/// the new destination and its digest but keeps its flags: whether the destination changed is
+/// unknown, and an opt-out is never cleared on a guess. A contact given a zone takes it; one
+/// given none keeps its own. The caller gives each key once.
+pub(crate) async fn upsert_contacts(
+    conn: &mut sqlx::PgConnection,
+    sealed: &[SealedContact],
+    now: DateTime<Utc>,
+) -> Result<(), LedgerError> {
+    if sealed.is_empty() {
+        return Ok(());
+    }
+    // Without a zone (the common post) the statement is the one it always was: a zone costs
+    // only the writes that give one.
+    let zoned = sealed.iter().any(|c| c.time_zone.is_some());
+    let statement = if zoned {
+        UPSERT_CONTACTS_WITH_ZONE
+    } else {
+        UPSERT_CONTACTS
+    };
+    let query = sqlx::query(statement)
+        .bind(sealed.iter().map(|c| c.tenant_id).collect::<Vec<_>>())
+        .bind(
+            sealed
+                .iter()
+                .map(|c| c.stored_ref.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            sealed
+                .iter()
+                .map(|c| c.channel.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            sealed
+                .iter()
+                .map(|c| c.ciphertext.as_slice())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            sealed
+                .iter()
+                .map(|c| c.digest.as_bytes())
+                .collect::<Vec<_>>(),
+        )
+        .bind(now);
+    let query = if zoned {
+        query.bind(
+            sealed
+                .iter()
+                .map(|c| c.time_zone.map(|z| z.name()))
+                .collect::<Vec<_>>(),
+        )
+    } else {
+        query
+    };
+    query.execute(&mut *conn).await.map_err(|e| match &e {
         sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
             LedgerError::InvalidInput("a contact names an unknown tenant")
         }
