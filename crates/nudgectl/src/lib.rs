@@ -89,8 +89,9 @@ pub enum Command {
     #[command(subcommand)]
     Rate(RateCommand),
     /// Per-channel counts of owed, in-flight, dead-lettered and ambiguous deliveries, then
-    /// the rate buckets. With `nudgectl.require_synchronous_standby` set, a warning when the
-    /// server reports no synchronous standby.
+    /// the rate buckets and the version of the IANA tz database built in. With
+    /// `nudgectl.require_synchronous_standby` set, a warning when the server reports no
+    /// synchronous standby.
     Status {
         /// Print the per-channel counts as a JSON array instead of the tables (the buckets
         /// are in `rate list --json`).
