@@ -6,9 +6,10 @@
 //! ([`answer`]: verdicts and their effects on bucket, contact and operators), how it is classified
 //! ([`mod@classify`]), the one function that turns an attempt's outcome into the next state
 //! ([`mod@decide`]), what a client's reschedule or cancel did to each channel ([`change`]),
-//! fairness between tenants: the claim's turns and a tenant's cap ([`fairness`]), and the drain
+//! fairness between tenants: the claim's turns and a tenant's cap ([`fairness`]), the drain
 //! model: a channel's admitted rate, the time of each turn at it and the drain floor
-//! ([`drain`]). Every other crate asks these questions here instead of
+//! ([`drain`]), and the patient's time: IANA zones from a compiled-in database, local times
+//! and how a reminder's times become instants ([`zone`]). Every other crate asks these questions here instead of
 //! answering them again.
 //!
 //! It must never do I/O: no clock reads inside the rules (time is a parameter), no network, no
@@ -29,6 +30,7 @@ pub mod restore;
 pub mod retention;
 pub mod retry_after;
 pub mod state;
+pub mod zone;
 
 pub use admission::{
     Admission, AdmissionSettings, BucketConfig, BucketState, DeferReason, InvalidBucket,
@@ -60,3 +62,8 @@ pub use restore::{AfterRestore, HoldReason, KeepReason, RESTORED_REASON, after_r
 pub use retention::{InvalidRetention, RetentionDays, RetentionPolicy};
 pub use retry_after::{MalformedReason, MalformedRetryAfter, RetryAfter};
 pub use state::{DeliveryState, IllegalTransition};
+pub use zone::{
+    ExpiresAfter, Expiry, InvalidExpiresAfter, InvalidLocalTime, LocalTime, ReminderTimes,
+    Resolution, Resolved, ResolvedTimes, SendTime, TZDB_VERSION, TimeError, UnknownZone, Zone,
+    ZoneSource,
+};

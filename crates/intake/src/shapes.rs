@@ -55,9 +55,23 @@ pub struct ReminderBody {
     #[schema(min_items = 1, max_items = 3)]
     pub channels: Vec<ChannelName>,
     /// When to send (RFC 3339 with an offset); at most `intake.max_schedule_ahead_days` ahead.
-    pub scheduled_at: DateTime<Utc>,
-    /// After this, never send (after `scheduled_at`).
-    pub expires_at: DateTime<Utc>,
+    /// Exactly one of `scheduled_at` and `scheduled_local`.
+    pub scheduled_at: Option<DateTime<Utc>>,
+    /// When to send, as the patient's wall clock (`2027-03-14T02:30:00`, no offset), read in
+    /// `time_zone`, else the subscriber's zone, else the tenant's (none: 400). A time the
+    /// clocks skip moves forward by the gap; one that happens twice is the earlier.
+    #[schema(value_type = Option<String>, example = "2027-03-14T02:30:00", pattern = "^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2})?$")]
+    pub scheduled_local: Option<String>,
+    /// The subscriber's IANA time zone (`Europe/Berlin`), known to the built-in tz database:
+    /// reads `scheduled_local`, and is the subscriber's zone from then on.
+    #[schema(min_length = 1, max_length = 64, example = "Europe/Berlin")]
+    pub time_zone: Option<String>,
+    /// After this, never send (after the scheduled instant). Exactly one of `expires_at` and
+    /// `expires_after_s`.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// Seconds after the scheduled instant after which it is never sent (1 to 31622400).
+    #[schema(minimum = 1, maximum = 31622400)]
+    pub expires_after_s: Option<u32>,
     pub destinations: Destinations,
     /// Template parameters: a JSON object of at most 16 KiB as JSON text. Stored encrypted.
     #[schema(value_type = Option<Object>)]
@@ -87,10 +101,21 @@ pub struct RescheduleBody {
     #[schema(min_items = 1, max_items = 3)]
     pub channels: Vec<ChannelName>,
     /// The new time (RFC 3339 with an offset): not before now (unless unchanged), at most
-    /// `intake.max_schedule_ahead_days` ahead.
-    pub scheduled_at: DateTime<Utc>,
-    /// After this, never send (after `scheduled_at`, and after now).
-    pub expires_at: DateTime<Utc>,
+    /// `intake.max_schedule_ahead_days` ahead. Exactly one of `scheduled_at` and
+    /// `scheduled_local`.
+    pub scheduled_at: Option<DateTime<Utc>>,
+    /// The new time as the patient's wall clock, read as in a post.
+    #[schema(value_type = Option<String>, example = "2027-03-14T02:30:00", pattern = "^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2})?$")]
+    pub scheduled_local: Option<String>,
+    /// The subscriber's IANA time zone, as in a post.
+    #[schema(min_length = 1, max_length = 64, example = "Europe/Berlin")]
+    pub time_zone: Option<String>,
+    /// After this, never send (after the scheduled instant, and after now). Exactly one of
+    /// `expires_at` and `expires_after_s`.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// Seconds after the scheduled instant after which it is never sent (1 to 31622400).
+    #[schema(minimum = 1, maximum = 31622400)]
+    pub expires_after_s: Option<u32>,
     pub destinations: Destinations,
     #[schema(value_type = Option<Object>)]
     pub content: Option<Value>,
@@ -142,7 +167,7 @@ pub struct ReminderBatch {
 #[derive(Debug, Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum PostReminders {
-    One(ReminderBody),
+    One(Box<ReminderBody>),
     Many(ReminderBatch),
 }
 
@@ -176,6 +201,31 @@ pub struct Accepted {
     /// Present when the reminder is recorded but held.
     #[serde(rename = "held", skip_serializing_if = "Option::is_none")]
     pub withheld: Option<Withheld>,
+    /// The instant it is scheduled for (a local time resolved); with `accepted`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scheduled_at: Option<DateTime<Utc>>,
+    /// The instant it expires; with `accepted`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<DateTime<Utc>>,
+    /// How `scheduled_local` was read; with `accepted` when the reminder gave one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local: Option<LocalResolution>,
+}
+
+/// How a reminder's `scheduled_local` became its instant.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct LocalResolution {
+    /// The zone it was read in.
+    pub time_zone: &'static str,
+    /// Whose zone that is: `reminder` (its `time_zone`), `subscriber` or `tenant`.
+    pub zone_from: &'static str,
+    /// The zone's offset from UTC at the instant (`-04:00`).
+    pub utc_offset: String,
+    /// The wall clock in the zone at the instant: `scheduled_local`, or later by the gap.
+    pub wall_clock: String,
+    /// `exact`; `moved_past_gap` (the clocks skipped it: moved forward by the gap);
+    /// `earlier_of_two` (it happens twice: the earlier).
+    pub resolution: &'static str,
 }
 
 /// One reminder of a batch, answered on its own.
@@ -205,7 +255,7 @@ pub struct BatchAnswer {
 #[derive(Debug, Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum PostAnswer {
-    One(Accepted),
+    One(Box<Accepted>),
     Many(BatchAnswer),
 }
 
@@ -257,17 +307,22 @@ pub struct CancelAnswer {
 }
 
 /// The body of `PUT .../contacts`: destinations for one or more channels; channels not given
-/// keep theirs.
+/// keep theirs. `time_zone`, when given, is the subscriber's zone on all their contacts.
 #[derive(Debug, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ContactsBody {
     pub destinations: Destinations,
+    /// The subscriber's IANA time zone (`Europe/Berlin`), known to the built-in tz database.
+    #[schema(min_length = 1, max_length = 64, example = "Europe/Berlin")]
+    pub time_zone: Option<String>,
 }
 
-/// The channels whose destination was stored.
+/// The channels whose destination was stored, and the subscriber's zone when one was given.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ContactsAnswer {
     pub channels: Vec<ChannelName>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub time_zone: Option<&'static str>,
 }
 
 /// What an erasure did (counts only).

@@ -1,10 +1,15 @@
 //! Contacts: a subscriber's destination per channel, encrypted, keyed by the *stored*
-//! subscriber reference (see `crypto`), and the conversion of rows written before subscriber
-//! references were stored as a keyed hash. What a send needs is read and opened with its lease
+//! subscriber reference (see `crypto`), with the subscriber's time zone, and the conversion
+//! of rows written before subscriber references were stored as a keyed hash.
+//!
+//! A subscriber's zone is one value kept on every one of their contacts (so that erasure and
+//! retention take it with them, and a send reads it with the destination): a zone given for
+//! a subscriber is written to all their contacts, and a contact stored without one keeps the
+//! zone it had. [`Ledger::subscriber_zone`] reads it. What a send needs is read and opened with its lease
 //! (`deliveries::lease`), with the associated data defined here.
 
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, SubscriberRef, TenantId};
+use nudge_domain::{Channel, SubscriberRef, TenantId, Zone};
 
 use crate::crypto::{Destination, DestinationCipher, DestinationDigest};
 use crate::{Ledger, LedgerError};
@@ -23,25 +28,56 @@ pub(crate) struct SealedContact {
     pub channel: Channel,
     pub ciphertext: Vec<u8>,
     pub digest: DestinationDigest,
+    /// The subscriber's zone, when this write gives one; none keeps the stored one.
+    pub time_zone: Option<Zone>,
 }
 
-/// Stores sealed destinations in one statement. A contact that already holds the same
-/// destination (the same digest) keeps its ciphertext and its provider flags: only its
-/// `updated_at` moves, which keeps it from retention while it is posted. A contact given
-/// another destination takes it and loses its flags (invalid, opted out): they describe the
-/// destination they were learnt from. A contact stored before digests were (no digest) takes
-/// the new destination and its digest but keeps its flags: whether the destination changed is
-/// unknown, and an opt-out is never cleared on a guess. The caller gives each key once.
-pub(crate) async fn upsert_contacts(
+impl SealedContact {
+    pub(crate) fn with_time_zone(mut self, zone: Option<Zone>) -> Self {
+        self.time_zone = zone;
+        self
+    }
+}
+
+/// A subscriber's zone, to be written to all their contacts.
+pub(crate) struct SubscriberZone {
+    pub tenant_id: uuid::Uuid,
+    pub stored_ref: String,
+    pub zone: Zone,
+}
+
+/// Writes each subscriber's zone to every one of their contacts (those of channels the
+/// write did not name too), in one statement; nothing when none is given.
+pub(crate) async fn set_subscriber_zones(
     conn: &mut sqlx::PgConnection,
-    sealed: &[SealedContact],
-    now: DateTime<Utc>,
+    zones: &[SubscriberZone],
 ) -> Result<(), LedgerError> {
-    if sealed.is_empty() {
+    if zones.is_empty() {
         return Ok(());
     }
     sqlx::query(
-        "INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
+        "UPDATE contacts c SET time_zone = z.time_zone
+         FROM UNNEST($1::uuid[], $2::text[], $3::text[]) AS z(tenant_id, subscriber_ref, time_zone)
+         WHERE c.tenant_id = z.tenant_id AND c.subscriber_ref = z.subscriber_ref
+           AND c.time_zone IS DISTINCT FROM z.time_zone",
+    )
+    .bind(zones.iter().map(|z| z.tenant_id).collect::<Vec<_>>())
+    .bind(
+        zones
+            .iter()
+            .map(|z| z.stored_ref.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(zones.iter().map(|z| z.zone.name()).collect::<Vec<_>>())
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// What [`upsert_contacts`] does for the contacts it is given. A contact that already holds
+/// the same destination keeps its ciphertext and flags; another destination resets them.
+const UPSERT_CONTACTS: &str =
+    "INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
                                destination_ciphertext, destination_digest, updated_at)
          SELECT c.tenant_id, c.subscriber_ref, true, c.channel, c.ciphertext, c.digest, $6
          FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::bytea[])
@@ -61,37 +97,96 @@ pub(crate) async fn upsert_contacts(
              opted_out_at = CASE
                  WHEN contacts.destination_digest IS DISTINCT FROM EXCLUDED.destination_digest
                   AND contacts.destination_digest IS NOT NULL
-                 THEN NULL ELSE contacts.opted_out_at END",
-    )
-    .bind(sealed.iter().map(|c| c.tenant_id).collect::<Vec<_>>())
-    .bind(
-        sealed
-            .iter()
-            .map(|c| c.stored_ref.as_str())
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        sealed
-            .iter()
-            .map(|c| c.channel.as_str())
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        sealed
-            .iter()
-            .map(|c| c.ciphertext.as_slice())
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        sealed
-            .iter()
-            .map(|c| c.digest.as_bytes())
-            .collect::<Vec<_>>(),
-    )
-    .bind(now)
-    .execute(&mut *conn)
-    .await
-    .map_err(|e| match &e {
+                 THEN NULL ELSE contacts.opted_out_at END";
+
+/// [`UPSERT_CONTACTS`], and each contact given a zone (`$7`) takes it.
+const UPSERT_CONTACTS_WITH_ZONE: &str =
+    "INSERT INTO contacts (tenant_id, subscriber_ref, subscriber_ref_keyed, channel,
+                               destination_ciphertext, destination_digest, updated_at, time_zone)
+         SELECT c.tenant_id, c.subscriber_ref, true, c.channel, c.ciphertext, c.digest, $6,
+                c.time_zone
+         FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::bytea[], $7::text[])
+              AS c(tenant_id, subscriber_ref, channel, ciphertext, digest, time_zone)
+         ON CONFLICT (tenant_id, subscriber_ref, channel)
+         DO UPDATE SET
+             time_zone = COALESCE(EXCLUDED.time_zone, contacts.time_zone),
+             destination_ciphertext = CASE
+                 WHEN contacts.destination_digest IS NOT DISTINCT FROM EXCLUDED.destination_digest
+                 THEN contacts.destination_ciphertext
+                 ELSE EXCLUDED.destination_ciphertext END,
+             destination_digest = EXCLUDED.destination_digest,
+             updated_at = EXCLUDED.updated_at,
+             invalid_at = CASE
+                 WHEN contacts.destination_digest IS DISTINCT FROM EXCLUDED.destination_digest
+                  AND contacts.destination_digest IS NOT NULL
+                 THEN NULL ELSE contacts.invalid_at END,
+             opted_out_at = CASE
+                 WHEN contacts.destination_digest IS DISTINCT FROM EXCLUDED.destination_digest
+                  AND contacts.destination_digest IS NOT NULL
+                 THEN NULL ELSE contacts.opted_out_at END";
+
+/// Stores sealed destinations in one statement. A contact that already holds the same
+/// destination (the same digest) keeps its ciphertext and its provider flags: only its
+/// `updated_at` moves, which keeps it from retention while it is posted. A contact given
+/// another destination takes it and loses its flags (invalid, opted out): they describe the
+/// destination they were learnt from. A contact stored before digests were (no digest) takes
+/// the new destination and its digest but keeps its flags: whether the destination changed is
+/// unknown, and an opt-out is never cleared on a guess. A contact given a zone takes it; one
+/// given none keeps its own. The caller gives each key once.
+pub(crate) async fn upsert_contacts(
+    conn: &mut sqlx::PgConnection,
+    sealed: &[SealedContact],
+    now: DateTime<Utc>,
+) -> Result<(), LedgerError> {
+    if sealed.is_empty() {
+        return Ok(());
+    }
+    // Without a zone (the common post) the statement is the one it always was: a zone costs
+    // only the writes that give one.
+    let zoned = sealed.iter().any(|c| c.time_zone.is_some());
+    let statement = if zoned {
+        UPSERT_CONTACTS_WITH_ZONE
+    } else {
+        UPSERT_CONTACTS
+    };
+    let query = sqlx::query(statement)
+        .bind(sealed.iter().map(|c| c.tenant_id).collect::<Vec<_>>())
+        .bind(
+            sealed
+                .iter()
+                .map(|c| c.stored_ref.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            sealed
+                .iter()
+                .map(|c| c.channel.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            sealed
+                .iter()
+                .map(|c| c.ciphertext.as_slice())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            sealed
+                .iter()
+                .map(|c| c.digest.as_bytes())
+                .collect::<Vec<_>>(),
+        )
+        .bind(now);
+    let query = if zoned {
+        query.bind(
+            sealed
+                .iter()
+                .map(|c| c.time_zone.map(|z| z.name()))
+                .collect::<Vec<_>>(),
+        )
+    } else {
+        query
+    };
+    query.execute(&mut *conn).await.map_err(|e| match &e {
         sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
             LedgerError::InvalidInput("a contact names an unknown tenant")
         }
@@ -118,6 +213,7 @@ pub(crate) fn seal_contact(
         stored_ref,
         channel,
         ciphertext,
+        time_zone: None,
     })
 }
 
@@ -143,6 +239,72 @@ impl Ledger {
                 other => other,
             })
     }
+}
+
+/// The zones a local time falls back on when its reminder gives none: the subscriber's,
+/// else the tenant's default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FallbackZones {
+    pub subscriber: Option<Zone>,
+    pub tenant: Option<Zone>,
+}
+
+impl Ledger {
+    /// The subscriber's zone as their contacts keep it (`None` when they have none, or no
+    /// contacts) and the tenant's default zone, as the ledger has them now, in one
+    /// statement. Needs the cipher's subscriber key.
+    pub async fn fallback_zones(
+        &self,
+        tenant_id: TenantId,
+        subscriber_ref: &SubscriberRef,
+        cipher: &DestinationCipher,
+    ) -> Result<FallbackZones, LedgerError> {
+        let stored_ref = cipher.stored_ref(tenant_id, subscriber_ref)?;
+        let (subscriber, tenant): (Option<String>, Option<String>) = sqlx::query_as(
+            "SELECT (SELECT time_zone FROM contacts
+                     WHERE tenant_id = $1 AND subscriber_ref = $2 AND time_zone IS NOT NULL
+                     LIMIT 1),
+                    (SELECT time_zone FROM tenants WHERE id = $1)",
+        )
+        .bind(tenant_id.as_uuid())
+        .bind(&stored_ref)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(FallbackZones {
+            subscriber: subscriber
+                .map(|name| stored_zone("contacts", &name))
+                .transpose()?,
+            tenant: tenant
+                .map(|name| stored_zone("tenants", &name))
+                .transpose()?,
+        })
+    }
+
+    /// The subscriber's zone, as their contacts keep it ([`Ledger::fallback_zones`]).
+    pub async fn subscriber_zone(
+        &self,
+        tenant_id: TenantId,
+        subscriber_ref: &SubscriberRef,
+        cipher: &DestinationCipher,
+    ) -> Result<Option<Zone>, LedgerError> {
+        Ok(self
+            .fallback_zones(tenant_id, subscriber_ref, cipher)
+            .await?
+            .subscriber)
+    }
+}
+
+/// A zone as a table stores it, read against the compiled-in database.
+pub(crate) fn stored_zone(table: &'static str, name: &str) -> Result<Zone, LedgerError> {
+    Zone::parse(name).map_err(|_| {
+        LedgerError::corrupt(
+            table,
+            format_args!(
+                "time_zone is not a zone of tz database {}",
+                nudge_domain::TZDB_VERSION
+            ),
+        )
+    })
 }
 
 /// What one pass of [`Ledger::convert_plaintext_subscribers`] did.

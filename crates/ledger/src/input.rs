@@ -8,7 +8,11 @@
 use std::fmt;
 
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, EventId, IdError, Revision, SubscriberRef, TenantId};
+use nudge_domain::{
+    Channel, EventId, ExpiresAfter, Expiry, IdError, InvalidExpiresAfter, InvalidLocalTime,
+    LocalTime, ReminderTimes, ResolvedTimes, Revision, SendTime, SubscriberRef, TenantId,
+    TimeError, UnknownZone, Zone,
+};
 use serde::Deserialize;
 use serde_json::Value;
 use serde_json::error::Category;
@@ -67,8 +71,25 @@ pub enum InputError {
     DuplicateChannel(Channel),
     #[error("{field} is not an RFC 3339 timestamp with an offset, e.g. 2026-11-30T09:00:00Z")]
     Timestamp { field: &'static str },
-    #[error("expires_at must be after scheduled_at")]
-    ExpiresNotAfterScheduled,
+    /// A field that needs another missing, or two that exclude each other.
+    #[error("{0}")]
+    Times(#[from] TimeError),
+    #[error("give {field} or {other}, not both")]
+    Both {
+        field: &'static str,
+        other: &'static str,
+    },
+    #[error("missing field `{field}` (or give {other})")]
+    Neither {
+        field: &'static str,
+        other: &'static str,
+    },
+    #[error("time_zone {0}")]
+    UnknownZone(UnknownZone),
+    #[error("scheduled_local {0}")]
+    LocalTime(InvalidLocalTime),
+    #[error("expires_after_s {0}")]
+    ExpiresAfter(InvalidExpiresAfter),
     #[error("destinations.{0} is missing")]
     MissingDestination(Channel),
     #[error("destinations.{0} is empty")]
@@ -126,8 +147,9 @@ impl InputError {
 }
 
 /// The fields of a reminder, as an unknown field's message lists them.
-const FIELDS: &str = "event_id, subscriber_ref, channels, scheduled_at, expires_at, \
-                      destinations, content, revision (and tenant in a `reminders load` line)";
+const FIELDS: &str = "event_id, subscriber_ref, channels, scheduled_at, scheduled_local, \
+                      time_zone, expires_at, expires_after_s, destinations, content, revision \
+                      (and tenant in a `reminders load` line)";
 
 fn unknown_field(at: Option<TextPosition>) -> String {
     let place = at.map_or_else(String::new, |TextPosition { line, column }| {
@@ -149,8 +171,16 @@ struct RawLine {
     event_id: Value,
     subscriber_ref: Value,
     channels: Value,
-    scheduled_at: Value,
-    expires_at: Value,
+    #[serde(default)]
+    scheduled_at: Option<Value>,
+    #[serde(default)]
+    scheduled_local: Option<Value>,
+    #[serde(default)]
+    time_zone: Option<Value>,
+    #[serde(default)]
+    expires_at: Option<Value>,
+    #[serde(default)]
+    expires_after_s: Option<Value>,
     destinations: Value,
     #[serde(default)]
     content: Option<Value>,
@@ -159,16 +189,19 @@ struct RawLine {
 }
 
 /// One reminder, checked: every listed channel has a non-empty destination and no other channel
-/// has one; `expires_at` is after `scheduled_at`; `content` is a JSON object, kept as its
-/// JSON bytes.
+/// has one; exactly one of `scheduled_at` and `scheduled_local`, one of `expires_at` and
+/// `expires_after_s`, a known `time_zone` when given; `content` is a JSON object, kept as its
+/// JSON bytes. Its times become instants with [`ReminderInput::resolve`], which may need the
+/// subscriber's or the tenant's zone ([`ReminderInput::needs_zone`]).
 pub struct ReminderInput {
     /// The tenant's name, when the format carries it ([`TenantField::Required`]).
     pub tenant: Option<String>,
     pub event_id: EventId,
     pub subscriber_ref: SubscriberRef,
     pub channels: Vec<Channel>,
-    pub scheduled_at: DateTime<Utc>,
-    pub expires_at: DateTime<Utc>,
+    /// The send time, expiry and zone as given (`time_zone` is also the subscriber's zone
+    /// from then on).
+    pub times: ReminderTimes,
     pub destinations: Vec<(Channel, Destination)>,
     pub content: Option<Vec<u8>>,
     /// The client's revision of this reminder, when given (a post without one is revision 0;
@@ -191,8 +224,7 @@ impl fmt::Debug for ReminderInput {
             .field("event_id", &self.event_id)
             .field("subscriber_ref", &self.subscriber_ref)
             .field("channels", &self.channels)
-            .field("scheduled_at", &self.scheduled_at)
-            .field("expires_at", &self.expires_at)
+            .field("times", &self.times)
             .field("destinations", &self.destinations)
             .field("content", &self.content.as_ref().map(|_| "<redacted>"))
             .field("revision", &self.revision)
@@ -248,11 +280,13 @@ impl ReminderInput {
             source,
         })?;
         let channels = channels(&raw.channels)?;
-        let scheduled_at = timestamp(&raw.scheduled_at, "scheduled_at")?;
-        let expires_at = timestamp(&raw.expires_at, "expires_at")?;
-        if expires_at <= scheduled_at {
-            return Err(InputError::ExpiresNotAfterScheduled);
-        }
+        let times = times(
+            raw.scheduled_at,
+            raw.scheduled_local,
+            raw.time_zone,
+            raw.expires_at,
+            raw.expires_after_s,
+        )?;
         let destinations = destinations(&raw.destinations, &channels)?;
         let content = match raw.content {
             None | Some(Value::Null) => None,
@@ -279,13 +313,86 @@ impl ReminderInput {
             event_id,
             subscriber_ref,
             channels,
-            scheduled_at,
-            expires_at,
+            times,
             destinations,
             content,
             revision,
         })
     }
+
+    /// Whether its times need a zone it does not give: a local time without `time_zone`
+    /// is read in the subscriber's zone, else the tenant's.
+    pub fn needs_zone(&self) -> bool {
+        self.times.needs_zone()
+    }
+
+    /// Its times as instants: a local time read in its own zone, else `subscriber`'s, else
+    /// `tenant`'s (none at all is refused, naming `time_zone`).
+    pub fn resolve(
+        &self,
+        subscriber: Option<Zone>,
+        tenant: Option<Zone>,
+    ) -> Result<ResolvedTimes, InputError> {
+        Ok(self.times.resolve(subscriber, tenant)?)
+    }
+}
+
+/// The send time, the expiry and the zone, each given one way only.
+fn times(
+    scheduled_at: Option<Value>,
+    scheduled_local: Option<Value>,
+    time_zone: Option<Value>,
+    expires_at: Option<Value>,
+    expires_after_s: Option<Value>,
+) -> Result<ReminderTimes, InputError> {
+    let present = |v: Option<Value>| v.filter(|v| !v.is_null());
+    let send = match (present(scheduled_at), present(scheduled_local)) {
+        (Some(at), None) => SendTime::At(timestamp(&at, "scheduled_at")?),
+        (None, Some(local)) => SendTime::Local(
+            LocalTime::parse(string(&local, "scheduled_local")?).map_err(InputError::LocalTime)?,
+        ),
+        (Some(_), Some(_)) => {
+            return Err(InputError::Both {
+                field: "scheduled_local",
+                other: "scheduled_at",
+            });
+        }
+        (None, None) => {
+            return Err(InputError::Neither {
+                field: "scheduled_at",
+                other: "scheduled_local",
+            });
+        }
+    };
+    let zone = match present(time_zone) {
+        None => None,
+        Some(zone) => {
+            Some(Zone::parse(string(&zone, "time_zone")?).map_err(InputError::UnknownZone)?)
+        }
+    };
+    let expiry = match (present(expires_at), present(expires_after_s)) {
+        (Some(at), None) => Expiry::At(timestamp(&at, "expires_at")?),
+        (None, Some(after)) => Expiry::After(
+            after
+                .as_u64()
+                .ok_or(InvalidExpiresAfter)
+                .and_then(ExpiresAfter::from_secs)
+                .map_err(InputError::ExpiresAfter)?,
+        ),
+        (Some(_), Some(_)) => {
+            return Err(InputError::Both {
+                field: "expires_after_s",
+                other: "expires_at",
+            });
+        }
+        (None, None) => {
+            return Err(InputError::Neither {
+                field: "expires_at",
+                other: "expires_after_s",
+            });
+        }
+    };
+    Ok(ReminderTimes { send, expiry, zone })
 }
 
 fn string<'v>(value: &'v Value, field: &'static str) -> Result<&'v str, InputError> {
@@ -381,7 +488,11 @@ impl InputError {
             Self::TenantName | Self::TenantInBody => "/tenant".to_owned(),
             Self::NoChannels | Self::DuplicateChannel(_) => "/channels".to_owned(),
             Self::UnknownChannel { index } => format!("/channels/{index}"),
-            Self::ExpiresNotAfterScheduled => "/expires_at".to_owned(),
+            Self::Times(e) => format!("/{}", e.field()),
+            Self::Both { field, .. } | Self::Neither { field, .. } => format!("/{field}"),
+            Self::UnknownZone(_) => "/time_zone".to_owned(),
+            Self::LocalTime(_) => "/scheduled_local".to_owned(),
+            Self::ExpiresAfter(_) => "/expires_after_s".to_owned(),
             Self::UnknownDestinationChannel => "/destinations".to_owned(),
         }
     }
@@ -405,17 +516,24 @@ fn field_of(message: &str) -> Option<&str> {
 }
 
 impl ReminderInput {
-    /// The reminder for `tenant_id` with its destinations, checked by the ledger's rules.
-    pub fn into_import(self, tenant_id: TenantId) -> Result<ImportReminder, InputError> {
+    /// The reminder for `tenant_id` at the instants its times resolved to
+    /// ([`ReminderInput::resolve`]), with its destinations and its zone (the subscriber's
+    /// from then on), checked by the ledger's rules.
+    pub fn into_import(
+        self,
+        tenant_id: TenantId,
+        times: &ResolvedTimes,
+    ) -> Result<ImportReminder, InputError> {
         let mut reminder = NewReminder::new(
             tenant_id,
             self.event_id,
             self.subscriber_ref,
             &self.channels,
-            self.scheduled_at,
-            self.expires_at,
+            times.scheduled_at,
+            times.expires_at,
         )
-        .map_err(InputError::refused)?;
+        .map_err(InputError::refused)?
+        .with_time_zone(self.times.zone);
         if let Some(content) = self.content {
             reminder = reminder
                 .with_content(content)
@@ -448,10 +566,14 @@ mod tests {
         serde_json::to_vec(&line).unwrap()
     }
 
+    /// Why `bytes` is refused: by the parse, or else by resolving its times without a
+    /// subscriber's or tenant's zone.
     fn reason(bytes: &[u8]) -> String {
-        let err = ReminderInput::parse(bytes, TenantField::Required)
-            .unwrap_err()
-            .to_string();
+        let err = match ReminderInput::parse(bytes, TenantField::Required) {
+            Err(e) => e,
+            Ok(input) => input.resolve(None, None).unwrap_err(),
+        }
+        .to_string();
         for secret in ["+15550100", "a@example.org", "patient-42", "appointment"] {
             assert!(!err.contains(secret), "{err} shows {secret}");
         }
@@ -465,7 +587,9 @@ mod tests {
         assert_eq!(line.event_id.as_str(), "appt-123");
         assert_eq!(line.subscriber_ref.as_str(), "patient-42");
         assert_eq!(line.channels, [Channel::Sms, Channel::Email]);
-        assert_eq!(line.expires_at.to_rfc3339(), "2026-11-30T09:30:00+00:00");
+        let times = line.resolve(None, None).unwrap();
+        assert_eq!(times.expires_at.to_rfc3339(), "2026-11-30T09:30:00+00:00");
+        assert_eq!(line.times.zone, None);
         let dests: Vec<_> = line
             .destinations
             .iter()
@@ -538,7 +662,7 @@ mod tests {
         assert_eq!(err.path(), "");
         assert_eq!(
             reason(&with("expires_at", Value::Null)),
-            "missing field `expires_at`"
+            "missing field `expires_at` (or give expires_after_s)"
         );
     }
 
@@ -686,7 +810,9 @@ mod http_form {
             for (k, v) in patch.as_object().unwrap() {
                 value[k] = v.clone();
             }
-            let err = ReminderInput::from_value(value, TenantField::Absent).unwrap_err();
+            let err = ReminderInput::from_value(value, TenantField::Absent)
+                .and_then(|input| input.resolve(None, None))
+                .unwrap_err();
             assert_eq!(err.path(), path, "{err}");
             assert!(!err.to_string().contains("+15550100"));
             assert!(!err.to_string().contains("patient-42"));
@@ -695,5 +821,143 @@ mod http_form {
         missing.as_object_mut().unwrap().remove("channels");
         let err = ReminderInput::from_value(missing, TenantField::Absent).unwrap_err();
         assert_eq!(err.path(), "/channels");
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod local_times {
+    use super::*;
+
+    const BODY: &str = r#"{"event_id": "appt-1", "subscriber_ref": "patient-42", "channels": ["sms"], "scheduled_local": "2027-03-14T02:30:00", "time_zone": "America/New_York", "expires_after_s": 3600, "destinations": {"sms": "+15550100"}}"#;
+
+    fn patched(patch: Value) -> Result<ReminderInput, InputError> {
+        let mut value: Value = serde_json::from_str(BODY).unwrap();
+        for (k, v) in patch.as_object().unwrap() {
+            if v.is_null() {
+                value.as_object_mut().unwrap().remove(k);
+            } else {
+                value[k] = v.clone();
+            }
+        }
+        ReminderInput::from_value(value, TenantField::Absent)
+    }
+
+    #[test]
+    fn a_local_time_in_its_own_zone_resolves_forward_over_the_gap() {
+        let input = patched(serde_json::json!({})).unwrap();
+        assert!(!input.needs_zone());
+        let times = input.resolve(None, None).unwrap();
+        assert_eq!(times.scheduled_at.to_rfc3339(), "2027-03-14T07:30:00+00:00");
+        assert_eq!(times.expires_at.to_rfc3339(), "2027-03-14T08:30:00+00:00");
+        let item = input
+            .into_import(TenantId::from_uuid(uuid::Uuid::nil()), &times)
+            .unwrap();
+        assert_eq!(
+            item.reminder.time_zone().map(|z| z.name()),
+            Some("America/New_York")
+        );
+    }
+
+    #[test]
+    fn a_local_time_without_a_zone_takes_the_subscribers_then_the_tenants_and_none_is_refused() {
+        let input = patched(serde_json::json!({"time_zone": null})).unwrap();
+        assert!(input.needs_zone());
+        let london = Zone::parse("Europe/London").ok();
+        let berlin = Zone::parse("Europe/Berlin").ok();
+        assert_eq!(
+            input
+                .resolve(london, berlin)
+                .unwrap()
+                .scheduled_at
+                .to_rfc3339(),
+            "2027-03-14T02:30:00+00:00"
+        );
+        assert_eq!(
+            input
+                .resolve(None, berlin)
+                .unwrap()
+                .scheduled_at
+                .to_rfc3339(),
+            "2027-03-14T01:30:00+00:00"
+        );
+        let err = input.resolve(None, None).unwrap_err();
+        assert_eq!(err.path(), "/time_zone");
+        assert!(err.to_string().contains("time_zone is required"), "{err}");
+    }
+
+    #[test]
+    fn every_bad_combination_is_refused_at_the_field_it_names() {
+        let cases = [
+            (
+                serde_json::json!({"time_zone": "Mars/Olympus_Mons"}),
+                "/time_zone",
+            ),
+            (serde_json::json!({"time_zone": "utc"}), "/time_zone"),
+            (serde_json::json!({"time_zone": 5}), "/time_zone"),
+            (
+                serde_json::json!({"scheduled_at": "2027-03-14T07:30:00Z"}),
+                "/scheduled_local",
+            ),
+            (
+                serde_json::json!({"scheduled_local": null}),
+                "/scheduled_at",
+            ),
+            (
+                serde_json::json!({"scheduled_local": "2027-03-14T02:30:00-05:00"}),
+                "/scheduled_local",
+            ),
+            (
+                serde_json::json!({"scheduled_local": "2027-02-29T02:30:00"}),
+                "/scheduled_local",
+            ),
+            (
+                serde_json::json!({"expires_at": "2027-03-15T00:00:00Z"}),
+                "/expires_after_s",
+            ),
+            (serde_json::json!({"expires_after_s": null}), "/expires_at"),
+            (
+                serde_json::json!({"expires_after_s": 0}),
+                "/expires_after_s",
+            ),
+            (
+                serde_json::json!({"expires_after_s": -5}),
+                "/expires_after_s",
+            ),
+            (
+                serde_json::json!({"expires_after_s": 1.5}),
+                "/expires_after_s",
+            ),
+            (
+                serde_json::json!({"expires_after_s": 31_622_401}),
+                "/expires_after_s",
+            ),
+            (
+                serde_json::json!({"expires_after_s": "3600"}),
+                "/expires_after_s",
+            ),
+        ];
+        for (patch, path) in cases {
+            let err = patched(patch.clone()).unwrap_err();
+            assert_eq!(err.path(), path, "{patch}: {err}");
+            let text = err.to_string();
+            assert!(!text.contains("Mars"), "{text}");
+            assert!(!text.contains("+15550100"), "{text}");
+        }
+    }
+
+    #[test]
+    fn an_instant_with_a_zone_keeps_the_instant_and_gives_the_subscriber_the_zone() {
+        let input = patched(serde_json::json!({
+            "scheduled_local": null,
+            "scheduled_at": "2027-03-14T12:00:00+01:00",
+            "time_zone": "Europe/Berlin",
+        }))
+        .unwrap();
+        assert!(!input.needs_zone());
+        let times = input.resolve(None, None).unwrap();
+        assert_eq!(times.scheduled_at.to_rfc3339(), "2027-03-14T11:00:00+00:00");
+        assert_eq!(times.local, None);
+        assert_eq!(input.times.zone.map(|z| z.name()), Some("Europe/Berlin"));
     }
 }

@@ -10,12 +10,12 @@
 
 use chrono::{DateTime, Utc};
 use nudge_domain::{
-    CancelChange, Channel, DeliveryState, EventId, ReminderId, SubscriberRef, TenantId,
+    CancelChange, Channel, DeliveryState, EventId, ReminderId, SubscriberRef, TenantId, Zone,
 };
 use rand::RngExt;
 
 use crate::audit::{self, Operator};
-use crate::contacts::{seal_contact, upsert_contacts};
+use crate::contacts::{SubscriberZone, seal_contact, set_subscriber_zones, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher, SealedWith};
 use crate::deliveries::LedgerTime;
 use crate::reschedule::{cancel_locked, lock_deliveries};
@@ -454,13 +454,15 @@ impl Ledger {
         }))
     }
 
-    /// Replaces a subscriber's destinations for the channels given (others are kept), in one
-    /// statement. Needs the subscriber key.
+    /// Replaces a subscriber's destinations for the channels given (others are kept), and
+    /// when `time_zone` is given makes it the subscriber's zone on all their contacts, in one
+    /// transaction. Needs the subscriber key.
     pub async fn set_contacts(
         &self,
         tenant_id: TenantId,
         subscriber_ref: &SubscriberRef,
         destinations: &[(Channel, Destination)],
+        time_zone: Option<Zone>,
         cipher: &DestinationCipher,
         now: DateTime<Utc>,
     ) -> Result<(), LedgerError> {
@@ -472,21 +474,31 @@ impl Ledger {
                     "a destination is larger than 1024 bytes",
                 ));
             }
-            sealed.push(seal_contact(
-                cipher,
-                tenant_id,
-                stored_ref.clone(),
-                *channel,
-                destination,
-            )?);
+            sealed.push(
+                seal_contact(cipher, tenant_id, stored_ref.clone(), *channel, destination)?
+                    .with_time_zone(time_zone),
+            );
         }
-        let mut conn = self.pool.acquire().await?;
-        upsert_contacts(&mut conn, &sealed, now)
+        let mut tx = self.pool.begin().await?;
+        upsert_contacts(&mut tx, &sealed, now)
             .await
             .map_err(|e| match e {
                 LedgerError::InvalidInput(_) => LedgerError::UnknownTenant(tenant_id.as_uuid()),
                 other => other,
-            })
+            })?;
+        if let Some(zone) = time_zone {
+            set_subscriber_zones(
+                &mut tx,
+                &[SubscriberZone {
+                    tenant_id: tenant_id.as_uuid(),
+                    stored_ref,
+                    zone,
+                }],
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Erases a subscriber of a tenant, in one transaction: deletes their destinations (the

@@ -49,7 +49,7 @@ pub use age::AgeBand;
 pub use audit::{AuditEntry, Operator};
 pub use buckets::{BucketReading, Feedback, FeedbackApplied, RateBucket};
 pub use channels::{ChannelControl, DrainChange, OwnerChange, ProducerAck};
-pub use contacts::SubscriberConversion;
+pub use contacts::{FallbackZones, SubscriberConversion};
 pub use crypto::{Destination, DestinationCipher, DestinationDigest, SealedWith, SubscriberKey};
 pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{

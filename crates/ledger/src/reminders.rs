@@ -14,7 +14,7 @@ use nudge_domain::{
 };
 use sqlx::PgConnection;
 
-use crate::contacts::{seal_contact, upsert_contacts};
+use crate::contacts::{SubscriberZone, seal_contact, set_subscriber_zones, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher};
 use crate::{Ledger, LedgerError};
 
@@ -42,6 +42,8 @@ pub struct NewReminder {
     correlation_id: Option<String>,
     pub(crate) request_digest: Option<Vec<u8>>,
     revision: nudge_domain::Revision,
+    /// The reminder's own zone: stored as its subscriber's zone on their contacts.
+    time_zone: Option<nudge_domain::Zone>,
 }
 
 /// The longest correlation id stored with a reminder (printable ASCII, as on the envelope).
@@ -87,6 +89,7 @@ impl NewReminder {
             correlation_id: None,
             request_digest: None,
             revision: nudge_domain::Revision::FIRST,
+            time_zone: None,
         })
     }
 
@@ -138,6 +141,17 @@ impl NewReminder {
 
     pub fn revision(&self) -> nudge_domain::Revision {
         self.revision
+    }
+
+    /// The subscriber's zone as this reminder gives it (`time_zone`): written to all the
+    /// subscriber's contacts with the reminder (from then on the subscriber's zone).
+    pub fn with_time_zone(mut self, zone: Option<nudge_domain::Zone>) -> Self {
+        self.time_zone = zone;
+        self
+    }
+
+    pub fn time_zone(&self) -> Option<nudge_domain::Zone> {
+        self.time_zone
     }
 
     pub fn event_id(&self) -> &EventId {
@@ -697,6 +711,8 @@ async fn import_in(
 
     let mut outcomes = Vec::with_capacity(items.len());
     let mut contacts: BTreeMap<(uuid::Uuid, String, Channel), &Destination> = BTreeMap::new();
+    // A subscriber's zone, as the last reminder of the batch that gives one says.
+    let mut zones: BTreeMap<(uuid::Uuid, String), nudge_domain::Zone> = BTreeMap::new();
     let mut materialise: Vec<&Prepared<'_>> = Vec::new();
     for row in &prepared {
         let Some(row) = row else {
@@ -735,6 +751,9 @@ async fn import_in(
         // retry of an old event, perhaps with a number the patient has since replaced)
         // changes nothing at all, and a conflicting one is refused.
         if matches!(outcome, ImportOutcome::Created { .. }) {
+            if let Some(zone) = reminder.time_zone {
+                zones.insert((reminder.tenant_id.as_uuid(), row.stored_ref.clone()), zone);
+            }
             for (channel, destination) in &row.item.contacts {
                 contacts.insert(
                     (
@@ -751,15 +770,28 @@ async fn import_in(
 
     let mut sealed = Vec::with_capacity(contacts.len());
     for ((tenant_id, stored_ref, channel), destination) in contacts {
-        sealed.push(seal_contact(
-            cipher,
-            TenantId::from_uuid(tenant_id),
-            stored_ref,
-            channel,
-            destination,
-        )?);
+        let zone = zones.get(&(tenant_id, stored_ref.clone())).copied();
+        sealed.push(
+            seal_contact(
+                cipher,
+                TenantId::from_uuid(tenant_id),
+                stored_ref,
+                channel,
+                destination,
+            )?
+            .with_time_zone(zone),
+        );
     }
     upsert_contacts(tx, &sealed, now).await?;
+    let zones: Vec<SubscriberZone> = zones
+        .into_iter()
+        .map(|((tenant_id, stored_ref), zone)| SubscriberZone {
+            tenant_id,
+            stored_ref,
+            zone,
+        })
+        .collect();
+    set_subscriber_zones(tx, &zones).await?;
 
     let counts = materialise_created(tx, &materialise, now).await?;
     for outcome in &mut outcomes {

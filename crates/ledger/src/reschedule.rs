@@ -19,7 +19,7 @@ use nudge_domain::{ChannelChange, Found, ReminderId, Revision, RevisionOrder, Su
 use sqlx::PgConnection;
 
 use crate::audit::{self, Operator};
-use crate::contacts::{seal_contact, upsert_contacts};
+use crate::contacts::{SubscriberZone, seal_contact, set_subscriber_zones, upsert_contacts};
 use crate::crypto::{DestinationCipher, content_aad};
 use crate::deliveries::LedgerTime;
 use crate::reminders::{ImportReminder, WindowReminder, insert_deliveries};
@@ -62,6 +62,8 @@ struct Target<'a> {
     expires_at: DateTime<Utc>,
     content: Option<Option<&'a [u8]>>,
     contacts: &'a [(nudge_domain::Channel, crate::Destination)],
+    /// The subscriber's zone, when the replacement gives one.
+    time_zone: Option<nudge_domain::Zone>,
 }
 
 /// What a replacement did.
@@ -218,6 +220,7 @@ impl Ledger {
             expires_at: reminder.expires_at,
             content: Some(reminder.content.as_deref()),
             contacts: &replacement.item.contacts,
+            time_zone: reminder.time_zone(),
         };
         self.replace(&target, cipher, by, at).await
     }
@@ -257,6 +260,7 @@ impl Ledger {
             expires_at,
             content: None,
             contacts: &[],
+            time_zone: None,
         };
         self.replace(&target, cipher, &ReplacedBy::Operator(by.clone()), at)
             .await
@@ -407,15 +411,23 @@ impl Ledger {
             let stored_ref = cipher.stored_ref(tenant_id, subscriber)?;
             let mut sealed = Vec::with_capacity(target.contacts.len());
             for (channel, destination) in target.contacts {
-                sealed.push(seal_contact(
-                    cipher,
-                    tenant_id,
-                    stored_ref.clone(),
-                    *channel,
-                    destination,
-                )?);
+                sealed.push(
+                    seal_contact(cipher, tenant_id, stored_ref.clone(), *channel, destination)?
+                        .with_time_zone(target.time_zone),
+                );
             }
             upsert_contacts(&mut tx, &sealed, now).await?;
+            if let Some(zone) = target.time_zone {
+                set_subscriber_zones(
+                    &mut tx,
+                    &[SubscriberZone {
+                        tenant_id: tenant_id.as_uuid(),
+                        stored_ref,
+                        zone,
+                    }],
+                )
+                .await?;
+            }
         }
 
         // A channel added, or a reminder moved into a window that ran (or to now), gets its

@@ -1,5 +1,5 @@
 use chrono::{DateTime, Utc};
-use nudge_domain::{Channel, ProviderAccount, TenantId};
+use nudge_domain::{Channel, ProviderAccount, TenantId, Zone};
 
 use crate::audit::{self, Operator};
 use crate::crypto::{DestinationCipher, SealedWith};
@@ -16,6 +16,8 @@ pub struct Tenant {
     pub name: String,
     pub intake_paused: bool,
     pub draining: bool,
+    /// The tenant's default zone (`nudgectl tenant set --time-zone`), if it has one.
+    pub time_zone: Option<Zone>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -24,6 +26,7 @@ struct TenantRow {
     name: String,
     intake_paused: bool,
     draining: bool,
+    time_zone: Option<String>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -33,14 +36,21 @@ struct CreatedTenantRow {
     created: bool,
 }
 
-impl From<TenantRow> for Tenant {
-    fn from(row: TenantRow) -> Self {
-        Self {
+impl TryFrom<TenantRow> for Tenant {
+    type Error = LedgerError;
+
+    fn try_from(row: TenantRow) -> Result<Self, LedgerError> {
+        Ok(Self {
             id: TenantId::from_uuid(row.id),
             name: row.name,
             intake_paused: row.intake_paused,
             draining: row.draining,
-        }
+            time_zone: row
+                .time_zone
+                .as_deref()
+                .map(|name| crate::contacts::stored_zone("tenants", name))
+                .transpose()?,
+        })
     }
 }
 
@@ -58,7 +68,7 @@ impl Ledger {
         let row: CreatedTenantRow = sqlx::query_as(
             "INSERT INTO tenants (id, name, created_at, updated_at) VALUES ($1, $2, $3, $3)
              ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name
-             RETURNING id, name, intake_paused, draining, (xmax = 0) AS created",
+             RETURNING id, name, intake_paused, draining, time_zone, (xmax = 0) AS created",
         )
         .bind(TenantId::new().as_uuid())
         .bind(name)
@@ -66,7 +76,7 @@ impl Ledger {
         .fetch_one(&mut *tx)
         .await?;
         let created = row.created;
-        let tenant = Tenant::from(row.tenant);
+        let tenant = Tenant::try_from(row.tenant)?;
         audit::insert(
             &mut tx,
             &by.entry(
@@ -81,21 +91,23 @@ impl Ledger {
     }
 
     pub async fn tenant(&self, id: TenantId) -> Result<Option<Tenant>, LedgerError> {
-        let row: Option<TenantRow> =
-            sqlx::query_as("SELECT id, name, intake_paused, draining FROM tenants WHERE id = $1")
-                .bind(id.as_uuid())
-                .fetch_optional(&self.pool)
-                .await?;
-        Ok(row.map(Tenant::from))
+        let row: Option<TenantRow> = sqlx::query_as(
+            "SELECT id, name, intake_paused, draining, time_zone FROM tenants WHERE id = $1",
+        )
+        .bind(id.as_uuid())
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(Tenant::try_from).transpose()
     }
 
     pub async fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, LedgerError> {
-        let row: Option<TenantRow> =
-            sqlx::query_as("SELECT id, name, intake_paused, draining FROM tenants WHERE name = $1")
-                .bind(name)
-                .fetch_optional(&self.pool)
-                .await?;
-        Ok(row.map(Tenant::from))
+        let row: Option<TenantRow> = sqlx::query_as(
+            "SELECT id, name, intake_paused, draining, time_zone FROM tenants WHERE name = $1",
+        )
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(Tenant::try_from).transpose()
     }
 
     /// Sets the intake-pause flag, audited (`intake_pause` / `intake_resume`) in the same
@@ -236,6 +248,49 @@ impl Ledger {
         .await?;
         tx.commit().await?;
         Ok(Some(previous))
+    }
+
+    /// Sets (or, with `None`, clears) a tenant's default zone: the zone of a local time whose
+    /// reminder and subscriber give none. Audited (`tenant_time_zone`, with the zone it
+    /// replaced) in the same transaction; returns the previous zone (`Some(None)`: it had
+    /// none), or None (nothing changed) when the tenant does not exist.
+    pub async fn set_tenant_time_zone(
+        &self,
+        id: TenantId,
+        zone: Option<Zone>,
+        by: &Operator,
+    ) -> Result<Option<Option<Zone>>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let previous: Option<Option<String>> =
+            sqlx::query_scalar("SELECT time_zone FROM tenants WHERE id = $1 FOR UPDATE")
+                .bind(id.as_uuid())
+                .fetch_optional(&mut *tx)
+                .await?;
+        let Some(previous) = previous else {
+            return Ok(None);
+        };
+        sqlx::query("UPDATE tenants SET time_zone = $2, updated_at = $3 WHERE id = $1")
+            .bind(id.as_uuid())
+            .bind(zone.map(|z| z.name()))
+            .bind(by.at())
+            .execute(&mut *tx)
+            .await?;
+        audit::insert(
+            &mut tx,
+            &by.entry(
+                "tenant_time_zone",
+                format!("tenant:{id}"),
+                serde_json::json!({
+                    "time_zone": zone.map(|z| z.name()),
+                    "previous": previous,
+                    "tzdb": nudge_domain::TZDB_VERSION,
+                }),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        // A zone stored by a binary with a newer tz database is reported, not refused.
+        Ok(Some(previous.and_then(|name| Zone::parse(&name).ok())))
     }
 
     /// Routes a tenant's channel to a provider account (None = the channel's default account),

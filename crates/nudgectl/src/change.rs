@@ -424,7 +424,19 @@ async fn replace_line(
     let digest = cipher
         .request_digest(tenant_id, &serde_json::to_vec(&value)?)
         .context("failed to digest the line")?;
-    let mut item = match input.into_import(tenant_id) {
+    let zones = if input.needs_zone() {
+        ledger
+            .fallback_zones(tenant_id, &input.subscriber_ref, cipher)
+            .await
+            .context("failed to read the subscriber's and the tenant's time zones")?
+    } else {
+        nudge_ledger::FallbackZones::default()
+    };
+    let times = match input.resolve(zones.subscriber, zones.tenant) {
+        Ok(times) => times,
+        Err(e) => return Ok(LineAnswer::rejected(line, e.to_string())),
+    };
+    let mut item = match input.into_import(tenant_id, &times) {
         Ok(item) => item,
         Err(e) => return Ok(LineAnswer::rejected(line, e.to_string())),
     };

@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use chrono::{DateTime, Utc};
 use clap::{Parser, Subcommand};
-use nudge_domain::{Channel, DeliveryId, ProviderAccount};
+use nudge_domain::{Channel, DeliveryId, ProviderAccount, TZDB_VERSION, Zone};
 use nudge_ledger::{
     ChannelStatus, DestinationCipher, Ledger, LedgerTime, Operator, Tenant, TraceId,
 };
@@ -90,10 +90,10 @@ pub enum Command {
     #[command(subcommand)]
     Rate(RateCommand),
     /// Per-channel counts of owed, in-flight, dead-lettered and ambiguous deliveries, the
-    /// rate buckets, the tenants with live work (the latest first), and the deliveries that
-    /// wait for their tenant's own provider account. With
-    /// `nudgectl.require_synchronous_standby` set, a warning when the server reports no
-    /// synchronous standby.
+    /// rate buckets, the tenants with live work (the latest first), the deliveries that wait
+    /// for their tenant's own provider account, and the version of the IANA tz database built
+    /// in. With `nudgectl.require_synchronous_standby` set, a warning when the server reports
+    /// no synchronous standby.
     #[command(long_about = STATUS_HELP)]
     Status {
         /// Print the per-channel counts as a JSON array instead of the tables (the buckets
@@ -355,17 +355,23 @@ pub enum TenantCommand {
     /// The tenant's signing secrets for the intake's `Nudge-Signature` (at most two at once).
     #[command(subcommand)]
     Secret(SecretCommand),
-    /// Set a tenant's scheduling settings.
+    /// Set a tenant's scheduling settings: its claim weight, its default time zone.
     #[command(
-        long_about = "Set a tenant's scheduling settings. --weight is the tenant's share of \
-            each claim of due work beside the other tenants with due work on the same channel: \
-            the relay hands work out in weighted turns per tenant, oldest first within a \
-            tenant, so one tenant's backlog never makes another's reminders wait behind it. \
-            Default 1; a tenant with weight 3 gets three deliveries per turn where one with \
-            weight 1 gets one; the turns carry over from claim to claim. --max-share caps the \
-            tenant at a share of every provider account's rate it sends through, even when it \
-            is alone on the account (0.5: at most half); 1 removes the cap. Each change is \
-            audited with the value it replaced."
+        long_about = "Set a tenant's scheduling settings (at least one). --weight is the \
+            tenant's share of each claim of due work beside the other tenants with due work on \
+            the same channel: the relay hands work out in weighted turns per tenant, oldest \
+            first within a tenant, so one tenant's backlog never makes another's reminders \
+            wait behind it. Default 1; a tenant with weight 3 gets three deliveries per turn \
+            where one with weight 1 gets one; the turns carry over from claim to claim. \
+            --max-share caps the tenant at a share of every provider account's rate it sends \
+            through, even when it is alone on the account (0.5: at most half); 1 removes the \
+            cap. --time-zone is the tenant's default IANA zone (Europe/Berlin): a reminder's \
+            scheduled_local is read in the reminder's own time_zone, else its subscriber's, \
+            else this one; with none of them it is refused. Names are checked against the tz \
+            database built into nudge (its version: `nudgectl status`), never the host's. \
+            --clear-time-zone removes it. Each change is audited with the value it replaced.",
+        group(clap::ArgGroup::new("setting").required(true).multiple(true)
+            .args(["weight", "max_share", "time_zone", "clear_time_zone"]))
     )]
     Set {
         /// Tenant name.
@@ -377,6 +383,12 @@ pub enum TenantCommand {
         /// cap, the default).
         #[arg(long, value_name = "SHARE")]
         max_share: Option<f64>,
+        /// The tenant's default IANA time zone, e.g. Europe/Berlin (none by default).
+        #[arg(long, value_parser = parse_zone, conflicts_with = "clear_time_zone")]
+        time_zone: Option<Zone>,
+        /// Remove the tenant's default time zone.
+        #[arg(long)]
+        clear_time_zone: bool,
         /// Why: recorded in the audit log.
         #[arg(long)]
         reason: String,
@@ -803,12 +815,11 @@ pub async fn execute(
             name,
             weight,
             max_share,
+            time_zone,
+            clear_time_zone,
             reason,
         }) => {
             require_reason(&reason)?;
-            if weight.is_none() && max_share.is_none() {
-                bail!("give at least one of --weight or --max-share");
-            }
             let share = max_share
                 .map(|s| {
                     nudge_domain::MaxShare::new(s)
@@ -837,6 +848,20 @@ pub async fn execute(
                     "tenant {name}: max share {} (was {})",
                     shown(share.map(nudge_domain::MaxShare::get)),
                     shown(previous)
+                )?;
+            }
+            if time_zone.is_some() || clear_time_zone {
+                let previous = ledger
+                    .set_tenant_time_zone(tenant.id, time_zone, &by)
+                    .await
+                    .context("failed to set the tenant's time zone")?
+                    .with_context(|| format!("no tenant named {name}"))?;
+                let shown = |zone: Option<Zone>| zone.map_or("none", |z| z.name());
+                writeln!(
+                    out,
+                    "tenant {name}: time zone {} (was {}; tz database {TZDB_VERSION})",
+                    shown(time_zone),
+                    shown(previous),
                 )?;
             }
         }
@@ -980,6 +1005,11 @@ pub async fn execute(
                 rate::write_bucket_table(&buckets, out)?;
                 writeln!(out)?;
                 status::write(&view, out)?;
+                writeln!(
+                    out,
+                    "\ntime zones: IANA tz database {TZDB_VERSION}, built in (the host's \
+                     zoneinfo and TZ are not read)"
+                )?;
                 for s in status.iter().filter(|s| s.draining) {
                     writeln!(
                         out,
@@ -1173,6 +1203,11 @@ async fn change_reminders(
         by: &by,
     };
     change::run(ledger, cipher, source, &options, out).await
+}
+
+/// A `--time-zone` value: an IANA name the built-in tz database knows.
+fn parse_zone(name: &str) -> Result<Zone, nudge_domain::UnknownZone> {
+    Zone::parse(name)
 }
 
 /// Every change names why; the reason goes to the audit log.

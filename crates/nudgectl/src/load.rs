@@ -29,7 +29,8 @@ use chrono::Utc;
 use nudge_domain::TenantId;
 use nudge_ledger::input::{InputError, ReminderInput, TenantField};
 use nudge_ledger::{
-    AuditEntry, DestinationCipher, ImportOutcome, ImportReminder, Ledger, LedgerError,
+    AuditEntry, DestinationCipher, FallbackZones, ImportOutcome, ImportReminder, Ledger,
+    LedgerError,
 };
 use nudge_telemetry::error_chain;
 use serde::Serialize;
@@ -430,7 +431,21 @@ impl Loader<'_> {
         let Some(tenant_id) = self.tenant_id(&tenant).await? else {
             return Ok(Pending::Rejected(LineError::UnknownTenant(tenant)));
         };
-        let item = match line.into_import(tenant_id) {
+        // A local time without its own zone is read in the subscriber's, else the tenant's,
+        // as the ledger has them now (one read, only for such a line).
+        let zones = if line.needs_zone() {
+            self.ledger
+                .fallback_zones(tenant_id, &line.subscriber_ref, self.cipher)
+                .await
+                .context("failed to read the subscriber's and the tenant's time zones")?
+        } else {
+            FallbackZones::default()
+        };
+        let times = match line.resolve(zones.subscriber, zones.tenant) {
+            Ok(times) => times,
+            Err(e) => return Ok(Pending::Rejected(e.into())),
+        };
+        let item = match line.into_import(tenant_id, &times) {
             Ok(item) => item,
             Err(e) => return Ok(Pending::Rejected(e.into())),
         };

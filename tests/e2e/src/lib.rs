@@ -231,6 +231,9 @@ pub struct TestEnv {
     /// `nudge_producer`, `nudge_intake`, `nudge_janitor`; docs/database-roles.md), as a
     /// deployment runs it. Cleared, every process connects as the harness does (the owner).
     pub binary_roles: bool,
+    /// When set, every process started afterwards runs with this `TZ` (a host zone of its
+    /// own: nothing nudge computes may depend on it).
+    pub host_zone: Option<String>,
 }
 
 impl std::fmt::Debug for TestEnv {
@@ -364,6 +367,7 @@ impl TestEnv {
             admin_ports: HashMap::new(),
             otlp_endpoint: None,
             binary_roles: true,
+            host_zone: None,
         };
         env.start_stub(stub_args)?;
         Ok(env)
@@ -547,6 +551,9 @@ log_filter = "info"
         let mut command = clean_command(bin(binary));
         if let Some(role) = self.binary_roles.then(|| binary_role(binary)).flatten() {
             command.env("NUDGE_DATABASE__URL", with_user(&self.process_db_url, role));
+        }
+        if let Some(zone) = &self.host_zone {
+            command.env("TZ", zone);
         }
         command
             .arg("--config")

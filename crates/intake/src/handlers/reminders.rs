@@ -13,11 +13,11 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use nudge_domain::{CancelChange, Channel, ChannelChange, EventId};
+use nudge_domain::{CancelChange, Channel, ChannelChange, EventId, Resolution, ResolvedTimes};
 use nudge_ledger::input::{ReminderInput, TenantField};
 use nudge_ledger::{
-    ImportOutcome, ImportReminder, IntakeTenant, LedgerTime, ReminderStatus, ReplacedBy,
-    Replacement, RescheduleOutcome, Rescheduled,
+    FallbackZones, ImportOutcome, ImportReminder, IntakeTenant, LedgerTime, ReminderStatus,
+    ReplacedBy, Replacement, RescheduleOutcome, Rescheduled,
 };
 use serde_json::Value;
 
@@ -27,8 +27,8 @@ use crate::error::{ApiError, ErrorBody, InvalidRequest, Problem, Unauthorized};
 use crate::extract::{ApiPath, JsonContent};
 use crate::shapes::{
     Accepted, BatchAnswer, BatchItem, CORRELATION_HEADER, CancelAnswer, ChannelCancelled,
-    ChannelName, ChannelRescheduled, ChannelState, PostAnswer, PostReminders, ReminderState,
-    RescheduleAnswer, RescheduleBody, Withheld, channel_name,
+    ChannelName, ChannelRescheduled, ChannelState, LocalResolution, PostAnswer, PostReminders,
+    ReminderState, RescheduleAnswer, RescheduleBody, Withheld, channel_name,
 };
 use crate::state::AppState;
 
@@ -101,25 +101,66 @@ pub async fn post_reminders(
     Ok(response)
 }
 
-/// A reminder checked and ready to import, or its problems. `raw` is its text when it is the
-/// whole body: read from it, an unknown field's problem says where the field ends.
-fn prepare(
-    state: &AppState,
-    tenant: &IntakeTenant,
-    value: Value,
-    raw: Option<&[u8]>,
-    correlation: &str,
-    prefix: &str,
-) -> Result<ImportReminder, Vec<Problem>> {
+/// A reminder as posted, parsed, with the text its request digest is taken over.
+struct Parsed {
+    input: ReminderInput,
+    canonical: Vec<u8>,
+}
+
+/// A reminder checked and ready to import, with the instants its times resolved to.
+struct Prepared {
+    item: ImportReminder,
+    times: ResolvedTimes,
+}
+
+/// Parses a reminder, or says what is wrong with it. `raw` is its text when it is the whole
+/// body: read from it, an unknown field's problem says where the field ends.
+fn parse(value: Value, raw: Option<&[u8]>, prefix: &str) -> Result<Parsed, Vec<Problem>> {
     let canonical = canonical(&value).map_err(|p| vec![p.under(prefix)])?;
     let input = match raw {
         Some(raw) => ReminderInput::parse(raw, TenantField::Absent),
         None => ReminderInput::from_value(value, TenantField::Absent),
     }
     .map_err(|e| vec![Problem::input(prefix, &e)])?;
-    within_schedule_ahead(state, &input, prefix).map_err(|p| vec![p])?;
+    Ok(Parsed { input, canonical })
+}
+
+/// The zones a reminder needs: none for an instant or a local time with its own `time_zone`
+/// (no read: such a post costs what it did), else the subscriber's and the tenant's as the
+/// ledger has them now, in one statement (not the intake's cache of tenants, which may be
+/// older than a `nudgectl tenant set --time-zone`).
+async fn zones(
+    state: &AppState,
+    tenant: &IntakeTenant,
+    input: &ReminderInput,
+) -> Result<FallbackZones, ApiError> {
+    if !input.needs_zone() {
+        return Ok(FallbackZones::default());
+    }
+    state
+        .ledger()
+        .fallback_zones(tenant.id, &input.subscriber_ref, state.cipher())
+        .await
+        .map_err(ApiError::internal)
+}
+
+/// A parsed reminder resolved to instants (its own zone, else the subscriber's, else the
+/// tenant's: [`zones`]) and checked, ready to import, or its problems.
+fn prepare(
+    state: &AppState,
+    tenant: &IntakeTenant,
+    parsed: Parsed,
+    zones: FallbackZones,
+    correlation: &str,
+    prefix: &str,
+) -> Result<Prepared, Vec<Problem>> {
+    let Parsed { input, canonical } = parsed;
+    let times = input
+        .resolve(zones.subscriber, zones.tenant)
+        .map_err(|e| vec![Problem::input(prefix, &e)])?;
+    within_schedule_ahead(state, &times, prefix).map_err(|p| vec![p])?;
     let mut item = input
-        .into_import(tenant.id)
+        .into_import(tenant.id, &times)
         .map_err(|e| vec![Problem::input(prefix, &e)])?;
     let digest = state
         .cipher()
@@ -135,7 +176,7 @@ fn prepare(
             )]
         })?
         .with_request_digest(digest);
-    Ok(item)
+    Ok(Prepared { item, times })
 }
 
 /// The text a reminder's request digest is taken over: its JSON, keys in order, without its
@@ -150,16 +191,22 @@ fn canonical(value: &Value) -> Result<Vec<u8>, Problem> {
         .map_err(|_| Problem::new("", "the reminder cannot be read back as JSON"))
 }
 
-/// The schedule-ahead limit (`intake.max_schedule_ahead_days`), from the intake's clock.
+/// The schedule-ahead limit (`intake.max_schedule_ahead_days`), from the intake's clock,
+/// on the resolved instant (named by the field that gave it).
 fn within_schedule_ahead(
     state: &AppState,
-    input: &ReminderInput,
+    times: &ResolvedTimes,
     prefix: &str,
 ) -> Result<(), Problem> {
     let ahead = state.now() + state.limits().max_schedule_ahead;
-    if input.scheduled_at > ahead {
+    if times.scheduled_at > ahead {
+        let field = if times.local.is_some() {
+            "scheduled_local"
+        } else {
+            "scheduled_at"
+        };
         return Err(Problem::new(
-            format!("{prefix}/scheduled_at"),
+            format!("{prefix}/{field}"),
             format!(
                 "is more than {} days ahead (intake.max_schedule_ahead_days)",
                 state.limits().max_schedule_ahead.num_days()
@@ -182,22 +229,45 @@ fn withheld(tenant: &IntakeTenant, channels: &[Channel]) -> Option<Withheld> {
     })
 }
 
+/// How a local time was read, for the answer.
+fn local_resolution(times: &ResolvedTimes) -> Option<LocalResolution> {
+    let (zone, source, resolved) = times.local?;
+    Some(LocalResolution {
+        time_zone: zone.name(),
+        zone_from: source.as_str(),
+        utc_offset: resolved.offset.to_string(),
+        wall_clock: zone.local_at(resolved.instant).to_string(),
+        resolution: match resolved.kind {
+            Resolution::Exact => "exact",
+            Resolution::Skipped { .. } => "moved_past_gap",
+            Resolution::Repeated { .. } => "earlier_of_two",
+        },
+    })
+}
+
 /// What one imported reminder's outcome answers: status and body, or a problem.
 fn answer(
     state: &AppState,
     tenant: &IntakeTenant,
-    item: &ImportReminder,
+    prepared: &Prepared,
     outcome: ImportOutcome,
     correlation: &str,
 ) -> Result<(StatusCode, Accepted), ApiError> {
+    let item = &prepared.item;
     let event_id = item.reminder.event_id().as_str().to_owned();
-    let accepted = |id: nudge_domain::ReminderId, status, deliveries_created| Accepted {
+    let accepted = |id: nudge_domain::ReminderId,
+                    status,
+                    deliveries_created,
+                    times: Option<&ResolvedTimes>| Accepted {
         reminder_id: id.as_uuid(),
         event_id: event_id.clone(),
         status,
         deliveries_created,
         correlation_id: correlation.to_owned(),
         withheld: withheld(tenant, item.reminder.channels()),
+        scheduled_at: times.map(|t| t.scheduled_at),
+        expires_at: times.map(|t| t.expires_at),
+        local: times.and_then(local_resolution),
     };
     match outcome {
         ImportOutcome::Created {
@@ -207,12 +277,12 @@ fn answer(
             state.metrics().reminder("accepted");
             Ok((
                 StatusCode::ACCEPTED,
-                accepted(id, "accepted", deliveries_created),
+                accepted(id, "accepted", deliveries_created, Some(&prepared.times)),
             ))
         }
         ImportOutcome::AlreadyPresent { id } => {
             state.metrics().reminder("duplicate");
-            Ok((StatusCode::OK, accepted(id, "duplicate", 0)))
+            Ok((StatusCode::OK, accepted(id, "duplicate", 0, None)))
         }
         ImportOutcome::EventConflict => {
             state.metrics().reminder("conflict");
@@ -232,13 +302,16 @@ async fn post_one(
     check: Check,
     correlation: &str,
 ) -> Result<Response, ApiError> {
-    let item = prepare(state, tenant, value, Some(raw), correlation, "").map_err(|problems| {
+    let invalid = |problems| {
         state.metrics().reminder("invalid");
         ApiError::Invalid(problems)
-    })?;
+    };
+    let parsed = parse(value, Some(raw), "").map_err(invalid)?;
+    let zones = zones(state, tenant, &parsed.input).await?;
+    let prepared = prepare(state, tenant, parsed, zones, correlation, "").map_err(invalid)?;
     // Committed together with whatever other single posts are waiting, after the committer
     // read the tenant and verified the signature again (see `commit`).
-    let committed = match state.committer().import(item.clone(), check).await {
+    let committed = match state.committer().import(prepared.item.clone(), check).await {
         Ok(committed) => committed,
         Err(CommitError::Refused(refusal)) => {
             state.metrics().refusal(refusal.internal());
@@ -250,7 +323,7 @@ async fn post_one(
     let (status, accepted) = answer(
         state,
         &committed.tenant,
-        &item,
+        &prepared,
         committed.outcome,
         correlation,
     )?;
@@ -282,21 +355,23 @@ async fn post_batch(
             format!("must hold 1 to {max} reminders (intake.batch_max)"),
         ));
     }
-    let mut prepared: Vec<Result<ImportReminder, Vec<Problem>>> = Vec::with_capacity(items.len());
+    let mut prepared: Vec<Result<Prepared, Vec<Problem>>> = Vec::with_capacity(items.len());
     for (index, item) in items.into_iter().enumerate() {
-        prepared.push(prepare(
-            state,
-            tenant,
-            item,
-            None,
-            correlation,
-            &format!("/reminders/{index}"),
-        ));
+        let prefix = format!("/reminders/{index}");
+        let parsed = match parse(item, None, &prefix) {
+            Ok(parsed) => parsed,
+            Err(problems) => {
+                prepared.push(Err(problems));
+                continue;
+            }
+        };
+        let zones = zones(state, tenant, &parsed.input).await?;
+        prepared.push(prepare(state, tenant, parsed, zones, correlation, &prefix));
     }
     let valid: Vec<ImportReminder> = prepared
         .iter()
         .filter_map(|p| p.as_ref().ok())
-        .cloned()
+        .map(|p| p.item.clone())
         .collect();
     let mut outcomes = state
         .ledger()
@@ -323,7 +398,7 @@ async fn post_batch(
         let outcome = outcomes
             .next()
             .ok_or_else(|| ApiError::internal(anyhow::anyhow!("the import answered too few")))?;
-        let event_id = item.reminder.event_id().as_str().to_owned();
+        let event_id = item.item.reminder.event_id().as_str().to_owned();
         results.push(match answer(state, tenant, &item, outcome, correlation) {
             Ok((status, accepted)) => BatchItem {
                 index,
@@ -546,13 +621,17 @@ pub async fn put_reminder(
             "is required: an integer higher than the reminder's current revision",
         )
     })?;
-    within_schedule_ahead(&state, &input, "").map_err(|p| ApiError::Invalid(vec![p]))?;
+    let zones = zones(&state, tenant, &input).await?;
+    let times = input
+        .resolve(zones.subscriber, zones.tenant)
+        .map_err(|e| ApiError::Invalid(vec![Problem::input("", &e)]))?;
+    within_schedule_ahead(&state, &times, "").map_err(|p| ApiError::Invalid(vec![p]))?;
     let digest = state
         .cipher()
         .request_digest(tenant.id, &canonical)
         .map_err(ApiError::internal)?;
     let mut item = input
-        .into_import(tenant.id)
+        .into_import(tenant.id, &times)
         .map_err(|e| ApiError::Invalid(vec![Problem::input("", &e)]))?;
     item.reminder = item.reminder.with_request_digest(digest);
     let outcome = state

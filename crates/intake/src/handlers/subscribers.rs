@@ -8,7 +8,7 @@
 use axum::Json;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use nudge_domain::{Channel, SubscriberRef};
+use nudge_domain::{Channel, SubscriberRef, Zone};
 use nudge_ledger::input;
 use nudge_ledger::{LedgerTime, Operator};
 use serde_json::Value;
@@ -26,8 +26,8 @@ fn subscriber_ref(text: &str) -> Result<SubscriberRef, ApiError> {
 
 // An unknown key is the client's text, and could be patient data typed as a key: never
 // repeated, here as in the reminder's own fields (`InputError::UnknownField`).
-const UNKNOWN_CONTACTS_FIELD: &str = "has a field other than `destinations`; its name is not \
-                                      repeated, as it could be patient data";
+const UNKNOWN_CONTACTS_FIELD: &str = "has a field other than `destinations` and `time_zone`; its \
+                                      name is not repeated, as it could be patient data";
 
 /// Store a subscriber's destinations for the channels given.
 #[utoipa::path(put, path = "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/contacts", tag = "subscribers",
@@ -61,9 +61,16 @@ pub async fn put_contacts(
     let Value::Object(mut map) = value else {
         return Err(ApiError::invalid("", "expected a JSON object"));
     };
-    if map.keys().any(|k| k != "destinations") {
+    if map.keys().any(|k| k != "destinations" && k != "time_zone") {
         return Err(ApiError::invalid("", UNKNOWN_CONTACTS_FIELD));
     }
+    let time_zone = match map.remove("time_zone") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(name)) => {
+            Some(Zone::parse(&name).map_err(|e| ApiError::invalid("/time_zone", e.to_string()))?)
+        }
+        Some(_) => return Err(ApiError::invalid("/time_zone", "must be a string")),
+    };
     let destinations = map
         .remove("destinations")
         .ok_or_else(|| ApiError::invalid("/destinations", "missing field"))?;
@@ -94,12 +101,20 @@ pub async fn put_contacts(
         .map_err(|e| ApiError::Invalid(vec![Problem::input("", &e)]))?;
     state
         .ledger()
-        .set_contacts(tenant.id, &subscriber, &parsed, state.cipher(), state.now())
+        .set_contacts(
+            tenant.id,
+            &subscriber,
+            &parsed,
+            time_zone,
+            state.cipher(),
+            state.now(),
+        )
         .await
         .map_err(ApiError::internal)?;
     channels.sort();
     Ok(Json(ContactsAnswer {
         channels: channels.into_iter().map(channel_name).collect(),
+        time_zone: time_zone.map(|z| z.name()),
     })
     .into_response())
 }

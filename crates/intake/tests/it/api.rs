@@ -22,8 +22,9 @@ pub(crate) fn now() -> DateTime<Utc> {
     Utc.with_ymd_and_hms(2026, 12, 1, 9, 0, 0).unwrap()
 }
 
-struct Intake {
-    ledger: Ledger,
+pub(crate) struct Intake {
+    pub(crate) ledger: Ledger,
+    clock: Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>,
     router: axum::Router,
     secret: String,
     metrics: Arc<IntakeMetrics>,
@@ -38,6 +39,14 @@ pub(crate) fn operator() -> Operator {
 }
 
 async fn intake(pool: PgPool) -> Intake {
+    intake_at(pool, Arc::new(now)).await
+}
+
+/// The intake of tenant `clinic`, its clock `clock`.
+pub(crate) async fn intake_at(
+    pool: PgPool,
+    clock: Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>,
+) -> Intake {
     let ledger = Ledger::from_pool(pool);
     ledger.create_tenant("clinic", &operator()).await.unwrap();
     let tenant = ledger.tenant_by_name("clinic").await.unwrap().unwrap();
@@ -55,10 +64,11 @@ async fn intake(pool: PgPool) -> Intake {
             timestamp_tolerance_s: 300,
             max_schedule_ahead: chrono::Duration::days(30),
         },
-        Arc::new(now),
+        clock.clone(),
     );
     Intake {
         ledger,
+        clock,
         router: router(state, 64 * 1024, Duration::from_secs(10)),
         secret: secret.expose().to_owned(),
         metrics,
@@ -97,10 +107,10 @@ pub(crate) fn reminder(event_id: &str) -> Value {
     })
 }
 
-struct Answer {
-    status: StatusCode,
-    body: Value,
-    text: String,
+pub(crate) struct Answer {
+    pub(crate) status: StatusCode,
+    pub(crate) body: Value,
+    pub(crate) text: String,
     correlation: Option<String>,
 }
 
@@ -140,29 +150,35 @@ impl Intake {
         }
     }
 
-    async fn post(&self, body: &Value) -> Answer {
+    pub(crate) async fn post(&self, body: &Value) -> Answer {
         let bytes = serde_json::to_vec(body).unwrap();
         let request = self.signed(
             "POST",
             "/v1/tenants/clinic/reminders",
             &bytes,
-            now().timestamp(),
+            (self.clock)().timestamp(),
             &[&self.secret],
         );
         self.send(request).await
     }
 
-    async fn call(&self, method: &str, uri: &str, body: &Value) -> Answer {
+    pub(crate) async fn call(&self, method: &str, uri: &str, body: &Value) -> Answer {
         let bytes = if body.is_null() {
             Vec::new()
         } else {
             serde_json::to_vec(body).unwrap()
         };
-        let request = self.signed(method, uri, &bytes, now().timestamp(), &[&self.secret]);
+        let request = self.signed(
+            method,
+            uri,
+            &bytes,
+            (self.clock)().timestamp(),
+            &[&self.secret],
+        );
         self.send(request).await
     }
 
-    async fn count(&self, table: &str) -> i64 {
+    pub(crate) async fn count(&self, table: &str) -> i64 {
         sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
             .fetch_one(self.ledger.pool())
             .await

@@ -6,3 +6,4 @@ mod away;
 mod commit;
 mod receipts;
 mod server;
+mod zones;

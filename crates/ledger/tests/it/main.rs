@@ -23,3 +23,4 @@ mod schema;
 mod subscribers;
 mod tenant_secrets;
 mod trace;
+mod zones;

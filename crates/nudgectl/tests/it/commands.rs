@@ -504,18 +504,114 @@ async fn a_tenants_max_share_is_set_and_cleared_audited_and_out_of_range_refused
             "{bad}: {refused:#}"
         );
     }
-    let neither = run(
-        &ledger,
-        parse(&["tenant", "set", "clinic-a", "--reason", "r"]).unwrap(),
-    )
-    .await
-    .unwrap_err();
-    assert!(format!("{neither:#}").contains("--weight or --max-share"));
+    assert!(
+        parse(&["tenant", "set", "clinic-a", "--reason", "r"]).is_err(),
+        "at least one setting"
+    );
     assert_eq!(
         ledger.recent_audit(100).await.unwrap().len(),
         audited,
         "refusals write nothing"
     );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_tenants_time_zone_is_set_and_cleared_with_a_reason_audited_and_an_unknown_one_refused(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool);
+    create_tenant(&ledger, "clinic-a").await;
+    let tzdb = nudge_domain::TZDB_VERSION;
+
+    let set = run(
+        &ledger,
+        parse(&[
+            "tenant",
+            "set",
+            "clinic-a",
+            "--time-zone",
+            "Europe/Berlin",
+            "--reason",
+            "clinic in Berlin",
+        ])
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        set,
+        format!("tenant clinic-a: time zone Europe/Berlin (was none; tz database {tzdb})\n")
+    );
+    let tenant = ledger.tenant_by_name("clinic-a").await.unwrap().unwrap();
+    assert_eq!(tenant.time_zone.map(|z| z.name()), Some("Europe/Berlin"));
+    let audit = ledger.recent_audit(1).await.unwrap();
+    assert_eq!(audit[0].action, "tenant_time_zone");
+    assert_eq!(audit[0].reason.as_deref(), Some("clinic in Berlin"));
+    assert_eq!(audit[0].details["time_zone"], "Europe/Berlin");
+
+    // Both settings at once: each audited.
+    let both = run(
+        &ledger,
+        parse(&[
+            "tenant",
+            "set",
+            "clinic-a",
+            "--weight",
+            "2",
+            "--clear-time-zone",
+            "--reason",
+            "r",
+        ])
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        both,
+        format!(
+            "tenant clinic-a: weight 2 (was 1)\n\
+             tenant clinic-a: time zone none (was Europe/Berlin; tz database {tzdb})\n"
+        )
+    );
+    let tenant = ledger.tenant_by_name("clinic-a").await.unwrap().unwrap();
+    assert_eq!(tenant.time_zone, None);
+
+    let before = ledger.recent_audit(100).await.unwrap().len();
+    for refused in [
+        vec![
+            "tenant",
+            "set",
+            "clinic-a",
+            "--time-zone",
+            "Europe/Atlantis",
+            "--reason",
+            "r",
+        ],
+        vec![
+            "tenant",
+            "set",
+            "clinic-a",
+            "--time-zone",
+            "europe/berlin",
+            "--reason",
+            "r",
+        ],
+        vec![
+            "tenant",
+            "set",
+            "clinic-a",
+            "--time-zone",
+            "UTC",
+            "--clear-time-zone",
+            "--reason",
+            "r",
+        ],
+        vec!["tenant", "set", "clinic-a", "--time-zone", "UTC"],
+        vec!["tenant", "set", "clinic-a", "--reason", "nothing to set"],
+    ] {
+        assert!(parse(&refused).is_err(), "{refused:?}");
+    }
+    assert_eq!(ledger.recent_audit(100).await.unwrap().len(), before);
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]

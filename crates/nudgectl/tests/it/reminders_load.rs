@@ -479,3 +479,92 @@ async fn a_file_of_many_chunks_loads_every_line_once_and_again_as_already_presen
     assert_eq!(count(&pool, "SELECT count(*) FROM contacts").await, 700);
     assert_eq!(count(&pool, "SELECT count(*) FROM deliveries").await, 4);
 }
+
+/// Local times in three zones and two refusals, loaded by the binary under a host zone of its
+/// own (`TZ=Asia/Tokyo`, +09:00 without daylight time): the instants are the patient's zone's,
+/// never the host's.
+const LOCAL_TIMES: &str = r#"{"tenant": "clinic-a", "event_id": "gap-ny", "subscriber_ref": "patient-1", "channels": ["sms"], "scheduled_local": "2027-03-14T02:30:00", "time_zone": "America/New_York", "expires_after_s": 3600, "destinations": {"sms": "+15550101"}}
+{"tenant": "clinic-a", "event_id": "gap-lhi", "subscriber_ref": "patient-2", "channels": ["push"], "scheduled_local": "2027-10-03T02:15:00", "expires_after_s": 600, "destinations": {"push": "push-token-2"}}
+{"tenant": "clinic-a", "event_id": "twice-london", "subscriber_ref": "patient-5", "channels": ["sms"], "scheduled_local": "2027-10-31T01:30:00", "time_zone": "Europe/London", "expires_at": "2027-10-31T06:00:00Z", "destinations": {"sms": "+15550105"}}
+{"tenant": "clinic-b", "event_id": "no-zone", "subscriber_ref": "patient-6", "channels": ["sms"], "scheduled_local": "2027-03-14T09:00:00", "expires_after_s": 600, "destinations": {"sms": "+15550106"}}
+{"tenant": "clinic-a", "event_id": "both", "subscriber_ref": "patient-7", "channels": ["sms"], "scheduled_local": "2027-03-14T09:00:00", "scheduled_at": "2027-03-14T09:00:00Z", "expires_after_s": 600, "destinations": {"sms": "+15550107"}}
+"#;
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn local_times_load_in_the_patients_zone_whatever_the_hosts_zone_is(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    create_tenants(&ledger, &["clinic-a", "clinic-b"]).await;
+    let clinic_a = ledger.tenant_by_name("clinic-a").await.unwrap().unwrap();
+    let by = nudge_ledger::Operator::new("ops@clinic", Some("test"), chrono::Utc::now()).unwrap();
+    ledger
+        .set_tenant_time_zone(
+            clinic_a.id,
+            nudge_domain::Zone::parse("Australia/Lord_Howe").ok(),
+            &by,
+        )
+        .await
+        .unwrap();
+    let url = pool.connect_options().to_url_lossy().to_string();
+
+    let mut child = Process::new(env!("CARGO_BIN_EXE_nudgectl"))
+        .args(["--actor", "ops@clinic", "reminders", "load", "-"])
+        .env("TZ", "Asia/Tokyo")
+        .env("NUDGE_DATABASE__URL", url)
+        .env("NUDGE_CRYPTO__DESTINATION_KEY", KEY_BASE64)
+        .env("NUDGE_CRYPTO__SUBSCRIBER_KEY", SUBSCRIBER_KEY_BASE64)
+        .env_remove("NUDGE_CONFIG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(LOCAL_TIMES.as_bytes()).unwrap();
+    }
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert_eq!(output.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(
+        stdout.starts_with("loaded 3 new, 0 already present, 2 rejected (of 5 lines)\n"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("line 4: time_zone is required with scheduled_local"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("line 5: give scheduled_local or scheduled_at, not both"),
+        "{stderr}"
+    );
+    assert_nothing_sensitive(&format!("{stdout}{stderr}"));
+
+    let stored: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT event_id,
+                to_char(scheduled_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),
+                to_char(expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
+         FROM reminders ORDER BY event_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let expected = [
+        // Lord Howe (the tenant's zone) springs forward 30 minutes over 02:15: 02:45 +11:00.
+        ("gap-lhi", "2027-10-02T15:45:00Z", "2027-10-02T15:55:00Z"),
+        // New York springs forward over 02:30: it happens at 03:30 EDT.
+        ("gap-ny", "2027-03-14T07:30:00Z", "2027-03-14T08:30:00Z"),
+        // London falls back over 01:30: the earlier, in BST.
+        (
+            "twice-london",
+            "2027-10-31T00:30:00Z",
+            "2027-10-31T06:00:00Z",
+        ),
+    ];
+    let stored: Vec<(&str, &str, &str)> = stored
+        .iter()
+        .map(|(e, s, x)| (e.as_str(), s.as_str(), x.as_str()))
+        .collect();
+    assert_eq!(stored, expected);
+}
