@@ -2,22 +2,22 @@
 -- an answer about one request.
 --
 -- * `tenant_claim_passes`: per channel and tenant, the virtual time of the tenant's next turn
---   in the relay's claim (stride scheduling, decision 0411). Kept between claims, so claims of a
+--   in the relay's claim (stride scheduling, decision 0413). Kept between claims, so claims of a
 --   few deliveries serve tenants in turn and by weight as one large claim does. Written by the
 --   claim itself, for the tenants that had due work.
 -- * `tenants.max_share`: an optional cap, the most a tenant may take of any provider account's
 --   rate (`nudgectl tenant set TENANT --max-share S`), NULL for none.
 -- * `tenant_bucket_shares`: the capped tenants' own GCRA state per bucket, written by admission
 --   under the bucket's row lock.
--- * `rate_buckets.last_throttled_at`: when the provider last answered 429. One 429 alone moves
---   nothing but its own delivery; a second within the confirmation window pauses or slows the
---   bucket (decision 0412).
+-- * `rate_buckets.last_throttled_at` and `throttled_until`: when the provider last answered 429
+--   and until when its Retry-After asked to wait. One 429 alone pauses and slows nothing (its
+--   own delivery waits for its retry); another within the confirmation window, or before that
+--   Retry-After has passed, pauses or slows the bucket (decision 0120).
 
 CREATE TABLE tenant_claim_passes (
     channel    text NOT NULL CHECK (channel IN ('push', 'email', 'sms')),
     tenant_id  uuid NOT NULL REFERENCES tenants (id) ON DELETE CASCADE,
     pass       double precision NOT NULL CHECK (pass = pass AND pass >= 0),
-    claimed_at timestamptz,
     PRIMARY KEY (channel, tenant_id)
 );
 
@@ -34,7 +34,9 @@ CREATE TABLE tenant_bucket_shares (
         REFERENCES rate_buckets (provider_account, channel) ON DELETE CASCADE
 );
 
-ALTER TABLE rate_buckets ADD COLUMN last_throttled_at timestamptz;
+ALTER TABLE rate_buckets
+    ADD COLUMN last_throttled_at timestamptz,
+    ADD COLUMN throttled_until timestamptz;
 
 DO $$
 BEGIN

@@ -182,6 +182,10 @@ pub struct BucketState {
     /// send that met the provider's bucket a moment early); a second within the confirmation
     /// window says the account is over its limit, and only then is the bucket paused or slowed.
     pub last_throttled_at: Option<DateTime<Utc>>,
+    /// Until when the last 429's `Retry-After` asked to wait: a 429 before then confirms it
+    /// however far apart the two came (a quiet account sends seconds apart), and the pause a
+    /// confirmed 429 sets lasts at least until then.
+    pub throttled_until: Option<DateTime<Utc>>,
 }
 
 impl BucketState {
@@ -202,6 +206,7 @@ impl BucketState {
             burst_from: None,
             burst_cut_at: None,
             last_throttled_at: None,
+            throttled_until: None,
         }
     }
 }
@@ -472,9 +477,11 @@ pub fn admit_capped(
 
 /// A 429. One alone is read as an answer about one request: a send that met the provider's
 /// bucket a moment early (the network's jitter at a bucket set at the provider's own limit).
-/// Its delivery waits for its own retry; the bucket keeps its rate and does not pause. A second
-/// 429 within the confirmation window (one second, or three intervals at the admitting rate
-/// when that is longer) says the account is over its limit: the effective rate drops (the
+/// Its delivery waits for its own retry; the bucket keeps its rate and does not pause (a 429
+/// while the bucket spends its burst still shrinks the burst, see [`on_throttled_after`]). A
+/// second 429 within the confirmation window (one second, or three intervals at the admitting
+/// rate when that is longer), or before the first one's `Retry-After` has passed, says the
+/// account is over its limit; its pause lasts until the later of the two `Retry-After`s: the effective rate drops (the
 /// first time a bucket is ever throttled to half, later to three quarters), at most once per
 /// second, floored at [`BucketConfig::floor_rate`], and the rate it dropped from is kept as the
 /// ceiling found. With a valid `Retry-After` (`retry_at` is `Some`) such a 429 also pauses the
@@ -512,12 +519,18 @@ pub fn on_throttled_after(
     now: DateTime<Utc>,
 ) -> bool {
     let before = state.clone();
+    // What an earlier 429 asked for and has not passed yet.
+    let asked_before = state.throttled_until.filter(|until| *until > now);
     // A closed bucket sends nothing more: a late answer's pause is kept, as the provider asked.
-    let confirmed = config.rate_per_second <= 0.0 || throttled_recently(config, state, now);
+    let confirmed = config.rate_per_second <= 0.0
+        || asked_before.is_some()
+        || throttled_recently(config, state, now);
     if config.rate_per_second > 0.0 {
         state.last_throttled_at = Some(state.last_throttled_at.map_or(now, |at| at.max(now)));
     }
-    if confirmed && let Some(retry_at) = retry_at {
+    let asked = retry_at.into_iter().chain(asked_before).max();
+    state.throttled_until = if confirmed { None } else { asked };
+    if confirmed && let Some(retry_at) = asked {
         let until = from_ns(round_up_to_stored(to_ns(retry_at)));
         if until > now && state.paused_until.is_none_or(|p| p < until) {
             state.paused_until = Some(until);
@@ -1023,6 +1036,7 @@ mod tests {
                 burst_from: None,
                 burst_cut_at: None,
                 last_throttled_at: None,
+                throttled_until: None,
             }
         );
     }
@@ -1328,6 +1342,29 @@ mod tests {
         // Alone again: more than the window after the last one.
         assert!(on_throttled(&c, &mut s, None, t0() + ms(2_001)));
         assert_eq!(s.effective_rate, 37.5);
+    }
+
+    #[test]
+    fn a_429_before_the_last_ones_retry_after_has_passed_confirms_it_and_pauses_until_then() {
+        // A quiet account: sends seconds apart, far beyond the window.
+        let c = config(40.0, 5);
+        let mut s = BucketState::fresh(&c);
+        let asked = t0() + TimeDelta::seconds(600);
+        assert!(on_throttled(&c, &mut s, Some(asked), t0()));
+        assert_eq!((s.paused_until, s.effective_rate), (None, 40.0), "alone");
+        assert_eq!(s.throttled_until, Some(asked), "what it asked for is kept");
+        // Five seconds later another 429, without a Retry-After of its own.
+        assert!(on_throttled(&c, &mut s, None, t0() + TimeDelta::seconds(5)));
+        assert_eq!(
+            (s.paused_until, s.effective_rate, s.throttled_until),
+            (Some(asked), 20.0, None),
+            "confirmed: paused as the first asked, and slowed"
+        );
+        // Once that time has passed, a 429 is alone again.
+        let mut s = BucketState::fresh(&c);
+        let _ = on_throttled(&c, &mut s, Some(t0() + TimeDelta::seconds(2)), t0());
+        let _ = on_throttled(&c, &mut s, None, t0() + TimeDelta::seconds(3));
+        assert_eq!((s.paused_until, s.effective_rate), (None, 40.0));
     }
 
     #[test]

@@ -8,8 +8,8 @@
 //! [`TZDB_VERSION`]): the host's `/usr/share/zoneinfo` and `TZ` never decide a time, and an
 //! unknown name is refused, never taken as UTC. A local time that does not exist (the clocks
 //! jump forward over it) resolves forward by the gap; one that happens twice (the clocks go
-//! back over it) resolves to the earlier instant: the `compatible` disambiguation of RFC 9557
-//! and Temporal. Nothing here reads a clock.
+//! back over it) resolves to the earlier instant: Temporal's `compatible` disambiguation.
+//! Nothing here reads a clock.
 
 use std::fmt;
 use std::str::FromStr;
@@ -135,7 +135,19 @@ impl LocalTime {
     pub fn parse(text: &str) -> Result<Self, InvalidLocalTime> {
         // The shortest and longest accepted forms; anything else (an offset, a fraction) is
         // refused before chrono reads it.
-        if !(16..=19).contains(&text.len()) {
+        // Exactly the padded forms the API documents (`YYYY-MM-DDTHH:MM` or `...:SS`): chrono
+        // alone would also take unpadded fields.
+        let padded = |form: &str| {
+            text.len() == form.len()
+                && text.bytes().zip(form.bytes()).all(|(c, f)| {
+                    if f == b'9' {
+                        c.is_ascii_digit()
+                    } else {
+                        c == f
+                    }
+                })
+        };
+        if !padded("9999-99-99T99:99") && !padded("9999-99-99T99:99:99") {
             return Err(InvalidLocalTime);
         }
         let naive = NaiveDateTime::parse_from_str(text, "%Y-%m-%dT%H:%M:%S")
@@ -146,8 +158,9 @@ impl LocalTime {
 
     /// `naive` as a local time, when its year is 1970 to 9999.
     pub fn new(naive: NaiveDateTime) -> Result<Self, InvalidLocalTime> {
-        use chrono::Datelike;
-        if !(1970..=9999).contains(&naive.year()) {
+        use chrono::{Datelike, Timelike};
+        // chrono's leap second (second 60) is no wall-clock time a zone can resolve.
+        if !(1970..=9999).contains(&naive.year()) || naive.nanosecond() >= 1_000_000_000 {
             return Err(InvalidLocalTime);
         }
         Ok(Self(naive))
@@ -362,6 +375,21 @@ mod tests {
         DateTime::parse_from_rfc3339(text)
             .unwrap()
             .with_timezone(&Utc)
+    }
+
+    #[test]
+    fn a_leap_second_or_an_unpadded_field_is_not_a_local_time() {
+        for bad in [
+            "2027-06-30T23:59:60",
+            "2027-3-14T02:30:00",
+            "2027-03-14T2:30",
+            "2027-03-14 02:30:00",
+            "2027-03-14T02:30:00Z",
+        ] {
+            assert_eq!(LocalTime::parse(bad), Err(InvalidLocalTime), "{bad}");
+        }
+        assert!(LocalTime::parse("2027-03-14T02:30").is_ok());
+        assert!(LocalTime::parse("2027-03-14T02:30:59").is_ok());
     }
 
     #[test]

@@ -117,6 +117,7 @@ struct BucketRow {
     burst_from: Option<DateTime<Utc>>,
     burst_cut_at: Option<DateTime<Utc>>,
     last_throttled_at: Option<DateTime<Utc>>,
+    throttled_until: Option<DateTime<Utc>>,
     changed_by: String,
     changed_at: DateTime<Utc>,
     change_reason: Option<String>,
@@ -134,7 +135,7 @@ struct ChannelRateRow {
 const COLUMNS: &str = "provider_account, channel, rate_per_second, burst, effective_rate, \
      paused_until, reserve_new, reserve_recovery, tat, tat_new, tat_recovery, new_demand_at, \
      recovery_demand_at, last_decrease_at, last_increase_at, throttled_rate, burst_limit, burst_from, \
-     burst_cut_at, last_throttled_at, changed_by, changed_at, \
+     burst_cut_at, last_throttled_at, throttled_until, changed_by, changed_at, \
      change_reason, pause_cause";
 
 impl BucketRow {
@@ -165,6 +166,7 @@ impl BucketRow {
             burst_from: self.burst_from,
             burst_cut_at: self.burst_cut_at,
             last_throttled_at: self.last_throttled_at,
+            throttled_until: self.throttled_until,
         }
     }
 
@@ -250,7 +252,7 @@ async fn store(
          SET effective_rate = $3, paused_until = $4, tat = $5, tat_new = $6, tat_recovery = $7,
              new_demand_at = $8, recovery_demand_at = $9, last_decrease_at = $10,
              last_increase_at = $11, throttled_rate = $12, burst_limit = $13, burst_from = $14,
-             burst_cut_at = $15, last_throttled_at = $16,
+             burst_cut_at = $15, last_throttled_at = $16, throttled_until = $17,
              pause_cause = CASE WHEN $4::timestamptz IS NULL THEN NULL ELSE pause_cause END
          WHERE provider_account = $1 AND channel = $2",
     )
@@ -274,6 +276,7 @@ async fn store(
     .bind(state.burst_from)
     .bind(state.burst_cut_at)
     .bind(state.last_throttled_at)
+    .bind(state.throttled_until)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -586,7 +589,7 @@ impl Ledger {
             .await?;
         }
         tx.commit().await?;
-        // A lone 429 only records when it came (decision 0412): nothing an operator or a
+        // A lone 429 only records when it came (decision 0120): nothing an operator or a
         // metric needs to hear about.
         let before = row.state();
         if state.effective_rate == before.effective_rate

@@ -47,7 +47,11 @@ pub(crate) struct SubscriberZone {
 }
 
 /// Writes each subscriber's zone to every one of their contacts (those of channels the
-/// write did not name too), in one statement; nothing when none is given.
+/// write did not name too), in one statement; nothing when none is given. Contacts another
+/// transaction holds (a concurrent post for the same subscriber, upserting another channel) are
+/// skipped rather than waited for: this transaction already holds the rows it upserted, and
+/// waiting for the other's while it waits for ours is a deadlock. The other write brings its
+/// own zone, or the skipped contact keeps the one it had until the subscriber's next write.
 pub(crate) async fn set_subscriber_zones(
     conn: &mut sqlx::PgConnection,
     zones: &[SubscriberZone],
@@ -56,10 +60,19 @@ pub(crate) async fn set_subscriber_zones(
         return Ok(());
     }
     sqlx::query(
-        "UPDATE contacts c SET time_zone = z.time_zone
-         FROM UNNEST($1::uuid[], $2::text[], $3::text[]) AS z(tenant_id, subscriber_ref, time_zone)
-         WHERE c.tenant_id = z.tenant_id AND c.subscriber_ref = z.subscriber_ref
-           AND c.time_zone IS DISTINCT FROM z.time_zone",
+        "WITH z AS (
+             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[])
+                 AS z(tenant_id, subscriber_ref, time_zone)),
+         free AS (
+             SELECT c.tenant_id, c.subscriber_ref, c.channel, z.time_zone
+             FROM contacts c JOIN z
+               ON c.tenant_id = z.tenant_id AND c.subscriber_ref = z.subscriber_ref
+             WHERE c.time_zone IS DISTINCT FROM z.time_zone
+             FOR UPDATE OF c SKIP LOCKED)
+         UPDATE contacts c SET time_zone = f.time_zone
+         FROM free f
+         WHERE c.tenant_id = f.tenant_id AND c.subscriber_ref = f.subscriber_ref
+           AND c.channel = f.channel",
     )
     .bind(zones.iter().map(|z| z.tenant_id).collect::<Vec<_>>())
     .bind(
@@ -263,7 +276,7 @@ impl Ledger {
         let (subscriber, tenant): (Option<String>, Option<String>) = sqlx::query_as(
             "SELECT (SELECT time_zone FROM contacts
                      WHERE tenant_id = $1 AND subscriber_ref = $2 AND time_zone IS NOT NULL
-                     LIMIT 1),
+                     ORDER BY updated_at DESC, channel LIMIT 1),
                     (SELECT time_zone FROM tenants WHERE id = $1)",
         )
         .bind(tenant_id.as_uuid())

@@ -93,13 +93,18 @@ impl Ledger {
         accounts: &[ProviderAccount],
         at: LedgerTime,
     ) -> Result<(), LedgerError> {
-        let names: Vec<&str> = accounts.iter().map(ProviderAccount::as_str).collect();
+        // In one order for every worker: two announcing the same accounts at once never wait
+        // on each other's rows in a cycle.
+        let mut names: Vec<&str> = accounts.iter().map(ProviderAccount::as_str).collect();
+        names.sort_unstable();
+        names.dedup();
         sqlx::query(
             "INSERT INTO worker_accounts
                  (owner, channel, provider_account, held_until, announced_at)
              SELECT $1, $2, a, COALESCE($5, now()) + $4 * interval '1 millisecond',
                     COALESCE($5, now())
              FROM unnest($3::text[]) AS a
+             ORDER BY a
              ON CONFLICT (owner, channel, provider_account) DO UPDATE
              SET held_until = GREATEST(worker_accounts.held_until, EXCLUDED.held_until),
                  announced_at = EXCLUDED.announced_at",

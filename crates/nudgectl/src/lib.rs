@@ -355,7 +355,8 @@ pub enum TenantCommand {
     /// The tenant's signing secrets for the intake's `Nudge-Signature` (at most two at once).
     #[command(subcommand)]
     Secret(SecretCommand),
-    /// Set a tenant's scheduling settings: its claim weight, its default time zone.
+    /// Set a tenant's scheduling settings: its claim weight, its cap on an account's rate, its
+    /// default time zone. Each is audited; given together, each is applied and audited in turn.
     #[command(
         long_about = "Set a tenant's scheduling settings (at least one). --weight is the \
             tenant's share of each claim of due work beside the other tenants with due work on \
@@ -363,8 +364,8 @@ pub enum TenantCommand {
             first within a tenant, so one tenant's backlog never makes another's reminders \
             wait behind it. Default 1; a tenant with weight 3 gets three deliveries per turn \
             where one with weight 1 gets one; the turns carry over from claim to claim. \
-            --max-share caps the tenant at a share of every provider account's rate it sends \
-            through, even when it is alone on the account (0.5: at most half); 1 removes the \
+            --max-share caps the tenant at a share of the rate of every rate-limited provider \
+            account (one with a bucket) it sends through, even when it is alone on it (0.5: at most half); 1 removes the \
             cap. --time-zone is the tenant's default IANA zone (Europe/Berlin): a reminder's \
             scheduled_local is read in the reminder's own time_zone, else its subscriber's, \
             else this one; with none of them it is refused. Names are checked against the tz \

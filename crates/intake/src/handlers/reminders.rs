@@ -626,6 +626,17 @@ pub async fn put_reminder(
         .resolve(zones.subscriber, zones.tenant)
         .map_err(|e| ApiError::Invalid(vec![Problem::input("", &e)]))?;
     within_schedule_ahead(&state, &times, "").map_err(|p| ApiError::Invalid(vec![p]))?;
+    // A time in the past is named by the field the client gave it in.
+    let scheduled_field = if times.local.is_some() {
+        "/scheduled_local"
+    } else {
+        "/scheduled_at"
+    };
+    let expires_field = if matches!(input.times.expiry, nudge_domain::zone::Expiry::After(_)) {
+        "/expires_after_s"
+    } else {
+        "/expires_at"
+    };
     let digest = state
         .cipher()
         .request_digest(tenant.id, &canonical)
@@ -678,10 +689,10 @@ pub async fn put_reminder(
             ));
         }
         RescheduleOutcome::ScheduledInThePast => {
-            return Err(ApiError::invalid("/scheduled_at", "is in the past"));
+            return Err(ApiError::invalid(scheduled_field, "is in the past"));
         }
         RescheduleOutcome::ExpiresInThePast => {
-            return Err(ApiError::invalid("/expires_at", "is in the past"));
+            return Err(ApiError::invalid(expires_field, "is in the past"));
         }
         RescheduleOutcome::NotFound => return Err(ApiError::NotFound),
     };

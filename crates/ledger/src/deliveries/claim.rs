@@ -10,7 +10,7 @@ use nudge_domain::Channel;
 use super::{DueDelivery, DueRow, LedgerTime, to_i64};
 use crate::{Ledger, LedgerError};
 
-/// Due work in weighted turns per tenant (invariant 14; decision 0411), the rule of
+/// Due work in weighted turns per tenant (invariant 14; decisions 0410 and 0413), the rule of
 /// `nudge_domain::fairness::claim_order` in SQL (a ledger test holds the two together): each
 /// tenant with due work on the channel offers its oldest deliveries, the n-th at turn
 /// `start + (n - 1) / claim_weight`, where `start` is the tenant's pass on the channel, kept
@@ -22,7 +22,9 @@ use crate::{Ledger, LedgerError};
 /// so one given back by the reaper keeps its place among them. The claim then moves each
 /// tenant's pass one turn past its last delivery claimed (to its start, for a tenant that had due
 /// work and got none), so claims of a few deliveries serve the tenants in turn, and by weight, as
-/// one large claim does. Each tenant offers at most the claim's limit, so a claim reads at most
+/// one large claim does; a pass another relay moved since this claim read it is left as that
+/// relay wrote it (the other claim's turns stand; this one's are the ones not counted). Each
+/// tenant offers at most the claim's limit, so a claim reads at most
 /// `tenants with due work x limit` index entries. The lock re-checks that each row is still
 /// due and still this sender's, on its newest version: a reschedule that moved it later
 /// meanwhile leaves it for its new time, never queued early for a lease that would refuse it.
@@ -69,16 +71,14 @@ const CLAIM_DUE: &str = "WITH due_tenants AS MATERIALIZED (
                   (SELECT r.correlation_id FROM reminders r WHERE r.id = d.reminder_id)
                       AS correlation_id),
     passes AS (
-        INSERT INTO tenant_claim_passes AS p (channel, tenant_id, pass, claimed_at)
-        SELECT $1, s.id,
-               COALESCE(max(c.turn) + 1::float8 / s.claim_weight, s.start),
-               CASE WHEN count(c.id) > 0 THEN COALESCE($3, now()) END
+        INSERT INTO tenant_claim_passes AS p (channel, tenant_id, pass)
+        SELECT $1, s.id, COALESCE(max(c.turn) + 1::float8 / s.claim_weight, s.start)
         FROM starts s LEFT JOIN claimed c ON c.tenant_id = s.id
         GROUP BY s.id, s.claim_weight, s.start, s.pass
         HAVING count(c.id) > 0 OR s.pass IS DISTINCT FROM s.start
         ORDER BY s.id
-        ON CONFLICT (channel, tenant_id) DO UPDATE
-        SET pass = EXCLUDED.pass, claimed_at = COALESCE(EXCLUDED.claimed_at, p.claimed_at))
+        ON CONFLICT (channel, tenant_id) DO UPDATE SET pass = EXCLUDED.pass
+        WHERE p.pass IS NOT DISTINCT FROM (SELECT s2.pass FROM starts s2 WHERE s2.id = p.tenant_id))
     SELECT * FROM claimed";
 
 /// A claimed row and its turn, so the batch is published in turn order.

@@ -100,7 +100,7 @@ async fn feedback(
 }
 
 /// A 429 alone, a moment before `now`: it moves nothing but makes the next one within the
-/// confirmation window act (decision 0412).
+/// confirmation window act (decision 0120).
 async fn an_earlier_429(ledger: &Ledger, now: DateTime<Utc>) {
     let lone = feedback(
         ledger,

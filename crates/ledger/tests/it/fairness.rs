@@ -325,3 +325,75 @@ async fn claims_of_one_serve_tenants_with_equal_backlogs_in_turn(pool: PgPool) {
         );
     }
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_pass_another_relay_moved_meanwhile_is_left_as_that_relay_wrote_it(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let a = ledger.create_tenant("a", &ops(t0())).await.unwrap();
+    let b = ledger.create_tenant("b", &ops(t0())).await.unwrap();
+    for (tenant, name) in [(a.id, "a"), (b.id, "b")] {
+        for i in 0..3 {
+            owed(
+                &ledger,
+                tenant,
+                &format!("{name}-{i}"),
+                &[Channel::Sms],
+                t0(),
+            )
+            .await;
+        }
+        sqlx::query(
+            "INSERT INTO tenant_claim_passes (channel, tenant_id, pass) VALUES ('sms', $1, 0)",
+        )
+        .bind(tenant.as_uuid())
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    // Another relay's claim, not yet committed, moved a's pass.
+    let mut other = pool.begin().await.unwrap();
+    sqlx::query("UPDATE tenant_claim_passes SET pass = 7 WHERE tenant_id = $1")
+        .bind(a.id.as_uuid())
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let claiming = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move { ledger.claim_due(Channel::Sms, 2, at(t0() + secs(1))).await })
+    };
+    // This claim read a's pass as 0 and now waits for the other's row.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE wait_event_type = 'Lock' AND query LIKE '%tenant_claim_passes%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the claim never waited"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    other.commit().await.unwrap();
+    let claimed = claiming.await.unwrap().unwrap();
+    assert_eq!(claimed.len(), 2, "one of each");
+
+    let pass: f64 = sqlx::query_scalar("SELECT pass FROM tenant_claim_passes WHERE tenant_id = $1")
+        .bind(a.id.as_uuid())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(pass, 7.0, "the other relay's turns stand");
+    let pass: f64 = sqlx::query_scalar("SELECT pass FROM tenant_claim_passes WHERE tenant_id = $1")
+        .bind(b.id.as_uuid())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(pass, 1.0, "b's own turn is counted");
+}

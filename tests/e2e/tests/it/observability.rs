@@ -55,13 +55,13 @@ async fn every_binary_serves_health_readiness_and_metrics_that_move_with_a_deliv
     env.admin_listeners = true;
     let tenant = env.tenant("clinic-obs", 2).await.unwrap();
     let secret = env.rotate_secret("clinic-obs").unwrap();
-    // Each reminder's first answer is a 429 that asks for one second (the stub's sequence is
-    // per message); the two come within a second of each other, so the second pauses the
-    // bucket (decision 0120). The retries are accepted.
+    // Each reminder's first answer is a 429 that asks for three seconds (the stub's sequence is
+    // per message); the second comes before the first one's three seconds have passed, so it
+    // pauses the bucket (decision 0120). The retries are accepted.
     env.script(
         "sms-main",
         json!({
-            "sequence": [{"status": 429, "retry_after": "1"}],
+            "sequence": [{"status": 429, "retry_after": "3"}],
             "default": {"status": 202}
         }),
     )
