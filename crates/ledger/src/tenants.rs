@@ -6,6 +6,34 @@ use crate::crypto::{DestinationCipher, SealedWith};
 use crate::intake::secret_aad;
 use crate::{Ledger, LedgerError};
 
+/// A tenant's scheduling settings that `nudgectl tenant set` changes: each a column of
+/// `tenants` and an audit action.
+#[derive(Debug, Clone, Copy)]
+enum TenantSetting {
+    Weight,
+    MaxShare,
+    TimeZone,
+}
+
+impl TenantSetting {
+    /// The column, from this fixed list only (it is written into the statement).
+    fn column(self) -> &'static str {
+        match self {
+            TenantSetting::Weight => "claim_weight",
+            TenantSetting::MaxShare => "max_share",
+            TenantSetting::TimeZone => "time_zone",
+        }
+    }
+
+    fn action(self) -> &'static str {
+        match self {
+            TenantSetting::Weight => "tenant_weight",
+            TenantSetting::MaxShare => "tenant_max_share",
+            TenantSetting::TimeZone => "tenant_time_zone",
+        }
+    }
+}
+
 /// Signing secrets sealed again per transaction by [`Ledger::reseal_tenant_secrets`].
 const RESEAL_BATCH: i64 = 500;
 
@@ -183,114 +211,102 @@ impl Ledger {
         if !(1..=1000).contains(&weight) {
             return Err(LedgerError::InvalidInput("a claim weight is 1 to 1000"));
         }
-        let mut tx = self.pool.begin().await?;
-        let previous: Option<i32> =
-            sqlx::query_scalar("SELECT claim_weight FROM tenants WHERE id = $1 FOR UPDATE")
-                .bind(id.as_uuid())
-                .fetch_optional(&mut *tx)
-                .await?;
-        let Some(previous) = previous else {
-            return Ok(None);
-        };
-        sqlx::query("UPDATE tenants SET claim_weight = $2, updated_at = $3 WHERE id = $1")
-            .bind(id.as_uuid())
-            .bind(i32::try_from(weight).unwrap_or(1000))
-            .bind(by.at())
-            .execute(&mut *tx)
+        let value = i32::try_from(weight).unwrap_or(1000);
+        let previous = self
+            .set_tenant_setting(id, TenantSetting::Weight, value, None, by)
             .await?;
-        audit::insert(
-            &mut tx,
-            &by.entry(
-                "tenant_weight",
-                format!("tenant:{id}"),
-                serde_json::json!({ "claim_weight": weight, "previous": previous }),
-            ),
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(Some(u32::try_from(previous).unwrap_or(1)))
+        Ok(previous.map(|p| u32::try_from(p).unwrap_or(1)))
     }
 
-    /// Sets (or with None clears) a tenant's cap on its share of every provider account it
-    /// sends through, audited (`tenant_max_share`, with the cap it replaced) in the same
-    /// transaction. Returns the cap it replaced (`Some(None)`: there was none), or None when
-    /// there is no such tenant. Workers apply it at their next admission.
+    /// Sets (or with None clears) a tenant's cap on its share of every rate-limited provider
+    /// account it sends through, audited (`tenant_max_share`, with the cap it replaced) in the
+    /// same transaction. Returns the cap it replaced (`Some(None)`: there was none), or None
+    /// when there is no such tenant. Workers apply it at their next admission.
     pub async fn set_tenant_max_share(
         &self,
         id: TenantId,
         share: Option<nudge_domain::MaxShare>,
         by: &Operator,
     ) -> Result<Option<Option<f64>>, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        let previous: Option<Option<f64>> =
-            sqlx::query_scalar("SELECT max_share FROM tenants WHERE id = $1 FOR UPDATE")
-                .bind(id.as_uuid())
-                .fetch_optional(&mut *tx)
-                .await?;
-        let Some(previous) = previous else {
-            return Ok(None);
-        };
         let value = share.map(nudge_domain::MaxShare::get);
-        sqlx::query("UPDATE tenants SET max_share = $2, updated_at = $3 WHERE id = $1")
-            .bind(id.as_uuid())
-            .bind(value)
-            .bind(by.at())
-            .execute(&mut *tx)
-            .await?;
-        audit::insert(
-            &mut tx,
-            &by.entry(
-                "tenant_max_share",
-                format!("tenant:{id}"),
-                serde_json::json!({ "max_share": value, "previous": previous }),
-            ),
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(Some(previous))
+        self.set_tenant_setting(id, TenantSetting::MaxShare, value, None, by)
+            .await
     }
 
     /// Sets (or, with `None`, clears) a tenant's default zone: the zone of a local time whose
     /// reminder and subscriber give none. Audited (`tenant_time_zone`, with the zone it
-    /// replaced) in the same transaction; returns the previous zone (`Some(None)`: it had
-    /// none), or None (nothing changed) when the tenant does not exist.
+    /// replaced and the tz database's version) in the same transaction; returns the previous
+    /// zone (`Some(None)`: it had none), or None (nothing changed) when the tenant does not
+    /// exist.
     pub async fn set_tenant_time_zone(
         &self,
         id: TenantId,
         zone: Option<Zone>,
         by: &Operator,
     ) -> Result<Option<Option<Zone>>, LedgerError> {
+        let value = zone.map(|z| z.name().to_owned());
+        let previous = self
+            .set_tenant_setting(
+                id,
+                TenantSetting::TimeZone,
+                value,
+                Some(("tzdb", nudge_domain::TZDB_VERSION)),
+                by,
+            )
+            .await?;
+        // A zone stored by a binary with a newer tz database is reported, not refused.
+        Ok(previous.map(|p| p.and_then(|name| Zone::parse(&name).ok())))
+    }
+
+    /// Writes one of a tenant's scheduling settings under the tenant's row lock, with its audit
+    /// row (the new value, the one it replaced, and `note` when given) in the same transaction.
+    /// Returns the value it replaced, or None when there is no such tenant.
+    async fn set_tenant_setting<T>(
+        &self,
+        id: TenantId,
+        setting: TenantSetting,
+        value: T,
+        note: Option<(&str, &str)>,
+        by: &Operator,
+    ) -> Result<Option<T>, LedgerError>
+    where
+        T: for<'r> sqlx::Decode<'r, sqlx::Postgres>
+            + for<'q> sqlx::Encode<'q, sqlx::Postgres>
+            + sqlx::Type<sqlx::Postgres>
+            + serde::Serialize
+            + Send
+            + Unpin,
+    {
+        let column = setting.column();
         let mut tx = self.pool.begin().await?;
-        let previous: Option<Option<String>> =
-            sqlx::query_scalar("SELECT time_zone FROM tenants WHERE id = $1 FOR UPDATE")
-                .bind(id.as_uuid())
-                .fetch_optional(&mut *tx)
-                .await?;
+        let previous: Option<T> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT {column} FROM tenants WHERE id = $1 FOR UPDATE"
+        )))
+        .bind(id.as_uuid())
+        .fetch_optional(&mut *tx)
+        .await?;
         let Some(previous) = previous else {
             return Ok(None);
         };
-        sqlx::query("UPDATE tenants SET time_zone = $2, updated_at = $3 WHERE id = $1")
-            .bind(id.as_uuid())
-            .bind(zone.map(|z| z.name()))
-            .bind(by.at())
-            .execute(&mut *tx)
-            .await?;
+        let mut details = serde_json::json!({ column: &value, "previous": &previous });
+        if let (Some((key, text)), Some(map)) = (note, details.as_object_mut()) {
+            map.insert(key.to_owned(), serde_json::Value::from(text));
+        }
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE tenants SET {column} = $2, updated_at = $3 WHERE id = $1"
+        )))
+        .bind(id.as_uuid())
+        .bind(value)
+        .bind(by.at())
+        .execute(&mut *tx)
+        .await?;
         audit::insert(
             &mut tx,
-            &by.entry(
-                "tenant_time_zone",
-                format!("tenant:{id}"),
-                serde_json::json!({
-                    "time_zone": zone.map(|z| z.name()),
-                    "previous": previous,
-                    "tzdb": nudge_domain::TZDB_VERSION,
-                }),
-            ),
+            &by.entry(setting.action(), format!("tenant:{id}"), details),
         )
         .await?;
         tx.commit().await?;
-        // A zone stored by a binary with a newer tz database is reported, not refused.
-        Ok(Some(previous.and_then(|name| Zone::parse(&name).ok())))
+        Ok(Some(previous))
     }
 
     /// Routes a tenant's channel to a provider account (None = the channel's default account),
