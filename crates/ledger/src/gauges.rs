@@ -12,6 +12,25 @@ use nudge_domain::{Channel, ProviderAccount, TenantId};
 
 use crate::{Ledger, LedgerError, LedgerTime};
 
+/// Live work per tenant and channel at `c.at` (a CTE `c` the statement gives): due, queued,
+/// sending, in backoff, waiting for the tenant's own account, and the oldest eligible age. One
+/// pass over the live rows; the gauges and `nudgectl status`'s tenant table both read it.
+pub(crate) const LIVE_WORK: &str = "SELECT d.tenant_id, d.channel,
+        count(*) FILTER (WHERE d.state IN ('scheduled', 'retry_wait')
+                         AND d.next_attempt_at <= c.at) AS due,
+        count(*) FILTER (WHERE d.state = 'queued') AS queued,
+        count(*) FILTER (WHERE d.state = 'sending') AS sending,
+        count(*) FILTER (WHERE d.state = 'retry_wait' AND d.next_attempt_at > c.at) AS backoff,
+        count(*) FILTER (WHERE d.state = 'retry_wait' AND d.next_attempt_at > c.at
+                         AND d.last_error_reason = 'account_unavailable') AS awaiting_account,
+        extract(epoch FROM c.at - min(d.next_attempt_at) FILTER (
+            WHERE d.state IN ('scheduled', 'queued', 'retry_wait')
+              AND d.next_attempt_at <= c.at))::float8 AS oldest_eligible_age_s
+    FROM deliveries d CROSS JOIN c
+    WHERE d.state IN ('queued', 'sending', 'retry_wait')
+       OR (d.state = 'scheduled' AND d.next_attempt_at <= c.at)
+    GROUP BY d.tenant_id, d.channel, c.at";
+
 /// Live work of one tenant on one channel.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TenantChannelWork {
@@ -79,7 +98,7 @@ struct WorkRow {
     channel: String,
     due: i64,
     queued: i64,
-    leased: i64,
+    sending: i64,
     backoff: i64,
     awaiting_account: i64,
     oldest_eligible_age_s: Option<f64>,
@@ -112,27 +131,9 @@ fn channel(s: &str, table: &'static str) -> Result<Channel, LedgerError> {
 impl Ledger {
     /// Reads the gauges at `at` (the database's clock in the janitor, a fixed instant in tests).
     pub async fn gauges(&self, at: LedgerTime) -> Result<LedgerGauges, LedgerError> {
-        let work: Vec<WorkRow> = sqlx::query_as(
-            "WITH c AS (SELECT COALESCE($1, now()) AS at)
-             SELECT d.tenant_id, d.channel,
-                    count(*) FILTER (WHERE d.state IN ('scheduled', 'retry_wait')
-                                     AND d.next_attempt_at <= c.at) AS due,
-                    count(*) FILTER (WHERE d.state = 'queued') AS queued,
-                    count(*) FILTER (WHERE d.state = 'sending') AS leased,
-                    count(*) FILTER (WHERE d.state = 'retry_wait'
-                                     AND d.next_attempt_at > c.at) AS backoff,
-                    count(*) FILTER (WHERE d.state = 'retry_wait'
-                                     AND d.next_attempt_at > c.at
-                                     AND d.last_error_reason = 'account_unavailable')
-                        AS awaiting_account,
-                    extract(epoch FROM c.at - min(d.next_attempt_at) FILTER (
-                        WHERE d.state IN ('scheduled', 'queued', 'retry_wait')
-                          AND d.next_attempt_at <= c.at))::float8 AS oldest_eligible_age_s
-             FROM deliveries d CROSS JOIN c
-             WHERE d.state IN ('queued', 'sending', 'retry_wait')
-                OR (d.state = 'scheduled' AND d.next_attempt_at <= c.at)
-             GROUP BY d.tenant_id, d.channel, c.at",
-        )
+        let work: Vec<WorkRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "WITH c AS (SELECT COALESCE($1, now()) AS at) {LIVE_WORK}"
+        )))
         .bind(at.bind())
         .fetch_all(&self.pool)
         .await?;
@@ -172,7 +173,7 @@ impl Ledger {
                 channel: channel(&row.channel, "deliveries")?,
                 due: count(row.due),
                 queued: count(row.queued),
-                leased: count(row.leased),
+                leased: count(row.sending),
                 backoff: count(row.backoff),
                 awaiting_account: count(row.awaiting_account),
                 oldest_eligible_age_s: row.oldest_eligible_age_s.map(|s| s.max(0.0)),

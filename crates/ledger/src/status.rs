@@ -1,6 +1,7 @@
 use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, ProviderAccount, TenantId};
 
+use crate::gauges::LIVE_WORK;
 use crate::{Ledger, LedgerError, LedgerTime};
 
 /// The live picture of one channel, for `nudgectl status` and the drain estimate.
@@ -166,27 +167,9 @@ impl Ledger {
         limit: u32,
         at: LedgerTime,
     ) -> Result<TenantLatenessReport, LedgerError> {
-        let rows: Vec<TenantRow> = sqlx::query_as(
+        let rows: Vec<TenantRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "WITH c AS (SELECT COALESCE($1, now()) AS at),
-             work AS (
-                 SELECT d.tenant_id, d.channel,
-                        count(*) FILTER (WHERE d.state IN ('scheduled', 'retry_wait')
-                                         AND d.next_attempt_at <= c.at) AS due,
-                        count(*) FILTER (WHERE d.state = 'queued') AS queued,
-                        count(*) FILTER (WHERE d.state = 'sending') AS sending,
-                        count(*) FILTER (WHERE d.state = 'retry_wait'
-                                         AND d.next_attempt_at > c.at) AS backoff,
-                        count(*) FILTER (WHERE d.state = 'retry_wait'
-                                         AND d.next_attempt_at > c.at
-                                         AND d.last_error_reason = 'account_unavailable')
-                            AS awaiting_account,
-                        extract(epoch FROM c.at - min(d.next_attempt_at) FILTER (
-                            WHERE d.state IN ('scheduled', 'queued', 'retry_wait')
-                              AND d.next_attempt_at <= c.at))::float8 AS oldest_eligible_age_s
-                 FROM deliveries d CROSS JOIN c
-                 WHERE d.state IN ('queued', 'sending', 'retry_wait')
-                    OR (d.state = 'scheduled' AND d.next_attempt_at <= c.at)
-                 GROUP BY d.tenant_id, d.channel, c.at)
+             work AS ({LIVE_WORK})
              SELECT w.tenant_id, t.name AS tenant, w.channel, tc.provider_account AS account,
                     w.due, w.queued, w.sending, w.backoff, w.awaiting_account,
                     w.oldest_eligible_age_s, count(*) OVER () AS total
@@ -194,8 +177,8 @@ impl Ledger {
              LEFT JOIN tenant_channels tc ON tc.tenant_id = w.tenant_id AND tc.channel = w.channel
              ORDER BY w.oldest_eligible_age_s DESC NULLS LAST, w.awaiting_account DESC,
                       w.due DESC, t.name, w.channel
-             LIMIT $2",
-        )
+             LIMIT $2"
+        )))
         .bind(at.bind())
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
