@@ -17,7 +17,8 @@
 //!   their windows advanced.
 //! - `producer.in_flight_seconds` (default 1.0): per channel, the relay keeps about this many
 //!   seconds of the channel's admitted rate (the sum of its rate buckets) published or being
-//!   sent, so every message finds a send slot within the workers' admission wait.
+//!   sent, so every message finds a send slot within the workers' admission wait (keep it below
+//!   `admission.max_wait_ms`: a claim's surplus goes back and loses its tenant's turn).
 //! - `producer.min_in_flight_per_channel` (default 20) and `producer.max_in_flight_per_channel`
 //!   (default 2000): bounds of that window; a channel without rate buckets gets the maximum.
 
