@@ -1521,37 +1521,53 @@ mod tests {
         provider: &mut Provider,
         seconds: i64,
     ) -> (usize, usize) {
+        drain_through_a_window(config, state, provider, seconds, 10_000, 1)
+    }
+
+    /// A drain with at most `window` sends reserved and not yet answered (the relay's
+    /// in-flight window), each answered `latency_ms` after its slot.
+    fn drain_through_a_window(
+        config: &BucketConfig,
+        state: &mut BucketState,
+        provider: &mut Provider,
+        seconds: i64,
+        window: usize,
+        latency_ms: i64,
+    ) -> (usize, usize) {
         let settings = waiting(500);
         let mut pending: Vec<(DateTime<Utc>, DateTime<Utc>)> = Vec::new();
         let (mut accepted, mut throttled) = (0, 0);
-        let mut late: Vec<(DateTime<Utc>, DateTime<Utc>)> = Vec::new();
+        // (answered at, reserved at, throttled)
+        let mut answers: Vec<(DateTime<Utc>, DateTime<Utc>, bool)> = Vec::new();
         for tick in 0..seconds * 1_000 {
             let now = t0() + ms(tick);
-            late.retain(|&(answer_at, reserved_at)| {
-                if answer_at <= now {
+            answers.retain(|&(answer_at, reserved_at, was_throttled)| {
+                if answer_at > now {
+                    return true;
+                }
+                if was_throttled {
                     let _ = on_throttled_after(config, state, None, Some(reserved_at), now);
-                    false
-                } else {
-                    true
                 }
+                false
             });
-            while let Admission::Admitted { send_at } =
-                admit(config, state, Lane::New, now, &settings)
-            {
-                pending.push((send_at, now));
-                if pending.len() > 10_000 {
+            while pending.len() + answers.len() < window {
+                let Admission::Admitted { send_at } =
+                    admit(config, state, Lane::New, now, &settings)
+                else {
                     break;
-                }
+                };
+                pending.push((send_at, now));
             }
             pending.sort();
             while pending.first().is_some_and(|&(at, _)| at <= now) {
                 let (at, reserved_at) = pending.remove(0);
-                if provider.accepts(at) {
+                let ok = provider.accepts(at);
+                if ok {
                     accepted += 1;
                 } else {
                     throttled += 1;
-                    late.push((now + ms(1), reserved_at));
                 }
+                answers.push((now + ms(latency_ms), reserved_at, !ok));
             }
         }
         (accepted, throttled)
@@ -1577,6 +1593,33 @@ mod tests {
         );
         // The floor: the provider's 40 at once plus 40/s after; within one send of it.
         assert!(accepted >= 40 + 40 * 30 - 1 - 1, "accepted {accepted}");
+    }
+
+    #[test]
+    fn a_burst_over_the_providers_sent_through_a_window_with_slow_answers_keeps_the_rate() {
+        // As deployed in the drain benchmark: the relay keeps 40 in flight (one second at
+        // 40/s), so the burst of 50 is spent over the first answers, and the provider answers
+        // 150 ms after each send. The 429s come later than the burst they belong to, and some
+        // after the burst has shrunk.
+        for latency_ms in [20, 150, 400] {
+            let c = config(40.0, 50);
+            let mut s = BucketState::fresh(&c);
+            let mut provider = Provider::new(40.0, 40);
+            let (accepted, throttled) =
+                drain_through_a_window(&c, &mut s, &mut provider, 30, 40, latency_ms);
+            assert_eq!(
+                s.last_decrease_at, None,
+                "latency {latency_ms} ms: rate cut"
+            );
+            assert_eq!(s.effective_rate, 40.0);
+            assert!(throttled <= 10, "latency {latency_ms} ms: {throttled} 429s");
+            // Within 2% of the floor's 40 + 40/s, less what is still being answered.
+            let floor = 40 + 40 * 30;
+            assert!(
+                accepted as f64 >= f64::from(floor) * 0.98 - 40.0 * latency_ms as f64 / 1000.0,
+                "latency {latency_ms} ms: accepted {accepted} of {floor}"
+            );
+        }
     }
 
     #[test]

@@ -1034,7 +1034,12 @@ impl Drop for TestEnv {
             });
         });
         let _ = cleanup.join();
-        if !std::thread::panicking() {
+        if std::env::var_os("NUDGE_E2E_KEEP_FILES").is_some() {
+            eprintln!(
+                "test files kept in {} (NUDGE_E2E_KEEP_FILES)",
+                self.dir.display()
+            );
+        } else if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
         } else {
             eprintln!("test files kept in {}", self.dir.display());

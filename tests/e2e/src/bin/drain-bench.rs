@@ -22,7 +22,7 @@
 //! with its `run`) and the medians and worst runs under `summaries`; `--results DIR` writes
 //! them elsewhere than `bench/results/`.
 //!
-//!   scripts/bench-drain.sh [--scale seed|small] [--runs N] [--results DIR]
+//!   scripts/bench-drain.sh [--scale seed|small] [--runs N] [--results DIR] [--case TEXT]
 //!   (builds the release binaries, runs this)
 #![allow(
     clippy::unwrap_used,
@@ -64,6 +64,10 @@ struct Args {
     /// Where the results go (default: the repository's bench/results).
     #[arg(long, value_name = "DIR")]
     results: Option<std::path::PathBuf>,
+    /// Runs only the cases whose name contains this text (for a closer look at one case; the
+    /// latest table then holds only those).
+    #[arg(long, value_name = "TEXT")]
+    case: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -518,6 +522,15 @@ async fn main() -> anyhow::Result<()> {
             seed("seed + 2,000 dead letters redriven at 20/s", 2_000, 20.0),
         ]
     };
+    let cases: Vec<Case> = cases
+        .into_iter()
+        .filter(|c| {
+            args.case
+                .as_deref()
+                .is_none_or(|text| c.name.contains(text))
+        })
+        .collect();
+    anyhow::ensure!(!cases.is_empty(), "no case's name contains {:?}", args.case);
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     // On a signal the running case's future is dropped, and with it its environment, which
     // stops its processes and drops its database and broker namespace.
