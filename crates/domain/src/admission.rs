@@ -238,6 +238,9 @@ pub enum DeferReason {
     /// The tenant's cap on its share of the bucket (`nudgectl tenant set --max-share`) has no
     /// slot within the admission wait, though the bucket may.
     Capped,
+    /// Not a slot at all: the delivery fell due inside its subscriber's quiet hours and waits
+    /// for their end (`crate::quiet`). Admission never answers it.
+    QuietHours,
 }
 
 impl DeferReason {
@@ -248,6 +251,7 @@ impl DeferReason {
             DeferReason::Paused => "paused",
             DeferReason::Throttled => "throttled",
             DeferReason::Capped => "capped",
+            DeferReason::QuietHours => "quiet_hours",
         }
     }
 }

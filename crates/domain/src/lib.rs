@@ -26,6 +26,7 @@ pub mod fairness;
 pub mod ids;
 pub mod lane;
 pub mod policy;
+pub mod quiet;
 pub mod restore;
 pub mod retention;
 pub mod retry_after;
@@ -58,6 +59,7 @@ pub use ids::{
 };
 pub use lane::{Lane, UnknownLane};
 pub use policy::{FixedJitter, InvalidPolicy, Jitter, MaxJitter, RandJitter, RetryPolicy};
+pub use quiet::{InvalidQuietHours, QuietHours, QuietSpan, QuietVerdict, quiet_verdict};
 pub use restore::{AfterRestore, HoldReason, KeepReason, RESTORED_REASON, after_restore};
 pub use retention::{InvalidRetention, RetentionDays, RetentionPolicy};
 pub use retry_after::{MalformedReason, MalformedRetryAfter, RetryAfter};

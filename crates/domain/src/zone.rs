@@ -42,6 +42,11 @@ impl Zone {
         Tz::from_str(name).map(Self).map_err(|_| UnknownZone)
     }
 
+    /// The zone of the compiled-in database.
+    pub(crate) fn tz(&self) -> Tz {
+        self.0
+    }
+
     /// The zone's IANA name, as the database spells it.
     pub fn name(&self) -> &'static str {
         self.0.name()

@@ -30,6 +30,7 @@ mod failover;
 mod gauges;
 pub mod input;
 mod intake;
+mod quiet;
 mod receipts;
 mod redrive;
 mod reminders;
@@ -54,8 +55,8 @@ pub use crypto::{Destination, DestinationCipher, DestinationDigest, SealedWith, 
 pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{
     Attempt, AttemptRecord, DeliveryRecord, DueDelivery, FenceRefused, LeaseBatch, LeaseOutcome,
-    LeaseResult, LeasedDelivery, LedgerTime, Material, MessagePointer, OutcomeToRecord, Reaped,
-    Recorded, RenewedLease, SendSlot, Slotted, WorkerRoutes,
+    LeaseResult, LeasedDelivery, LedgerTime, Material, MessagePointer, OutcomeToRecord, QuietRule,
+    Reaped, Recorded, RenewedLease, SendSlot, Slotted, WorkerRoutes,
 };
 pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
 pub use error::{LedgerError, is_unavailable};

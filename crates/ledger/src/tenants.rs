@@ -13,6 +13,7 @@ enum TenantSetting {
     Weight,
     MaxShare,
     TimeZone,
+    QuietHoursIgnorable,
 }
 
 impl TenantSetting {
@@ -22,6 +23,7 @@ impl TenantSetting {
             TenantSetting::Weight => "claim_weight",
             TenantSetting::MaxShare => "max_share",
             TenantSetting::TimeZone => "time_zone",
+            TenantSetting::QuietHoursIgnorable => "quiet_hours_ignorable",
         }
     }
 
@@ -30,6 +32,7 @@ impl TenantSetting {
             TenantSetting::Weight => "tenant_weight",
             TenantSetting::MaxShare => "tenant_max_share",
             TenantSetting::TimeZone => "tenant_time_zone",
+            TenantSetting::QuietHoursIgnorable => "tenant_quiet_hours_ignorable",
         }
     }
 }
@@ -46,6 +49,8 @@ pub struct Tenant {
     pub draining: bool,
     /// The tenant's default zone (`nudgectl tenant set --time-zone`), if it has one.
     pub time_zone: Option<Zone>,
+    /// Whether its reminders may say `"quiet_hours": "ignore"`.
+    pub quiet_hours_ignorable: bool,
 }
 
 #[derive(sqlx::FromRow)]
@@ -55,6 +60,7 @@ struct TenantRow {
     intake_paused: bool,
     draining: bool,
     time_zone: Option<String>,
+    quiet_hours_ignorable: bool,
 }
 
 #[derive(sqlx::FromRow)]
@@ -78,6 +84,7 @@ impl TryFrom<TenantRow> for Tenant {
                 .as_deref()
                 .map(|name| crate::contacts::stored_zone("tenants", name))
                 .transpose()?,
+            quiet_hours_ignorable: row.quiet_hours_ignorable,
         })
     }
 }
@@ -96,7 +103,8 @@ impl Ledger {
         let row: CreatedTenantRow = sqlx::query_as(
             "INSERT INTO tenants (id, name, created_at, updated_at) VALUES ($1, $2, $3, $3)
              ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name
-             RETURNING id, name, intake_paused, draining, time_zone, (xmax = 0) AS created",
+             RETURNING id, name, intake_paused, draining, time_zone, quiet_hours_ignorable,
+                       (xmax = 0) AS created",
         )
         .bind(TenantId::new().as_uuid())
         .bind(name)
@@ -120,7 +128,8 @@ impl Ledger {
 
     pub async fn tenant(&self, id: TenantId) -> Result<Option<Tenant>, LedgerError> {
         let row: Option<TenantRow> = sqlx::query_as(
-            "SELECT id, name, intake_paused, draining, time_zone FROM tenants WHERE id = $1",
+            "SELECT id, name, intake_paused, draining, time_zone, quiet_hours_ignorable
+             FROM tenants WHERE id = $1",
         )
         .bind(id.as_uuid())
         .fetch_optional(&self.pool)
@@ -130,7 +139,8 @@ impl Ledger {
 
     pub async fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, LedgerError> {
         let row: Option<TenantRow> = sqlx::query_as(
-            "SELECT id, name, intake_paused, draining, time_zone FROM tenants WHERE name = $1",
+            "SELECT id, name, intake_paused, draining, time_zone, quiet_hours_ignorable
+             FROM tenants WHERE name = $1",
         )
         .bind(name)
         .fetch_optional(&self.pool)
@@ -307,6 +317,19 @@ impl Ledger {
         .await?;
         tx.commit().await?;
         Ok(Some(previous))
+    }
+
+    /// Sets whether the tenant's reminders may say `"quiet_hours": "ignore"` (urgent classes,
+    /// such as a cancelled appointment), audited (`tenant_quiet_hours_ignorable`) in the same
+    /// transaction. Returns what it replaced, or None when there is no such tenant.
+    pub async fn set_tenant_quiet_hours_ignorable(
+        &self,
+        id: TenantId,
+        ignorable: bool,
+        by: &Operator,
+    ) -> Result<Option<bool>, LedgerError> {
+        self.set_tenant_setting(id, TenantSetting::QuietHoursIgnorable, ignorable, None, by)
+            .await
     }
 
     /// Routes a tenant's channel to a provider account (None = the channel's default account),

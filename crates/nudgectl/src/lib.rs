@@ -355,6 +355,22 @@ pub enum TenantCommand {
     /// The tenant's signing secrets for the intake's `Nudge-Signature` (at most two at once).
     #[command(subcommand)]
     Secret(SecretCommand),
+    /// Quiet hours: per channel, a daily window of the subscriber's wall-clock time in which
+    /// nothing is sent on it.
+    #[command(
+        subcommand,
+        long_about = "Quiet hours: per channel, a daily window of the subscriber's wall-clock \
+            time (21:00-08:00) in which nothing is sent on that channel. A delivery that falls \
+            due inside it waits for its end (state retry_wait, reason quiet_hours); one whose \
+            expiry comes first settles expired with the reason quiet_hours. Never dropped, \
+            never sent inside the window: the fence checks it with the database's clock. The \
+            window is read in the subscriber's zone, else the tenant's default zone (which a \
+            window needs: nudgectl tenant set --time-zone). A subscriber may have their own \
+            window or none (PUT .../contacts, quiet_hours); a reminder may ignore them \
+            (\"quiet_hours\": \"ignore\") only where the tenant allows it (nudgectl tenant set \
+            --quiet-hours-ignorable true)."
+    )]
+    QuietHours(QuietHoursCommand),
     /// Set a tenant's scheduling settings: its claim weight, its cap on an account's rate, its
     /// default time zone. Each is audited; given together, each is applied and audited in turn.
     #[command(
@@ -370,9 +386,13 @@ pub enum TenantCommand {
             scheduled_local is read in the reminder's own time_zone, else its subscriber's, \
             else this one; with none of them it is refused. Names are checked against the tz \
             database built into nudge (its version: `nudgectl status`), never the host's. \
-            --clear-time-zone removes it. Each change is audited with the value it replaced.",
+            --clear-time-zone removes it. --quiet-hours-ignorable true lets the tenant's \
+            reminders say \"quiet_hours\": \"ignore\" (urgent classes, such as a cancelled \
+            appointment); false (the default) refuses them. Each change is audited with the \
+            value it replaced.",
         group(clap::ArgGroup::new("setting").required(true).multiple(true)
-            .args(["weight", "max_share", "time_zone", "clear_time_zone"]))
+            .args(["weight", "max_share", "time_zone", "clear_time_zone",
+                   "quiet_hours_ignorable"]))
     )]
     Set {
         /// Tenant name.
@@ -390,9 +410,49 @@ pub enum TenantCommand {
         /// Remove the tenant's default time zone.
         #[arg(long)]
         clear_time_zone: bool,
+        /// Whether the tenant's reminders may ignore quiet hours (default false).
+        #[arg(long, value_name = "true|false")]
+        quiet_hours_ignorable: Option<bool>,
         /// Why: recorded in the audit log.
         #[arg(long)]
         reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum QuietHoursCommand {
+    /// Set the tenant's quiet hours on one channel (replacing any it had).
+    Set {
+        /// Tenant name.
+        name: String,
+        /// push, email or sms.
+        #[arg(long)]
+        channel: Channel,
+        /// Start of the window, HH:MM or HH:MM:SS, wall-clock time (inclusive).
+        #[arg(long, value_name = "HH:MM")]
+        from: String,
+        /// End of the window (exclusive); not after --from: it ends the next day.
+        #[arg(long, value_name = "HH:MM")]
+        to: String,
+        /// Why: recorded in the audit log.
+        #[arg(long)]
+        reason: String,
+    },
+    /// Remove the tenant's quiet hours on one channel.
+    Clear {
+        /// Tenant name.
+        name: String,
+        /// push, email or sms.
+        #[arg(long)]
+        channel: Channel,
+        /// Why: recorded in the audit log.
+        #[arg(long)]
+        reason: String,
+    },
+    /// Show the tenant's zone, quiet hours per channel, and whether reminders may ignore them.
+    Show {
+        /// Tenant name.
+        name: String,
     },
 }
 
@@ -818,6 +878,7 @@ pub async fn execute(
             max_share,
             time_zone,
             clear_time_zone,
+            quiet_hours_ignorable,
             reason,
         }) => {
             require_reason(&reason)?;
@@ -829,6 +890,18 @@ pub async fn execute(
                 .transpose()?;
             let by = operator(ledger, actor, Some(&reason)).await?;
             let tenant = find_tenant(ledger, &name).await?;
+            if clear_time_zone
+                && !ledger
+                    .tenant_quiet_hours(tenant.id)
+                    .await
+                    .context("failed to read the tenant's quiet hours")?
+                    .is_empty()
+            {
+                bail!(
+                    "tenant {name} has quiet hours, which are read in its zone for a subscriber \
+                     without one: clear them first (nudgectl tenant quiet-hours clear)"
+                );
+            }
             if let Some(weight) = weight {
                 let previous = ledger
                     .set_tenant_weight(tenant.id, weight, &by)
@@ -865,6 +938,20 @@ pub async fn execute(
                     shown(previous),
                 )?;
             }
+            if let Some(ignorable) = quiet_hours_ignorable {
+                let previous = ledger
+                    .set_tenant_quiet_hours_ignorable(tenant.id, ignorable, &by)
+                    .await
+                    .context("failed to set whether reminders may ignore quiet hours")?
+                    .with_context(|| format!("no tenant named {name}"))?;
+                writeln!(
+                    out,
+                    "tenant {name}: reminders may ignore quiet hours: {ignorable} (was {previous})"
+                )?;
+            }
+        }
+        Command::Tenant(TenantCommand::QuietHours(command)) => {
+            quiet_hours(ledger, actor, command, out).await?;
         }
         Command::Tenant(TenantCommand::Secret(SecretCommand::Rotate { name, reason })) => {
             let Some(cipher) = cipher else {
@@ -1207,6 +1294,82 @@ async fn change_reminders(
 }
 
 /// A `--time-zone` value: an IANA name the built-in tz database knows.
+/// `nudgectl tenant quiet-hours set|clear|show`.
+async fn quiet_hours(
+    ledger: &Ledger,
+    actor: &str,
+    command: QuietHoursCommand,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let shown =
+        |h: Option<nudge_domain::QuietHours>| h.map_or("none".to_owned(), |h| h.to_string());
+    match command {
+        QuietHoursCommand::Set {
+            name,
+            channel,
+            from,
+            to,
+            reason,
+        } => {
+            require_reason(&reason)?;
+            let hours = nudge_domain::QuietHours::parse(&from, &to)
+                .map_err(|e| anyhow::anyhow!("--from {from} --to {to}: {e}"))?;
+            let by = operator(ledger, actor, Some(&reason)).await?;
+            let tenant = find_tenant(ledger, &name).await?;
+            let previous = ledger
+                .set_tenant_quiet_hours(tenant.id, channel, Some(hours), &by)
+                .await
+                .context("failed to set the tenant's quiet hours")?
+                .with_context(|| format!("no tenant named {name}"))?;
+            writeln!(
+                out,
+                "tenant {name}: quiet hours on {channel} {hours} in the subscriber's zone, else \
+                 {} (was {})",
+                tenant.time_zone.map_or("none", |z| z.name()),
+                shown(previous)
+            )?;
+        }
+        QuietHoursCommand::Clear {
+            name,
+            channel,
+            reason,
+        } => {
+            require_reason(&reason)?;
+            let by = operator(ledger, actor, Some(&reason)).await?;
+            let tenant = find_tenant(ledger, &name).await?;
+            let previous = ledger
+                .set_tenant_quiet_hours(tenant.id, channel, None, &by)
+                .await
+                .context("failed to clear the tenant's quiet hours")?
+                .with_context(|| format!("no tenant named {name}"))?;
+            writeln!(
+                out,
+                "tenant {name}: no quiet hours on {channel} (was {})",
+                shown(previous)
+            )?;
+        }
+        QuietHoursCommand::Show { name } => {
+            let tenant = find_tenant(ledger, &name).await?;
+            let windows = ledger
+                .tenant_quiet_hours(tenant.id)
+                .await
+                .context("failed to read the tenant's quiet hours")?;
+            writeln!(
+                out,
+                "tenant {name}: zone {} (tz database {TZDB_VERSION}); reminders may ignore \
+                 quiet hours: {}",
+                tenant.time_zone.map_or("none", |z| z.name()),
+                tenant.quiet_hours_ignorable
+            )?;
+            for channel in Channel::ALL {
+                let hours = windows.iter().find(|(c, _)| *c == channel).map(|(_, h)| *h);
+                writeln!(out, "  {:<6} {}", channel.as_str(), shown(hours))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn parse_zone(name: &str) -> Result<Zone, nudge_domain::UnknownZone> {
     Zone::parse(name)
 }

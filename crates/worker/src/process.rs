@@ -701,6 +701,20 @@ impl Worker {
                 Ok(Err(FenceRefused::Slowed)) => {
                     return ControlFlow::Break(self.give_back(lease, None, "bucket_slowed").await);
                 }
+                Ok(Err(FenceRefused::QuietHours { until: Some(until) })) => {
+                    self.metrics
+                        .deferral(&lease.provider_account, self.channel, "quiet_hours");
+                    info!(%until, "its quiet hours began while it waited for its slot: \
+                                   given back until they end, not sent");
+                    return ControlFlow::Break(Processed::Released("quiet_hours"));
+                }
+                Ok(Err(FenceRefused::QuietHours { until: None })) => {
+                    info!(
+                        "its quiet hours began while it waited for its slot and outlast it: \
+                           settled as expired, not sent"
+                    );
+                    return ControlFlow::Break(Processed::Expired);
+                }
                 Err(e) => {
                     // No fence, no send: the lease goes back unsent (or, if the ledger is
                     // unreachable for that too, the reaper sees it was never sent).
@@ -1125,6 +1139,7 @@ fn deferral_label(reason: nudge_domain::DeferReason) -> &'static str {
         nudge_domain::DeferReason::Throttled => "bucket_throttled",
         nudge_domain::DeferReason::Paused => "bucket_paused",
         nudge_domain::DeferReason::Capped => "tenant_capped",
+        nudge_domain::DeferReason::QuietHours => "quiet_hours",
     }
 }
 

@@ -12,6 +12,11 @@
 //!    no live worker has is given back until the next look (`account_unavailable`, 0411);
 //!    others are stale, owned by another sender, or left for a worker that has their account.
 //!    A tenant routed to its own account is never sent through another (it fails closed).
+//!    A candidate inside its quiet hours (its subscriber's window or its tenant's, in the
+//!    subscriber's zone, by the database's clock) takes no slot: it is given back due at the
+//!    window's end, or settled `expired` when its expiry comes first, both with the reason
+//!    `quiet_hours`. The others carry the next window's start, and no fence stamps a send at
+//!    or after it.
 //! 3. Candidates on accounts with a bucket (or, without one, suspended: `account_suspensions`)
 //!    take their slots (`buckets::admit_slots`: one lock per bucket, the database's clock read
 //!    under it).
@@ -28,13 +33,14 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, NaiveTime, Utc};
 use nudge_domain::{
     Admission, AdmissionSettings, Channel, DeferReason, DeliveryId, DeliveryState, IdempotencyKey,
-    IdempotencySupport, ProviderAccount, ReminderId, TenantId,
+    IdempotencySupport, ProviderAccount, QuietHours, QuietVerdict, ReminderId, TenantId, Zone,
+    quiet_verdict,
 };
 
-use super::{LeasedDelivery, LedgerTime, MessagePointer, millis, parse, to_i64, to_u64};
+use super::{LeasedDelivery, LedgerTime, MessagePointer, QuietRule, millis, parse, to_i64, to_u64};
 use crate::buckets::{BucketReading, SlotRequest, admit_slots};
 use crate::contacts::destination_aad;
 use crate::crypto::content_aad;
@@ -144,6 +150,9 @@ pub struct LeaseResult {
     pub buckets: Vec<BucketReading>,
 }
 
+/// The reason recorded on a delivery given back or expired for its quiet hours.
+pub const QUIET_HOURS: &str = "quiet_hours";
+
 /// Why [`Ledger::fence`] refused a send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FenceRefused {
@@ -157,6 +166,10 @@ pub enum FenceRefused {
     BucketClosedUntil(DateTime<Utc>),
     /// A 429 slowed the bucket after the slot was reserved: reserve again.
     Slowed,
+    /// Its quiet hours began while it waited: given back due at `until` (the window's end),
+    /// or, when `until` is None, settled `expired` because its expiry comes first; both with
+    /// the reason `quiet_hours`.
+    QuietHours { until: Option<DateTime<Utc>> },
 }
 
 #[derive(sqlx::FromRow)]
@@ -180,6 +193,15 @@ struct CandidateRow {
     destination_digest: Option<Vec<u8>>,
     contact_invalid: bool,
     contact_opted_out: bool,
+    /// The subscriber's zone (on this channel's contact).
+    contact_zone: Option<String>,
+    tenant_zone: Option<String>,
+    ignore_quiet_hours: bool,
+    contact_quiet_from: Option<NaiveTime>,
+    contact_quiet_to: Option<NaiveTime>,
+    contact_quiet_off: bool,
+    tenant_quiet_from: Option<NaiveTime>,
+    tenant_quiet_to: Option<NaiveTime>,
     db_now: DateTime<Utc>,
 }
 
@@ -206,6 +228,8 @@ enum Plan {
         until: DateTime<Utc>,
         reason: DeferReason,
     },
+    /// Inside its quiet hours, which outlast its expiry: settled `expired`.
+    QuietExpire,
 }
 
 impl Plan {
@@ -214,6 +238,19 @@ impl Plan {
             Plan::Now => "now",
             Plan::Wait { .. } => "wait",
             Plan::Defer { .. } => "defer",
+            Plan::QuietExpire => "expire",
+        }
+    }
+
+    /// The reason it records, when it records one.
+    fn reason(&self) -> Option<&'static str> {
+        match self {
+            Plan::Defer {
+                reason: DeferReason::QuietHours,
+                ..
+            }
+            | Plan::QuietExpire => Some(QUIET_HOURS),
+            _ => None,
         }
     }
 
@@ -226,10 +263,32 @@ impl Plan {
 }
 
 impl CandidateRow {
+    /// The quiet hours this delivery is under: the subscriber's own window (or none, when
+    /// they switched them off), else the tenant's for the channel, read in the subscriber's
+    /// zone, else the tenant's (a zone this binary's tz database does not know, stored by a
+    /// newer one during a rolling deploy, is passed over for the next). None when the reminder
+    /// ignores them, when there is no window, or when there is no zone to read it in.
+    fn quiet_hours(&self) -> Option<(QuietHours, Zone)> {
+        if self.ignore_quiet_hours || self.contact_quiet_off {
+            return None;
+        }
+        let (from, to) = match (self.contact_quiet_from, self.contact_quiet_to) {
+            (Some(from), Some(to)) => (from, to),
+            _ => (self.tenant_quiet_from?, self.tenant_quiet_to?),
+        };
+        let hours = QuietHours::new(from, to).ok()?;
+        let zone = [&self.contact_zone, &self.tenant_zone]
+            .into_iter()
+            .flatten()
+            .find_map(|name| Zone::parse(name).ok())?;
+        Some((hours, zone))
+    }
+
     fn lease(
         &self,
         lease_holder: &str,
         applied: &AppliedRow,
+        quiet: Option<QuietRule>,
     ) -> Result<LeasedDelivery, LedgerError> {
         let corrupt = |e: String| LedgerError::corrupt("deliveries", e);
         Ok(LeasedDelivery {
@@ -258,6 +317,7 @@ impl CandidateRow {
                 .destination_digest
                 .clone()
                 .and_then(DestinationDigest::from_stored),
+            quiet,
         })
     }
 
@@ -358,6 +418,12 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
            COALESCE(c.invalid, false) AS contact_invalid,
            COALESCE(c.opted_out, false) AS contact_opted_out,
            (SELECT t.max_share FROM tenants t WHERE t.id = d.tenant_id) AS max_share,
+           c.time_zone AS contact_zone,
+           (SELECT t.time_zone FROM tenants t WHERE t.id = d.tenant_id) AS tenant_zone,
+           r.ignore_quiet_hours,
+           c.quiet_from AS contact_quiet_from, c.quiet_to AS contact_quiet_to,
+           COALESCE(c.quiet_off, false) AS contact_quiet_off,
+           q.quiet_from AS tenant_quiet_from, q.quiet_to AS tenant_quiet_to,
            COALESCE($5, now()) AS db_now
     FROM input i
     CROSS JOIN LATERAL (
@@ -372,7 +438,8 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
     LEFT JOIN LATERAL (
         SELECT c0.destination_ciphertext, c0.destination_digest,
                c0.invalid_at IS NOT NULL AS invalid,
-               c0.opted_out_at IS NOT NULL AS opted_out
+               c0.opted_out_at IS NOT NULL AS opted_out,
+               c0.time_zone, c0.quiet_from, c0.quiet_to, c0.quiet_off
         FROM contacts c0
         WHERE c0.tenant_id = d.tenant_id AND c0.subscriber_ref = r.subscriber_ref
           AND c0.channel = d.channel) c ON true
@@ -388,41 +455,58 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
                   (SELECT tc.provider_account FROM tenant_channels tc
                    WHERE tc.tenant_id = r.tenant_id AND tc.channel = $3),
                   $4) AS account) x) a
+    LEFT JOIN tenant_quiet_hours q ON q.tenant_id = d.tenant_id AND q.channel = d.channel
     WHERE r.cancelled_at IS NULL AND a.account = ANY($6::text[])
     ORDER BY d.id";
 
 /// One UPDATE for every locked candidate: `now` leases and fences (the slot has come, or the
 /// account has no bucket), `wait` leases for a slot ahead, `defer` gives it back due when its
-/// bucket opens (no lease, no attempt, its lane kept). The candidates were found with the
+/// bucket opens or its quiet hours end (no lease, no attempt, its lane kept), `expire` settles
+/// it `expired` (its quiet hours outlast it); `reason` is recorded where given. A `now` is
+/// fenced only before its next quiet window starts (`quiet_from`), else leased unstamped for
+/// the fence to give back. The candidates were found with the
 /// transaction's clock, before the waits for the buckets' locks: a `now` delivery whose expiry
 /// has come by this statement's clock is leased unstamped (`started` false), and the fence
 /// that must then come before its send settles it expired. The fence stamps the digest of the
 /// destination the send will use. A delivery that waited for its account
 /// (`account_unavailable`) no longer does: the reason is cleared.
 const APPLY_LEASES: &str = "WITH plan AS (
-        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::timestamptz[], $9::bytea[])
-            AS p(id, action, account, until, digest))
+        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::timestamptz[], $9::bytea[],
+                             $10::text[], $11::timestamptz[])
+            AS p(id, action, account, until, digest, reason, quiet_from))
     UPDATE deliveries d
-    SET state = CASE WHEN p.action = 'defer' THEN 'retry_wait' ELSE 'sending' END,
-        next_attempt_at = CASE WHEN p.action = 'defer' THEN p.until ELSE d.next_attempt_at END,
-        lease_owner = CASE WHEN p.action = 'defer' THEN NULL ELSE $5 END,
-        lease_expires_at = CASE WHEN p.action = 'defer' THEN NULL
+    SET state = CASE p.action WHEN 'defer' THEN 'retry_wait' WHEN 'expire' THEN 'expired'
+                              ELSE 'sending' END,
+        next_attempt_at = CASE p.action WHEN 'defer' THEN p.until WHEN 'expire' THEN NULL
+                                        ELSE d.next_attempt_at END,
+        lease_owner = CASE WHEN p.action IN ('defer', 'expire') THEN NULL ELSE $5 END,
+        lease_expires_at = CASE WHEN p.action IN ('defer', 'expire') THEN NULL
                                 ELSE COALESCE($7, clock_timestamp())
                                      + $6 * interval '1 millisecond' END,
-        attempt_count = CASE WHEN p.action = 'defer' THEN d.attempt_count
+        attempt_count = CASE WHEN p.action IN ('defer', 'expire') THEN d.attempt_count
                              ELSE d.attempt_count + 1 END,
-        first_attempt_at = CASE WHEN p.action = 'defer' THEN d.first_attempt_at
+        first_attempt_at = CASE WHEN p.action IN ('defer', 'expire') THEN d.first_attempt_at
                                 ELSE COALESCE(d.first_attempt_at, COALESCE($7, clock_timestamp())) END,
-        last_attempt_at = CASE WHEN p.action = 'defer' THEN d.last_attempt_at
+        last_attempt_at = CASE WHEN p.action IN ('defer', 'expire') THEN d.last_attempt_at
                                ELSE COALESCE($7, clock_timestamp()) END,
-        provider_account = CASE WHEN p.action = 'defer' THEN d.provider_account ELSE p.account END,
-        lease_idempotent = CASE WHEN p.action = 'defer' THEN NULL ELSE p.account = ANY($8::text[]) END,
-        last_error_reason = NULLIF(d.last_error_reason, 'account_unavailable'),
+        provider_account = CASE WHEN p.action IN ('defer', 'expire') THEN d.provider_account
+                                ELSE p.account END,
+        lease_idempotent = CASE WHEN p.action IN ('defer', 'expire') THEN NULL
+                                ELSE p.account = ANY($8::text[]) END,
+        last_error_reason = COALESCE(p.reason,
+            CASE WHEN d.last_error_reason IN ('account_unavailable', 'quiet_hours') THEN NULL
+                 ELSE d.last_error_reason END),
+        settled_at = CASE WHEN p.action = 'expire' THEN COALESCE($7, clock_timestamp())
+                          ELSE d.settled_at END,
         send_started_at = CASE WHEN p.action = 'now'
                                     AND d.expires_at > COALESCE($7, clock_timestamp())
+                                    AND COALESCE($7, clock_timestamp())
+                                        < COALESCE(p.quiet_from, 'infinity'::timestamptz)
                                THEN COALESCE($7, clock_timestamp()) END,
         destination_digest = CASE WHEN p.action = 'now'
                                        AND d.expires_at > COALESCE($7, clock_timestamp())
+                                       AND COALESCE($7, clock_timestamp())
+                                           < COALESCE(p.quiet_from, 'infinity'::timestamptz)
                                   THEN p.digest ELSE d.destination_digest END,
         updated_at = COALESCE($7, clock_timestamp())
     FROM plan p
@@ -496,11 +580,14 @@ const STAMP_AND_RELEASE: &str = "WITH started AS (
             lease_expires_at = COALESCE($7, clock_timestamp()) + $4 * interval '1 millisecond',
             destination_digest = s.digest,
             updated_at = COALESCE($7, clock_timestamp())
-        FROM unnest($1::uuid[], $2::bigint[], $9::bytea[]) AS s(id, generation, digest), reminders r
+        FROM unnest($1::uuid[], $2::bigint[], $9::bytea[], $10::timestamptz[])
+                 AS s(id, generation, digest, quiet_from),
+             reminders r
         WHERE d.id = s.id AND d.generation = s.generation AND d.lease_owner = $3
           AND d.lease_expires_at IS NOT NULL AND d.send_started_at IS NULL
           AND d.lease_expires_at > COALESCE($7, clock_timestamp())
           AND d.expires_at > COALESCE($7, clock_timestamp())
+          AND COALESCE($7, clock_timestamp()) < COALESCE(s.quiet_from, 'infinity'::timestamptz)
           AND r.id = d.reminder_id AND r.cancelled_at IS NULL
         RETURNING d.id, d.lease_expires_at),
     released AS (
@@ -528,6 +615,7 @@ const FENCE: &str = "UPDATE deliveries d
       AND d.send_started_at IS NULL
       AND d.lease_expires_at > COALESCE($6, clock_timestamp())
       AND d.expires_at > COALESCE($6, clock_timestamp())
+      AND COALESCE($6, clock_timestamp()) < COALESCE($8::timestamptz, 'infinity'::timestamptz)
       AND r.id = d.reminder_id AND r.cancelled_at IS NULL
       AND NOT EXISTS (
           SELECT 1 FROM rate_buckets b
@@ -618,10 +706,36 @@ impl Ledger {
             }
         }
 
+        // Quiet hours first, by the statement's clock: a candidate inside them takes no slot.
+        let mut plans: Vec<Plan> = rows.iter().map(|_| Plan::Now).collect();
+        let mut quiet: Vec<Option<QuietRule>> = vec![None; rows.len()];
+        for (i, row) in rows.iter().enumerate() {
+            let Some((hours, zone)) = row.quiet_hours() else {
+                continue;
+            };
+            match quiet_verdict(hours, zone, row.db_now, row.expires_at) {
+                QuietVerdict::Send { next_start, .. } => {
+                    quiet[i] = Some(QuietRule {
+                        hours,
+                        zone,
+                        next_start,
+                    });
+                }
+                QuietVerdict::Defer { until } => {
+                    plans[i] = Plan::Defer {
+                        until,
+                        reason: DeferReason::QuietHours,
+                    };
+                }
+                QuietVerdict::Expire => plans[i] = Plan::QuietExpire,
+            }
+        }
+
         // Slots for the candidates whose account has a bucket, under the buckets' locks.
         let mut buckets = Vec::new();
-        let mut plans: Vec<Plan> = rows.iter().map(|_| Plan::Now).collect();
-        let bucketed: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].bucketed).collect();
+        let bucketed: Vec<usize> = (0..rows.len())
+            .filter(|&i| rows[i].bucketed && matches!(plans[i], Plan::Now))
+            .collect();
         if !bucketed.is_empty() {
             let accounts = bucketed
                 .iter()
@@ -676,6 +790,9 @@ impl Ledger {
                         .filter(|d| d.len() == DestinationDigest::LEN)
                 })
                 .collect();
+            let reasons: Vec<Option<&str>> = plans.iter().map(Plan::reason).collect();
+            let quiet_from: Vec<Option<DateTime<Utc>>> =
+                quiet.iter().map(|q| q.map(|q| q.next_start)).collect();
             let applied: Vec<AppliedRow> = sqlx::query_as(APPLY_LEASES)
                 .bind(&plan_ids)
                 .bind(&actions)
@@ -686,11 +803,13 @@ impl Ledger {
                 .bind(batch.at.bind())
                 .bind(&honoured)
                 .bind(&digests)
+                .bind(&reasons)
+                .bind(&quiet_from)
                 .fetch_all(&mut *tx)
                 .await?;
             let applied: HashMap<uuid::Uuid, AppliedRow> =
                 applied.into_iter().map(|a| (a.id, a)).collect();
-            for (row, plan) in rows.iter().zip(plans) {
+            for ((row, plan), quiet) in rows.iter().zip(plans).zip(quiet) {
                 let applied = applied
                     .get(&row.id)
                     .ok_or_else(|| LedgerError::corrupt("deliveries", "a locked lease vanished"))?;
@@ -701,17 +820,18 @@ impl Ledger {
                         account: ProviderAccount::parse(&row.account)
                             .map_err(|e| LedgerError::corrupt("deliveries", e))?,
                     },
+                    Plan::QuietExpire => LeaseOutcome::Expired,
                     Plan::Now if applied.started => LeaseOutcome::Leased {
-                        lease: row.lease(batch.lease_holder, applied)?,
+                        lease: row.lease(batch.lease_holder, applied, quiet)?,
                         material: row.material(batch.cipher),
                         slot: SendSlot::Now,
                     },
-                    // Expired while the lease waited for its buckets' locks: leased unstamped,
-                    // so the fence settles it and nothing is sent.
+                    // Expired, or its quiet hours began, while the lease waited for its buckets'
+                    // locks: leased unstamped, so the fence settles it and nothing is sent.
                     Plan::Now => {
                         let decided_at = leased_at.unwrap_or(row.db_now);
                         LeaseOutcome::Leased {
-                            lease: row.lease(batch.lease_holder, applied)?,
+                            lease: row.lease(batch.lease_holder, applied, quiet)?,
                             material: row.material(batch.cipher),
                             slot: SendSlot::At {
                                 send_at: decided_at,
@@ -723,7 +843,7 @@ impl Ledger {
                         send_at,
                         reserved_at,
                     } => LeaseOutcome::Leased {
-                        lease: row.lease(batch.lease_holder, applied)?,
+                        lease: row.lease(batch.lease_holder, applied, quiet)?,
                         material: row.material(batch.cipher),
                         slot: SendSlot::At {
                             send_at,
@@ -826,6 +946,7 @@ impl Ledger {
                     .as_ref()
                     .map(DestinationDigest::as_bytes),
             )
+            .bind(lease.quiet.map(|q| q.next_start))
             .fetch_optional(&self.pool)
             .await?;
         if let Some(until) = fenced {
@@ -868,6 +989,23 @@ impl Ledger {
                 "cancelled_by_client",
                 FenceRefused::Cancelled,
             ))
+        } else if let Some(rule) = lease.quiet.filter(|q| now >= q.next_start) {
+            match quiet_verdict(rule.hours, rule.zone, now, row.expires_at) {
+                QuietVerdict::Expire => Some((
+                    DeliveryState::Expired,
+                    QUIET_HOURS,
+                    FenceRefused::QuietHours { until: None },
+                )),
+                // Inside the window, or past it (the fence came after a whole window: a
+                // ledger away that long): due again at its end, or now, and looked at anew.
+                verdict => {
+                    let until = match verdict {
+                        QuietVerdict::Defer { until } => until,
+                        _ => now,
+                    };
+                    return self.give_back_for_quiet_hours(lease, until, at).await;
+                }
+            }
         } else {
             None
         };
@@ -910,6 +1048,38 @@ impl Ledger {
         } else {
             // Everything checked out a moment later: a race with a change that has passed.
             FenceRefused::Slowed
+        }))
+    }
+
+    /// Gives back a lease whose quiet hours began before its send: due at `until`, reason
+    /// `quiet_hours`, its lane kept, the attempt it did not make not counted.
+    async fn give_back_for_quiet_hours(
+        &self,
+        lease: &LeasedDelivery,
+        until: DateTime<Utc>,
+        at: LedgerTime,
+    ) -> Result<Result<DateTime<Utc>, FenceRefused>, LedgerError> {
+        let updated = sqlx::query(
+            "UPDATE deliveries
+             SET state = 'retry_wait', next_attempt_at = $4, last_error_reason = $6,
+                 lease_owner = NULL, lease_expires_at = NULL, lease_idempotent = NULL,
+                 send_started_at = NULL, attempt_count = attempt_count - 1,
+                 updated_at = COALESCE($5, now())
+             WHERE id = $1 AND state = 'sending' AND lease_owner = $2 AND generation = $3
+               AND send_started_at IS NULL",
+        )
+        .bind(lease.id.as_uuid())
+        .bind(&lease.lease_holder)
+        .bind(to_i64(lease.generation))
+        .bind(until)
+        .bind(at.bind())
+        .bind(QUIET_HOURS)
+        .execute(&self.pool)
+        .await?;
+        Ok(Err(if updated.rows_affected() == 1 {
+            FenceRefused::QuietHours { until: Some(until) }
+        } else {
+            FenceRefused::LeaseLost
         }))
     }
 
@@ -1037,7 +1207,7 @@ async fn stamp_or_release(
     leases: Vec<(LeasedDelivery, Admission)>,
     decided_at: DateTime<Utc>,
 ) -> Result<Vec<(LeasedDelivery, Slotted)>, LedgerError> {
-    let mut stamp = (Vec::new(), Vec::new(), Vec::new());
+    let mut stamp = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut release = (Vec::new(), Vec::new(), Vec::new());
     for (lease, admission) in &leases {
         match admission {
@@ -1050,6 +1220,7 @@ async fn stamp_or_release(
                         .as_ref()
                         .map(DestinationDigest::as_bytes),
                 );
+                stamp.3.push(lease.quiet.map(|q| q.next_start));
             }
             Admission::Admitted { .. } => {}
             Admission::Deferred { until, .. } => {
@@ -1072,6 +1243,7 @@ async fn stamp_or_release(
             .bind(batch.at.bind())
             .bind(&release.2)
             .bind(&stamp.2)
+            .bind(&stamp.3)
             .fetch_all(&mut *conn)
             .await?
     };

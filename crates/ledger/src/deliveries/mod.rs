@@ -133,6 +133,19 @@ pub struct LeasedDelivery {
     /// before digests were, or without a contact): the fence stamps it on the delivery, so
     /// the answer or a later receipt flags the contact only while it still holds it.
     pub destination_digest: Option<crate::DestinationDigest>,
+    /// The quiet hours it is under, if any (its subscriber's or its tenant's window, in the
+    /// subscriber's zone, else the tenant's; none when the reminder ignores them): the fence
+    /// sends only before `next_start`, the next window's start when it was leased.
+    pub quiet: Option<QuietRule>,
+}
+
+/// A leased delivery's quiet hours: the window, its zone, and the next window's start as of
+/// the lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuietRule {
+    pub hours: nudge_domain::QuietHours,
+    pub zone: nudge_domain::Zone,
+    pub next_start: DateTime<Utc>,
 }
 
 /// Facts about one attempt that the decision does not carry. Times are the database's clock

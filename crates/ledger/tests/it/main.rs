@@ -12,6 +12,7 @@ mod gauges;
 mod heartbeat;
 mod operations;
 mod provider_effects;
+mod quiet_hours;
 mod recovery;
 mod redrive;
 mod reminders;

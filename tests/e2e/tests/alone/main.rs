@@ -13,6 +13,7 @@ mod admission_shared_bucket;
 mod fair_claiming;
 mod hostile_provider;
 mod ledger_read_only;
+mod quiet_hours;
 mod service_faults;
 
 /// Held for the whole of a test: the tests of this binary run one after another, whatever
