@@ -8,7 +8,8 @@
 --   `"quiet_hours": "ignore"` (urgent classes, such as a cancelled appointment).
 -- * `contacts.quiet_from`/`quiet_to`/`quiet_off`: the subscriber's own window, or none at all,
 --   instead of the tenant's; kept on each of the subscriber's contacts as the zone is.
--- * `reminders.ignore_quiet_hours`: the reminder said `"quiet_hours": "ignore"`.
+-- * `reminders.ignore_quiet_hours`: the reminder said `"quiet_hours": "ignore"`; it counts
+--   only while its tenant allows it (read at each lease).
 --
 -- The window is read in the subscriber's zone, else the tenant's; without either, no window
 -- applies and the delivery is sent as it would have been (the ledger refuses a window for a
@@ -44,7 +45,7 @@ ALTER TABLE reminders
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'nudge_worker') THEN
-        GRANT SELECT (time_zone) ON public.tenants TO nudge_worker;
+        GRANT SELECT (time_zone, quiet_hours_ignorable) ON public.tenants TO nudge_worker;
         GRANT SELECT ON public.tenant_quiet_hours TO nudge_worker;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'nudge_intake') THEN

@@ -80,6 +80,17 @@ pub struct ReminderBody {
     /// a higher one.
     #[schema(minimum = 0)]
     pub revision: Option<i64>,
+    pub quiet_hours: Option<QuietHoursMode>,
+}
+
+/// `respect` (the default): not sent inside the subscriber's quiet hours; `ignore`: sent
+/// inside them, for urgent reminders (a cancelled appointment), only where the tenant allows
+/// it (else 400 at `/quiet_hours`).
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum QuietHoursMode {
+    Respect,
+    Ignore,
 }
 
 /// The body of `PUT /v1/tenants/{tenant}/reminders/{event_id}`: the whole reminder as it
@@ -119,6 +130,8 @@ pub struct RescheduleBody {
     pub destinations: Destinations,
     #[schema(value_type = Option<Object>)]
     pub content: Option<Value>,
+    /// As in a post; absent: `respect`.
+    pub quiet_hours: Option<QuietHoursMode>,
 }
 
 /// What a reschedule did to one channel: `moved` (to the new time; its delivery keeps its
@@ -307,7 +320,8 @@ pub struct CancelAnswer {
 }
 
 /// The body of `PUT .../contacts`: destinations for one or more channels; channels not given
-/// keep theirs. `time_zone`, when given, is the subscriber's zone on all their contacts.
+/// keep theirs. `time_zone`, when given, is the subscriber's zone on all their contacts;
+/// `quiet_hours`, when given, their quiet hours on all of them.
 #[derive(Debug, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ContactsBody {
@@ -315,14 +329,52 @@ pub struct ContactsBody {
     /// The subscriber's IANA time zone (`Europe/Berlin`), known to the built-in tz database.
     #[schema(min_length = 1, max_length = 64, example = "Europe/Berlin")]
     pub time_zone: Option<String>,
+    pub quiet_hours: Option<SubscriberQuietHoursBody>,
 }
 
-/// The channels whose destination was stored, and the subscriber's zone when one was given.
+/// A subscriber's quiet hours: `"tenant"` (the tenant's window per channel, the default),
+/// `"none"` (no quiet hours at all), or their own window on every channel, in their zone.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum SubscriberQuietHoursBody {
+    Keyword(QuietKeyword),
+    Window(QuietWindow),
+}
+
+/// `tenant`: the tenant's window per channel; `none`: no quiet hours at all.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum QuietKeyword {
+    Tenant,
+    None,
+}
+
+/// A daily window of wall-clock time: from `from` (inclusive) to `to` (exclusive), ending the
+/// next day when `to` is not after `from`; `from` and `to` differ.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct QuietWindow {
+    #[schema(
+        pattern = "^([01][0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9])?$",
+        example = "21:00"
+    )]
+    pub from: String,
+    #[schema(
+        pattern = "^([01][0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9])?$",
+        example = "08:00"
+    )]
+    pub to: String,
+}
+
+/// The channels whose destination was stored, the subscriber's zone when one was given, and
+/// their quiet hours when given (`tenant`, `none`, or the window as `HH:MM-HH:MM`).
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ContactsAnswer {
     pub channels: Vec<ChannelName>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub time_zone: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quiet_hours: Option<String>,
 }
 
 /// What an erasure did (counts only).

@@ -98,6 +98,8 @@ pub enum InputError {
     UnlistedDestination(Channel),
     #[error("destinations has a key that is not one of push, email, sms")]
     UnknownDestinationChannel,
+    #[error("quiet_hours must be \"respect\" (the default) or \"ignore\"")]
+    QuietHours,
     #[error("revision must be an integer from 0 to 9223372036854775807")]
     Revision,
     #[error("refused by the ledger: {0}")]
@@ -148,7 +150,8 @@ impl InputError {
 
 /// The fields of a reminder, as an unknown field's message lists them.
 const FIELDS: &str = "event_id, subscriber_ref, channels, scheduled_at, scheduled_local, \
-                      time_zone, expires_at, expires_after_s, destinations, content, revision \
+                      time_zone, expires_at, expires_after_s, destinations, content, revision, \
+                      quiet_hours \
                       (and tenant in a `reminders load` line)";
 
 fn unknown_field(at: Option<TextPosition>) -> String {
@@ -186,6 +189,8 @@ struct RawLine {
     content: Option<Value>,
     #[serde(default)]
     revision: Option<Value>,
+    #[serde(default)]
+    quiet_hours: Option<Value>,
 }
 
 /// One reminder, checked: every listed channel has a non-empty destination and no other channel
@@ -207,6 +212,9 @@ pub struct ReminderInput {
     /// The client's revision of this reminder, when given (a post without one is revision 0;
     /// a replacement must give one).
     pub revision: Option<Revision>,
+    /// `"quiet_hours": "ignore"` (urgent: sent inside quiet hours, where the tenant allows
+    /// it); absent or `"respect"`: not.
+    pub ignore_quiet_hours: bool,
 }
 
 /// Whether the reminder names its tenant: a `reminders load` line does, an HTTP body does
@@ -228,6 +236,7 @@ impl fmt::Debug for ReminderInput {
             .field("destinations", &self.destinations)
             .field("content", &self.content.as_ref().map(|_| "<redacted>"))
             .field("revision", &self.revision)
+            .field("ignore_quiet_hours", &self.ignore_quiet_hours)
             .finish()
     }
 }
@@ -308,6 +317,12 @@ impl ReminderInput {
                     .ok_or(InputError::Revision)?,
             ),
         };
+        let ignore_quiet_hours = match raw.quiet_hours {
+            None | Some(Value::Null) => false,
+            Some(Value::String(text)) if text == "respect" => false,
+            Some(Value::String(text)) if text == "ignore" => true,
+            Some(_) => return Err(InputError::QuietHours),
+        };
         Ok(Self {
             tenant,
             event_id,
@@ -317,6 +332,7 @@ impl ReminderInput {
             destinations,
             content,
             revision,
+            ignore_quiet_hours,
         })
     }
 
@@ -476,6 +492,7 @@ impl InputError {
             | Self::UnlistedDestination(c) => format!("/destinations/{c}"),
             Self::ContentTooLong => "/content".to_owned(),
             Self::Revision => "/revision".to_owned(),
+            Self::QuietHours => "/quiet_hours".to_owned(),
             Self::Syntax { .. }
             | Self::NotAnObject
             | Self::Refused(_)
@@ -542,6 +559,7 @@ impl ReminderInput {
         if let Some(revision) = self.revision {
             reminder = reminder.with_revision(revision);
         }
+        reminder = reminder.ignoring_quiet_hours(self.ignore_quiet_hours);
         Ok(ImportReminder {
             reminder,
             contacts: self.destinations,

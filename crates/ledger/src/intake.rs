@@ -455,14 +455,15 @@ impl Ledger {
     }
 
     /// Replaces a subscriber's destinations for the channels given (others are kept), and
-    /// when `time_zone` is given makes it the subscriber's zone on all their contacts, in one
-    /// transaction. Needs the subscriber key.
+    /// when `time_zone` is given makes it the subscriber's zone on all their contacts, and when
+    /// `quiet_hours` is given their quiet hours, in one transaction. Needs the subscriber key.
     pub async fn set_contacts(
         &self,
         tenant_id: TenantId,
         subscriber_ref: &SubscriberRef,
         destinations: &[(Channel, Destination)],
         time_zone: Option<Zone>,
+        quiet_hours: Option<crate::SubscriberQuietHours>,
         cipher: &DestinationCipher,
         now: DateTime<Utc>,
     ) -> Result<(), LedgerError> {
@@ -491,11 +492,15 @@ impl Ledger {
                 &mut tx,
                 &[SubscriberZone {
                     tenant_id: tenant_id.as_uuid(),
-                    stored_ref,
+                    stored_ref: stored_ref.clone(),
                     zone,
                 }],
             )
             .await?;
+        }
+        if let Some(quiet) = quiet_hours {
+            crate::quiet::set_subscriber_quiet_hours(&mut tx, tenant_id, &stored_ref, quiet)
+                .await?;
         }
         tx.commit().await?;
         Ok(())

@@ -67,6 +67,7 @@ pub use intake::{
     Cancellation, Erasure, IntakeTenant, MAX_ACTIVE_SECRETS, ReminderChannelState, ReminderStatus,
     SigningSecret,
 };
+pub use quiet::SubscriberQuietHours;
 pub use receipts::{Receipt, ReceiptOutcome, ReceiptRecorded};
 pub use redrive::{
     AutoPause, Exclusion, ReasonCount, RedriveFilter, RedrivePlan, RedriveState, RedriveStatus,

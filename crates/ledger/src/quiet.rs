@@ -115,6 +115,53 @@ impl Ledger {
     }
 }
 
+/// A subscriber's own quiet hours, as `PUT .../contacts` sets them on all their contacts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubscriberQuietHours {
+    /// The tenant's window for each channel (the default).
+    Tenant,
+    /// Their own window, on every channel.
+    Own(QuietHours),
+    /// None at all, whatever the tenant's.
+    Off,
+}
+
+/// Writes a subscriber's quiet hours to every one of their contacts. Contacts another
+/// transaction holds are skipped rather than waited for, as the subscriber's zone is
+/// (`contacts::set_subscriber_zones`): that write brings its own, or the skipped contact keeps
+/// what it had until the subscriber's next write.
+pub(crate) async fn set_subscriber_quiet_hours(
+    conn: &mut sqlx::PgConnection,
+    tenant_id: TenantId,
+    stored_ref: &str,
+    quiet: SubscriberQuietHours,
+) -> Result<(), LedgerError> {
+    let (from, to, off) = match quiet {
+        SubscriberQuietHours::Tenant => (None, None, false),
+        SubscriberQuietHours::Own(hours) => (Some(hours.from()), Some(hours.to()), false),
+        SubscriberQuietHours::Off => (None, None, true),
+    };
+    sqlx::query(
+        "WITH free AS (
+             SELECT c.channel FROM contacts c
+             WHERE c.tenant_id = $1 AND c.subscriber_ref = $2
+               AND (c.quiet_from IS DISTINCT FROM $3 OR c.quiet_to IS DISTINCT FROM $4
+                    OR c.quiet_off IS DISTINCT FROM $5)
+             FOR UPDATE OF c SKIP LOCKED)
+         UPDATE contacts c SET quiet_from = $3, quiet_to = $4, quiet_off = $5
+         FROM free f
+         WHERE c.tenant_id = $1 AND c.subscriber_ref = $2 AND c.channel = f.channel",
+    )
+    .bind(tenant_id.as_uuid())
+    .bind(stored_ref)
+    .bind(from)
+    .bind(to)
+    .bind(off)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
 /// A stored window, parsed (the table's CHECK keeps it valid).
 pub(crate) fn stored(from: NaiveTime, to: NaiveTime) -> Result<QuietHours, LedgerError> {
     QuietHours::new(from, to).map_err(|e| LedgerError::corrupt("quiet hours", e))

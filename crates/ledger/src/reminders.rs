@@ -44,6 +44,8 @@ pub struct NewReminder {
     revision: nudge_domain::Revision,
     /// The reminder's own zone: stored as its subscriber's zone on their contacts.
     time_zone: Option<nudge_domain::Zone>,
+    /// `"quiet_hours": "ignore"`: sent inside quiet hours where its tenant allows it.
+    ignore_quiet_hours: bool,
 }
 
 /// The longest correlation id stored with a reminder (printable ASCII, as on the envelope).
@@ -90,6 +92,7 @@ impl NewReminder {
             request_digest: None,
             revision: nudge_domain::Revision::FIRST,
             time_zone: None,
+            ignore_quiet_hours: false,
         })
     }
 
@@ -152,6 +155,17 @@ impl NewReminder {
 
     pub fn time_zone(&self) -> Option<nudge_domain::Zone> {
         self.time_zone
+    }
+
+    /// The reminder says `"quiet_hours": "ignore"`: its deliveries are sent inside quiet hours
+    /// where its tenant allows it (`tenants.quiet_hours_ignorable`, checked at each lease).
+    pub fn ignoring_quiet_hours(mut self, ignore: bool) -> Self {
+        self.ignore_quiet_hours = ignore;
+        self
+    }
+
+    pub fn ignores_quiet_hours(&self) -> bool {
+        self.ignore_quiet_hours
     }
 
     pub fn event_id(&self) -> &EventId {
@@ -607,16 +621,16 @@ async fn import_in(
     let created: HashSet<uuid::Uuid> = sqlx::query_scalar(
         "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, subscriber_ref_keyed,
                                 channels, content_ciphertext, scheduled_at, expires_at, created_at,
-                                correlation_id, request_digest, revision)
+                                correlation_id, request_digest, revision, ignore_quiet_hours)
          SELECT r.id, r.tenant_id, r.event_id, r.subscriber_ref, true,
                 string_to_array(r.channels, ','), r.content, r.scheduled_at, r.expires_at, $9,
-                r.correlation_id, r.request_digest, r.revision
+                r.correlation_id, r.request_digest, r.revision, r.ignore_quiet_hours
          FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bytea[],
                      $7::timestamptz[], $8::timestamptz[], $10::text[], $11::bytea[],
-                     $12::bigint[])
+                     $12::bigint[], $13::boolean[])
               WITH ORDINALITY AS r(id, tenant_id, event_id, subscriber_ref, channels, content,
                                    scheduled_at, expires_at, correlation_id, request_digest,
-                                   revision, ord)
+                                   revision, ignore_quiet_hours, ord)
          ORDER BY r.tenant_id, r.event_id, r.ord
          ON CONFLICT (tenant_id, event_id) DO NOTHING
          RETURNING id",
@@ -667,6 +681,11 @@ async fn import_in(
     .bind(
         rows.iter()
             .map(|r| r.item.reminder.revision.get())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        rows.iter()
+            .map(|r| r.item.reminder.ignore_quiet_hours)
             .collect::<Vec<_>>(),
     )
     .fetch_all(&mut *tx)

@@ -64,6 +64,8 @@ struct Target<'a> {
     contacts: &'a [(nudge_domain::Channel, crate::Destination)],
     /// The subscriber's zone, when the replacement gives one.
     time_zone: Option<nudge_domain::Zone>,
+    /// Whether it ignores quiet hours, when the replacement says (a whole new body does).
+    ignore_quiet_hours: Option<bool>,
 }
 
 /// What a replacement did.
@@ -221,6 +223,7 @@ impl Ledger {
             content: Some(reminder.content.as_deref()),
             contacts: &replacement.item.contacts,
             time_zone: reminder.time_zone(),
+            ignore_quiet_hours: Some(reminder.ignores_quiet_hours()),
         };
         self.replace(&target, cipher, by, at).await
     }
@@ -261,6 +264,7 @@ impl Ledger {
             content: None,
             contacts: &[],
             time_zone: None,
+            ignore_quiet_hours: None,
         };
         self.replace(&target, cipher, &ReplacedBy::Operator(by.clone()), at)
             .await
@@ -393,7 +397,8 @@ impl Ledger {
             "UPDATE reminders
              SET channels = $2, scheduled_at = $3, expires_at = $4,
                  content_ciphertext = CASE WHEN $8 THEN $5 ELSE content_ciphertext END,
-                 revision = $6, revision_digest = $7
+                 revision = $6, revision_digest = $7,
+                 ignore_quiet_hours = COALESCE($9, ignore_quiet_hours)
              WHERE id = $1",
         )
         .bind(current.id)
@@ -404,6 +409,7 @@ impl Ledger {
         .bind(wanted.get())
         .bind(target.digest)
         .bind(content.is_some())
+        .bind(target.ignore_quiet_hours)
         .execute(&mut *tx)
         .await?;
 

@@ -144,6 +144,33 @@ async fn zones(
         .map_err(ApiError::internal)
 }
 
+/// A reminder that says `"quiet_hours": "ignore"` where its tenant does not allow it
+/// (`nudgectl tenant set --quiet-hours-ignorable`): its problem. The tenant is read from the
+/// ledger as it is now (not the intake's cache), and only for a reminder that asks.
+async fn quiet_hours_refused(
+    state: &AppState,
+    tenant: &IntakeTenant,
+    input: &ReminderInput,
+    prefix: &str,
+) -> Result<Option<Problem>, ApiError> {
+    if !input.ignore_quiet_hours {
+        return Ok(None);
+    }
+    let allowed = state
+        .ledger()
+        .tenant(tenant.id)
+        .await
+        .map_err(ApiError::internal)?
+        .is_some_and(|t| t.quiet_hours_ignorable);
+    Ok((!allowed).then(|| {
+        Problem::new(
+            &format!("{prefix}/quiet_hours"),
+            "\"ignore\" is not allowed for this tenant's reminders (an operator allows it with \
+             nudgectl tenant set --quiet-hours-ignorable true)",
+        )
+    }))
+}
+
 /// A parsed reminder resolved to instants (its own zone, else the subscriber's, else the
 /// tenant's: [`zones`]) and checked, ready to import, or its problems.
 fn prepare(
@@ -307,6 +334,9 @@ async fn post_one(
         ApiError::Invalid(problems)
     };
     let parsed = parse(value, Some(raw), "").map_err(invalid)?;
+    if let Some(problem) = quiet_hours_refused(state, tenant, &parsed.input, "").await? {
+        return Err(invalid(vec![problem]));
+    }
     let zones = zones(state, tenant, &parsed.input).await?;
     let prepared = prepare(state, tenant, parsed, zones, correlation, "").map_err(invalid)?;
     // Committed together with whatever other single posts are waiting, after the committer
@@ -365,6 +395,10 @@ async fn post_batch(
                 continue;
             }
         };
+        if let Some(problem) = quiet_hours_refused(state, tenant, &parsed.input, &prefix).await? {
+            prepared.push(Err(vec![problem]));
+            continue;
+        }
         let zones = zones(state, tenant, &parsed.input).await?;
         prepared.push(prepare(state, tenant, parsed, zones, correlation, &prefix));
     }
@@ -621,6 +655,9 @@ pub async fn put_reminder(
             "is required: an integer higher than the reminder's current revision",
         )
     })?;
+    if let Some(problem) = quiet_hours_refused(&state, tenant, &input, "").await? {
+        return Err(ApiError::Invalid(vec![problem]));
+    }
     let zones = zones(&state, tenant, &input).await?;
     let times = input
         .resolve(zones.subscriber, zones.tenant)

@@ -8,9 +8,9 @@
 use axum::Json;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use nudge_domain::{Channel, SubscriberRef, Zone};
+use nudge_domain::{Channel, InvalidQuietHours, QuietHours, SubscriberRef, Zone};
 use nudge_ledger::input;
-use nudge_ledger::{LedgerTime, Operator};
+use nudge_ledger::{LedgerTime, Operator, SubscriberQuietHours};
 use serde_json::Value;
 
 use crate::auth::SignedTenant;
@@ -26,8 +26,48 @@ fn subscriber_ref(text: &str) -> Result<SubscriberRef, ApiError> {
 
 // An unknown key is the client's text, and could be patient data typed as a key: never
 // repeated, here as in the reminder's own fields (`InputError::UnknownField`).
-const UNKNOWN_CONTACTS_FIELD: &str = "has a field other than `destinations` and `time_zone`; its \
-                                      name is not repeated, as it could be patient data";
+const UNKNOWN_CONTACTS_FIELD: &str = "has a field other than `destinations`, `time_zone` and \
+                                      `quiet_hours`; its name is not repeated, as it could be \
+                                      patient data";
+
+/// `quiet_hours` of a contacts body: `"tenant"`, `"none"`, or `{"from": "HH:MM", "to": "HH:MM"}`.
+fn quiet_hours(value: Value) -> Result<Option<SubscriberQuietHours>, ApiError> {
+    const SHAPE: &str = "must be \"tenant\", \"none\" or {\"from\": \"HH:MM\", \"to\": \"HH:MM\"}";
+    match value {
+        Value::Null => Ok(None),
+        Value::String(text) => match text.as_str() {
+            "tenant" => Ok(Some(SubscriberQuietHours::Tenant)),
+            "none" => Ok(Some(SubscriberQuietHours::Off)),
+            _ => Err(ApiError::invalid("/quiet_hours", SHAPE)),
+        },
+        Value::Object(mut window) => {
+            if window.keys().any(|k| k != "from" && k != "to") {
+                return Err(ApiError::invalid("/quiet_hours", SHAPE));
+            }
+            let mut time = |field: &'static str| match window.remove(field) {
+                Some(Value::String(text)) => Ok(text),
+                _ => Err(ApiError::invalid(
+                    if field == "from" {
+                        "/quiet_hours/from"
+                    } else {
+                        "/quiet_hours/to"
+                    },
+                    "must be a wall-clock time HH:MM or HH:MM:SS",
+                )),
+            };
+            let (from, to) = (time("from")?, time("to")?);
+            let hours = QuietHours::parse(&from, &to).map_err(|e| match e {
+                InvalidQuietHours::Time if QuietHours::parse(&from, "00:00:01").is_err() => {
+                    ApiError::invalid("/quiet_hours/from", e.to_string())
+                }
+                InvalidQuietHours::Time => ApiError::invalid("/quiet_hours/to", e.to_string()),
+                InvalidQuietHours::Empty => ApiError::invalid("/quiet_hours", e.to_string()),
+            })?;
+            Ok(Some(SubscriberQuietHours::Own(hours)))
+        }
+        _ => Err(ApiError::invalid("/quiet_hours", SHAPE)),
+    }
+}
 
 /// Store a subscriber's destinations for the channels given.
 #[utoipa::path(put, path = "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/contacts", tag = "subscribers",
@@ -61,7 +101,10 @@ pub async fn put_contacts(
     let Value::Object(mut map) = value else {
         return Err(ApiError::invalid("", "expected a JSON object"));
     };
-    if map.keys().any(|k| k != "destinations" && k != "time_zone") {
+    if map
+        .keys()
+        .any(|k| k != "destinations" && k != "time_zone" && k != "quiet_hours")
+    {
         return Err(ApiError::invalid("", UNKNOWN_CONTACTS_FIELD));
     }
     let time_zone = match map.remove("time_zone") {
@@ -71,6 +114,7 @@ pub async fn put_contacts(
         }
         Some(_) => return Err(ApiError::invalid("/time_zone", "must be a string")),
     };
+    let quiet = quiet_hours(map.remove("quiet_hours").unwrap_or(Value::Null))?;
     let destinations = map
         .remove("destinations")
         .ok_or_else(|| ApiError::invalid("/destinations", "missing field"))?;
@@ -106,6 +150,7 @@ pub async fn put_contacts(
             &subscriber,
             &parsed,
             time_zone,
+            quiet,
             state.cipher(),
             state.now(),
         )
@@ -115,6 +160,11 @@ pub async fn put_contacts(
     Ok(Json(ContactsAnswer {
         channels: channels.into_iter().map(channel_name).collect(),
         time_zone: time_zone.map(|z| z.name()),
+        quiet_hours: quiet.map(|q| match q {
+            SubscriberQuietHours::Tenant => "tenant".to_owned(),
+            SubscriberQuietHours::Off => "none".to_owned(),
+            SubscriberQuietHours::Own(hours) => hours.to_string(),
+        }),
     })
     .into_response())
 }

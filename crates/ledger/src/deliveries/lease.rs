@@ -420,7 +420,9 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
            (SELECT t.max_share FROM tenants t WHERE t.id = d.tenant_id) AS max_share,
            c.time_zone AS contact_zone,
            (SELECT t.time_zone FROM tenants t WHERE t.id = d.tenant_id) AS tenant_zone,
-           r.ignore_quiet_hours,
+           r.ignore_quiet_hours
+               AND (SELECT t.quiet_hours_ignorable FROM tenants t WHERE t.id = d.tenant_id)
+               AS ignore_quiet_hours,
            c.quiet_from AS contact_quiet_from, c.quiet_to AS contact_quiet_to,
            COALESCE(c.quiet_off, false) AS contact_quiet_off,
            q.quiet_from AS tenant_quiet_from, q.quiet_to AS tenant_quiet_to,

@@ -239,16 +239,33 @@ async fn the_subscribers_zone_and_window_decide_and_a_switch_or_the_reminder_can
     let due = claim_all(&ledger, t0()).await.remove(0);
     assert!(leased(lease(&ledger, &due, t0()).await).quiet.is_none());
 
-    // Back to the tenant's window, but the reminder ignores quiet hours.
+    // Back to the tenant's window; the reminder ignores quiet hours, which counts only while
+    // the tenant allows it.
     set("UPDATE contacts SET quiet_off = false").await;
-    let id = owed(&ledger, tenant.id, "evt-urgent", &[Channel::Sms], t0()).await;
-    sqlx::query("UPDATE reminders SET ignore_quiet_hours = true WHERE id = $1")
-        .bind(id.as_uuid())
-        .execute(ledger.pool())
-        .await
-        .unwrap();
-    let due = claim_all(&ledger, t0()).await.remove(0);
-    assert!(leased(lease(&ledger, &due, t0()).await).quiet.is_none());
+    for (event, allowed) in [("evt-urgent-1", false), ("evt-urgent-2", true)] {
+        ledger
+            .set_tenant_quiet_hours_ignorable(tenant.id, allowed, &ops(t0()))
+            .await
+            .unwrap();
+        let id = owed(&ledger, tenant.id, event, &[Channel::Sms], t0()).await;
+        sqlx::query("UPDATE reminders SET ignore_quiet_hours = true WHERE id = $1")
+            .bind(id.as_uuid())
+            .execute(ledger.pool())
+            .await
+            .unwrap();
+        let due = claim_all(&ledger, t0()).await.remove(0);
+        match lease(&ledger, &due, t0()).await {
+            LeaseOutcome::Leased { lease, .. } => {
+                assert!(allowed, "{event}: sent though the tenant does not allow it");
+                assert!(lease.quiet.is_none());
+            }
+            LeaseOutcome::Released { reason, .. } => {
+                assert!(!allowed, "{event}: held though the tenant allows it");
+                assert_eq!(reason, DeferReason::QuietHours);
+            }
+            other => panic!("{event}: {other:?}"),
+        }
+    }
 }
 
 #[sqlx::test(migrations = "../../migrations")]

@@ -113,6 +113,7 @@ async fn a_reminders_zone_becomes_the_subscribers_on_every_contact_until_another
             &subscriber(),
             &[(Channel::Email, Destination::new("a@example.org"))],
             None,
+            None,
             &cipher(),
             t0(),
         )
@@ -178,6 +179,7 @@ async fn a_reminders_zone_becomes_the_subscribers_on_every_contact_until_another
             &subscriber(),
             &[(Channel::Email, Destination::new("a@example.org"))],
             Some(london),
+            None,
             &cipher(),
             t0(),
         )
