@@ -92,6 +92,8 @@ pub const GAUGE_STATES: [&str; 6] = [
 /// - `nudge_ledger_tenant_awaiting_account_deliveries{tenant_id, channel}`: of the tenant's
 ///   `backoff`, the deliveries waiting for its own provider account, which no live worker had
 ///   at their last look (`account_unavailable`, 0411).
+/// - `nudge_ledger_tenant_quiet_hours_deliveries{tenant_id, channel}`: of the tenant's
+///   `backoff`, the deliveries deferred to the end of their subscriber's quiet hours (0502).
 /// - `nudge_tenant_paused{tenant_id}`: 1 for each tenant whose intake is paused.
 /// - `nudge_channel_draining{channel}`: 1 while the channel drains.
 /// - `nudge_bucket_paused{provider_account, channel}`: 1 while a provider's answer pauses it.
@@ -115,6 +117,7 @@ pub struct JanitorMetrics {
     tenant_deliveries: Family<TenantChannelStateLabels, Gauge>,
     tenant_oldest: Family<TenantChannelLabels, F64Gauge>,
     tenant_awaiting_account: Family<TenantChannelLabels, Gauge>,
+    tenant_quiet_hours: Family<TenantChannelLabels, Gauge>,
     tenant_paused: Family<TenantLabels, Gauge>,
     draining: Family<ChannelLabels, Gauge>,
     bucket_paused: Family<BucketLabels, Gauge>,
@@ -135,6 +138,7 @@ struct TenantSeries {
     deliveries: HashSet<TenantChannelStateLabels>,
     oldest: HashSet<TenantChannelLabels>,
     awaiting_account: HashSet<TenantChannelLabels>,
+    quiet_hours: HashSet<TenantChannelLabels>,
     paused: HashSet<TenantLabels>,
 }
 
@@ -171,6 +175,7 @@ impl JanitorMetrics {
             tenant_deliveries: Family::default(),
             tenant_oldest: Family::default(),
             tenant_awaiting_account: Family::default(),
+            tenant_quiet_hours: Family::default(),
             tenant_paused: Family::default(),
             draining: Family::default(),
             bucket_paused: Family::default(),
@@ -208,6 +213,12 @@ impl JanitorMetrics {
             "Deliveries of the tenant on the channel waiting for its own provider account, \
              which no live worker had",
             metrics.tenant_awaiting_account.clone(),
+        );
+        registry.register(
+            "nudge_ledger_tenant_quiet_hours_deliveries",
+            "Deliveries of the tenant on the channel deferred to the end of their subscriber's \
+             quiet hours",
+            metrics.tenant_quiet_hours.clone(),
         );
         registry.register(
             "nudge_tenant_paused",
@@ -331,6 +342,7 @@ impl JanitorMetrics {
         let mut deliveries = Vec::new();
         let mut oldest = Vec::new();
         let mut awaiting_account = Vec::new();
+        let mut quiet_hours = Vec::new();
         for w in &gauges.work {
             let tenant_id = w.tenant_id.to_string();
             for (state, n) in [
@@ -363,6 +375,18 @@ impl JanitorMetrics {
                     },
                 ));
             }
+            if w.quiet_hours > 0 {
+                let n = as_i64(w.quiet_hours);
+                quiet_hours.push((
+                    TenantChannelLabels {
+                        tenant_id: tenant_id.clone(),
+                        channel: w.channel.as_str(),
+                    },
+                    move |g: &Gauge| {
+                        g.set(n);
+                    },
+                ));
+            }
             oldest.push((
                 TenantChannelLabels {
                     tenant_id,
@@ -379,6 +403,11 @@ impl JanitorMetrics {
             &self.tenant_awaiting_account,
             &mut series.awaiting_account,
             awaiting_account,
+        );
+        replace(
+            &self.tenant_quiet_hours,
+            &mut series.quiet_hours,
+            quiet_hours,
         );
         let paused = gauges
             .paused_tenants
@@ -498,6 +527,7 @@ mod tests {
             leased: 0,
             backoff: 2,
             awaiting_account: due - 1,
+            quiet_hours: 0,
             oldest_eligible_age_s: Some(oldest),
         };
         metrics.set_gauges(&LedgerGauges {

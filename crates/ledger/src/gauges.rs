@@ -13,7 +13,8 @@ use nudge_domain::{Channel, ProviderAccount, TenantId};
 use crate::{Ledger, LedgerError, LedgerTime};
 
 /// Live work per tenant and channel at `c.at` (a CTE `c` the statement gives): due, queued,
-/// sending, in backoff, waiting for the tenant's own account, and the oldest eligible age. One
+/// sending, in backoff, waiting for the tenant's own account or for the end of quiet hours,
+/// and the oldest eligible age (deferred work is not eligible: it is not counted there). One
 /// pass over the live rows; the gauges and `nudgectl status`'s tenant table both read it.
 pub(crate) const LIVE_WORK: &str = "SELECT d.tenant_id, d.channel,
         count(*) FILTER (WHERE d.state IN ('scheduled', 'retry_wait')
@@ -23,6 +24,8 @@ pub(crate) const LIVE_WORK: &str = "SELECT d.tenant_id, d.channel,
         count(*) FILTER (WHERE d.state = 'retry_wait' AND d.next_attempt_at > c.at) AS backoff,
         count(*) FILTER (WHERE d.state = 'retry_wait' AND d.next_attempt_at > c.at
                          AND d.last_error_reason = 'account_unavailable') AS awaiting_account,
+        count(*) FILTER (WHERE d.state = 'retry_wait' AND d.next_attempt_at > c.at
+                         AND d.last_error_reason = 'quiet_hours') AS quiet_hours,
         extract(epoch FROM c.at - min(d.next_attempt_at) FILTER (
             WHERE d.state IN ('scheduled', 'queued', 'retry_wait')
               AND d.next_attempt_at <= c.at))::float8 AS oldest_eligible_age_s
@@ -47,6 +50,8 @@ pub struct TenantChannelWork {
     /// Of `backoff`: waiting for the tenant's own provider account, which no live worker had
     /// at their last look (`account_unavailable`, 0411).
     pub awaiting_account: u64,
+    /// Of `backoff`: deferred to the end of the subscriber's quiet hours (`quiet_hours`, 0502).
+    pub quiet_hours: u64,
     /// How long the oldest eligible delivery (due or queued) has waited, in seconds.
     pub oldest_eligible_age_s: Option<f64>,
 }
@@ -101,6 +106,7 @@ struct WorkRow {
     sending: i64,
     backoff: i64,
     awaiting_account: i64,
+    quiet_hours: i64,
     oldest_eligible_age_s: Option<f64>,
 }
 
@@ -176,6 +182,7 @@ impl Ledger {
                 leased: count(row.sending),
                 backoff: count(row.backoff),
                 awaiting_account: count(row.awaiting_account),
+                quiet_hours: count(row.quiet_hours),
                 oldest_eligible_age_s: row.oldest_eligible_age_s.map(|s| s.max(0.0)),
             });
         }

@@ -457,6 +457,7 @@ impl Ledger {
     /// Replaces a subscriber's destinations for the channels given (others are kept), and
     /// when `time_zone` is given makes it the subscriber's zone on all their contacts, and when
     /// `quiet_hours` is given their quiet hours, in one transaction. Needs the subscriber key.
+    #[allow(clippy::too_many_arguments)]
     pub async fn set_contacts(
         &self,
         tenant_id: TenantId,

@@ -16,6 +16,11 @@ pub struct ChannelStatus {
     pub retry_wait: u64,
     pub dead_lettered: u64,
     pub ambiguous: u64,
+    /// Of `retry_wait`: deferred to the end of the subscriber's quiet hours.
+    pub quiet_hours: u64,
+    /// Settled `expired` because their quiet hours outlasted them (reason `quiet_hours`),
+    /// as long as retention keeps them: what the policy cost.
+    pub expired_quiet_hours: u64,
     /// How long the oldest eligible delivery (due, not yet being sent) has waited, in seconds.
     pub oldest_eligible_age_s: Option<i64>,
     /// Draining: nothing new is scheduled for the channel (see `nudgectl drain`).
@@ -36,6 +41,7 @@ struct StatusRow {
     retry_wait: i64,
     dead_lettered: i64,
     ambiguous: i64,
+    quiet_hours: i64,
     oldest_eligible: Option<DateTime<Utc>>,
 }
 
@@ -53,6 +59,8 @@ impl Ledger {
                     count(*) FILTER (WHERE state = 'retry_wait') AS retry_wait,
                     count(*) FILTER (WHERE state = 'dead_lettered') AS dead_lettered,
                     count(*) FILTER (WHERE state = 'ambiguous') AS ambiguous,
+                    count(*) FILTER (WHERE state = 'retry_wait' AND next_attempt_at > $1
+                                     AND last_error_reason = 'quiet_hours') AS quiet_hours,
                     min(next_attempt_at) FILTER (WHERE state IN ('scheduled', 'queued', 'retry_wait')
                                                  AND next_attempt_at <= $1) AS oldest_eligible
              FROM deliveries
@@ -74,6 +82,8 @@ impl Ledger {
                 retry_wait: 0,
                 dead_lettered: 0,
                 ambiguous: 0,
+                quiet_hours: 0,
+                expired_quiet_hours: 0,
                 oldest_eligible_age_s: None,
                 draining: false,
                 drain_incident: None,
@@ -102,8 +112,23 @@ impl Ledger {
                 status.retry_wait = count(row.retry_wait);
                 status.dead_lettered = count(row.dead_lettered);
                 status.ambiguous = count(row.ambiguous);
+                status.quiet_hours = count(row.quiet_hours);
                 status.oldest_eligible_age_s =
                     row.oldest_eligible.map(|t| (now - t).num_seconds().max(0));
+            }
+        }
+        let expired: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT channel, count(*) FROM deliveries
+             WHERE state = 'expired' AND last_error_reason = 'quiet_hours' GROUP BY channel",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        for (channel, n) in expired {
+            let channel: Channel = channel
+                .parse()
+                .map_err(|e| LedgerError::corrupt("deliveries", e))?;
+            if let Some(status) = out.iter_mut().find(|s| s.channel == channel) {
+                status.expired_quiet_hours = count(n);
             }
         }
         Ok(out)
@@ -129,6 +154,8 @@ pub struct TenantLateness {
     pub backoff: u64,
     /// Of `backoff`: given back because no live worker had the tenant's account.
     pub awaiting_account: u64,
+    /// Of `backoff`: deferred to the end of the subscriber's quiet hours.
+    pub quiet_hours: u64,
     /// How long the tenant's oldest eligible delivery (due or queued) has waited, in seconds;
     /// the same figure as the gauge `nudge_ledger_tenant_oldest_eligible_age_seconds`.
     pub oldest_eligible_age_s: Option<i64>,
@@ -153,6 +180,7 @@ struct TenantRow {
     sending: i64,
     backoff: i64,
     awaiting_account: i64,
+    quiet_hours: i64,
     oldest_eligible_age_s: Option<f64>,
     total: i64,
 }
@@ -171,7 +199,7 @@ impl Ledger {
             "WITH c AS (SELECT COALESCE($1, now()) AS at),
              work AS ({LIVE_WORK})
              SELECT w.tenant_id, t.name AS tenant, w.channel, tc.provider_account AS account,
-                    w.due, w.queued, w.sending, w.backoff, w.awaiting_account,
+                    w.due, w.queued, w.sending, w.backoff, w.awaiting_account, w.quiet_hours,
                     w.oldest_eligible_age_s, count(*) OVER () AS total
              FROM work w JOIN tenants t ON t.id = w.tenant_id
              LEFT JOIN tenant_channels tc ON tc.tenant_id = w.tenant_id AND tc.channel = w.channel
@@ -206,6 +234,7 @@ impl Ledger {
                     sending: count(r.sending),
                     backoff: count(r.backoff),
                     awaiting_account: count(r.awaiting_account),
+                    quiet_hours: count(r.quiet_hours),
                     // Whole seconds, as the channel table shows them.
                     oldest_eligible_age_s: r.oldest_eligible_age_s.map(|s| s.max(0.0) as i64),
                 })

@@ -218,8 +218,10 @@ const STATUS_HELP: &str = "\
 What is owed and in flight now, read-only, with the database's clock.
 
 Per channel: scheduled, due (its time has come), queued (published, waiting for a worker), \
-sending, retry_wait, dead_lettered, ambiguous, and oldest_due_s (how long the oldest eligible \
-delivery has waited). Then the rate buckets. Then the tenants with live work, the latest first \
+sending, retry_wait, quiet_hours (of retry_wait: deferred to the end of the subscriber's quiet \
+hours), dead_lettered, ambiguous, expired_quiet (settled expired because their quiet hours \
+outlasted them, as long as retention keeps them), and oldest_due_s (how long the oldest eligible \
+delivery has waited; deferred work is not eligible). Then the rate buckets. Then the tenants with live work, the latest first \
 (by their oldest eligible delivery's age, then by what waits for an account, then by what is \
 due), at most --tenants of them: each tenant's own lateness, not the channel's average, with \
 the account it is routed to ((default): the workers' default). Then the deliveries that wait \
@@ -230,7 +232,7 @@ sent through another account; they expire at their expiry.
 
 --json prints the channel array, each channel with its counts as above plus \"tenants\": \
 [{\"tenant_id\", \"tenant\", \"channel\", \"account\", \"due\", \"queued\", \"sending\", \
-\"backoff\", \"awaiting_account\", \"oldest_eligible_age_s\"}] (its rows among the --tenants \
+\"backoff\", \"awaiting_account\", \"quiet_hours\", \"oldest_eligible_age_s\"}] (its rows among the --tenants \
 latest) and \"awaiting_account\": [{\"tenant_id\", \"tenant\", \"channel\", \"account\", \
 \"deliveries\", \"oldest_scheduled_age_s\", \"next_look_at\", \"held_now\"}].";
 
@@ -1393,29 +1395,33 @@ pub(crate) async fn find_tenant(ledger: &Ledger, name: &str) -> anyhow::Result<T
 fn write_status_table(status: &[ChannelStatus], out: &mut impl Write) -> std::io::Result<()> {
     writeln!(
         out,
-        "{:<7} {:>9} {:>7} {:>7} {:>7} {:>10} {:>13} {:>9} {:>14}",
+        "{:<7} {:>9} {:>7} {:>7} {:>7} {:>10} {:>11} {:>13} {:>9} {:>13} {:>14}",
         "channel",
         "scheduled",
         "due",
         "queued",
         "sending",
         "retry_wait",
+        "quiet_hours",
         "dead_lettered",
         "ambiguous",
+        "expired_quiet",
         "oldest_due_s"
     )?;
     for s in status {
         writeln!(
             out,
-            "{:<7} {:>9} {:>7} {:>7} {:>7} {:>10} {:>13} {:>9} {:>14}",
+            "{:<7} {:>9} {:>7} {:>7} {:>7} {:>10} {:>11} {:>13} {:>9} {:>13} {:>14}",
             s.channel.as_str(),
             s.scheduled,
             s.due,
             s.queued,
             s.sending,
             s.retry_wait,
+            s.quiet_hours,
             s.dead_lettered,
             s.ambiguous,
+            s.expired_quiet_hours,
             s.oldest_eligible_age_s
                 .map_or_else(|| "-".to_owned(), |a| a.to_string()),
         )?;

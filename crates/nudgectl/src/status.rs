@@ -100,6 +100,7 @@ pub(crate) fn write(view: &TenantView, out: &mut impl Write) -> std::io::Result<
                     t.sending.to_string(),
                     t.backoff.to_string(),
                     t.awaiting_account.to_string(),
+                    t.quiet_hours.to_string(),
                     opt_secs(t.oldest_eligible_age_s),
                 ]
             })
@@ -116,6 +117,7 @@ pub(crate) fn write(view: &TenantView, out: &mut impl Write) -> std::io::Result<
                 ("sending", Align::Right),
                 ("retry_wait", Align::Right),
                 ("awaiting_account", Align::Right),
+                ("quiet_hours", Align::Right),
                 ("oldest_due_s", Align::Right),
             ],
             &rows,

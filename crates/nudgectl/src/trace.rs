@@ -207,6 +207,22 @@ fn write_delivery(d: &DeliveryTrace, out: &mut impl Write) -> std::io::Result<()
              running worker had at its last look (never sent through another)"
                 .to_owned()
         }
+        (_, Some(reason))
+            if reason == "quiet_hours" && d.state == nudge_domain::DeliveryState::RetryWait =>
+        {
+            format!(
+                "quiet_hours: deferred by quiet hours until {} (the subscriber's window; never \
+                 sent inside it)",
+                opt_ts(d.next_attempt_at)
+            )
+        }
+        (_, Some(reason))
+            if reason == "quiet_hours" && d.state == nudge_domain::DeliveryState::Expired =>
+        {
+            "quiet_hours: expired inside the subscriber's quiet hours, which outlasted it \
+             (nothing sent)"
+                .to_owned()
+        }
         (class, reason) => format!("{}: {}", opt(class.as_deref()), opt(reason.as_deref())),
     };
     let fields = [

@@ -78,12 +78,12 @@ fn provider_buckets() -> impl Iterator<Item = f64> {
 ///   `retry.max_retry_after_s`).
 /// - `nudge_admission_deferrals_total{provider_account, channel, reason}`: leases given back
 ///   to the ledger because the bucket had no slot in time (`bucket_closed`,
-///   `bucket_throttled`, `bucket_paused`, `bucket_closed_while_waiting`, `bucket_slowed`,
-///   `tenant_capped`).
+///   `bucket_throttled`, `bucket_paused`, `bucket_closed_while_waiting`, `bucket_slowed`).
 /// - `nudge_lease_releases_total{provider_account, channel, reason}`: leases given back unsent
 ///   for any other reason (`shutdown`, `ledger_unavailable`, `fence_refused`,
 ///   `unknown_provider_account`, `account_unavailable`: routed to the tenant's own account,
-///   which no live worker has, so given back until the next look, 0411).
+///   which no live worker has, so given back until the next look, 0411; `tenant_capped`: the
+///   tenant's `--max-share`; `quiet_hours`: inside the subscriber's quiet hours, 0502).
 /// - `nudge_scheduled_to_delivered_seconds{channel}`: from the reminder's time to the 2xx.
 /// - `nudge_provider_request_duration_seconds{provider_account, channel}`: provider calls.
 /// - `nudge_provider_alerts_total{provider_account, channel, reason}`: provider answers an

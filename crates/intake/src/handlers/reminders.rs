@@ -164,7 +164,7 @@ async fn quiet_hours_refused(
         .is_some_and(|t| t.quiet_hours_ignorable);
     Ok((!allowed).then(|| {
         Problem::new(
-            &format!("{prefix}/quiet_hours"),
+            format!("{prefix}/quiet_hours"),
             "\"ignore\" is not allowed for this tenant's reminders (an operator allows it with \
              nudgectl tenant set --quiet-hours-ignorable true)",
         )

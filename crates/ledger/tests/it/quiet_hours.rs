@@ -79,6 +79,20 @@ async fn a_delivery_due_inside_its_quiet_hours_goes_back_until_they_end_then_is_
         ),
         "no attempt spent, due at the window's end, the reason recorded"
     );
+    // Counted as deferred by quiet hours, per tenant and per channel, and not as eligible.
+    let gauges = ledger.gauges(at(t0())).await.unwrap();
+    let work = gauges
+        .work
+        .iter()
+        .find(|w| w.channel == Channel::Sms)
+        .unwrap();
+    assert_eq!(
+        (work.quiet_hours, work.due, work.oldest_eligible_age_s),
+        (1, 0, None)
+    );
+    let status = ledger.status(t0()).await.unwrap();
+    let sms = status.iter().find(|s| s.channel == Channel::Sms).unwrap();
+    assert_eq!((sms.quiet_hours, sms.due), (1, 0));
     // Not claimed before the end; claimed and sent at it, the reason cleared.
     assert!(
         claim_all(&ledger, end - Duration::seconds(1))
@@ -115,6 +129,9 @@ async fn a_delivery_whose_quiet_hours_outlast_its_expiry_expires_with_that_reaso
             .await
             .unwrap();
     assert_eq!(settled, Some(t0()));
+    let status = ledger.status(t0()).await.unwrap();
+    let sms = status.iter().find(|s| s.channel == Channel::Sms).unwrap();
+    assert_eq!(sms.expired_quiet_hours, 1, "its own count in status");
 }
 
 /// Leased at 10:29:59.900 in Berlin, its slot 0.2 s later: the fence at 10:30:00.100 refuses
