@@ -84,6 +84,8 @@ fn provider_buckets() -> impl Iterator<Item = f64> {
 ///   `unknown_provider_account`, `account_unavailable`: routed to the tenant's own account,
 ///   which no live worker has, so given back until the next look, 0411; `tenant_capped`: the
 ///   tenant's `--max-share`; `quiet_hours`: inside the subscriber's quiet hours, 0502).
+/// - `nudge_quiet_hours_expired_total{channel}`: deliveries settled `expired` with the reason
+///   `quiet_hours`: their subscriber's quiet hours outlasted them (0502).
 /// - `nudge_scheduled_to_delivered_seconds{channel}`: from the reminder's time to the 2xx.
 /// - `nudge_provider_request_duration_seconds{provider_account, channel}`: provider calls.
 /// - `nudge_provider_alerts_total{provider_account, channel, reason}`: provider answers an
@@ -103,6 +105,7 @@ pub struct WorkerMetrics {
     scheduled_to_delivered: Family<ChannelLabels, Histogram>,
     provider_latency: Family<BucketLabels, Histogram>,
     alerts: Family<ReasonLabels, Counter>,
+    quiet_hours_expired: Family<ChannelLabels, Counter>,
 }
 
 impl Default for WorkerMetrics {
@@ -187,6 +190,12 @@ impl WorkerMetrics {
             "Duration of provider requests, from send to answer or failure",
             provider_latency.clone(),
         );
+        let quiet_hours_expired = Family::<ChannelLabels, Counter>::default();
+        registry.register(
+            "nudge_quiet_hours_expired",
+            "Deliveries settled expired because their subscriber's quiet hours outlasted them",
+            quiet_hours_expired.clone(),
+        );
         registry.register(
             "nudge_provider_alerts",
             "Provider answers an operator must act on (credentials refused, a fault of ours)",
@@ -204,7 +213,17 @@ impl WorkerMetrics {
             scheduled_to_delivered,
             provider_latency,
             alerts,
+            quiet_hours_expired,
         }
+    }
+
+    /// Counts a delivery settled `expired` because its quiet hours outlasted it.
+    pub fn quiet_hours_expired(&self, channel: Channel) {
+        self.quiet_hours_expired
+            .get_or_create(&ChannelLabels {
+                channel: channel.as_str(),
+            })
+            .inc();
     }
 
     /// The registry to serve on `/metrics`.

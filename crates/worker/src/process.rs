@@ -472,6 +472,11 @@ impl Worker {
                 info!("expired before it could be sent: settled as expired");
                 Processed::Expired
             }
+            LeaseOutcome::QuietHoursExpired => {
+                self.metrics.quiet_hours_expired(self.channel);
+                info!("due inside its quiet hours, which outlast it: settled as expired");
+                Processed::Expired
+            }
             LeaseOutcome::Cancelled => {
                 info!("reminder cancelled before the send: settled as cancelled");
                 Processed::Cancelled
@@ -709,6 +714,7 @@ impl Worker {
                     return ControlFlow::Break(Processed::Released("quiet_hours"));
                 }
                 Ok(Err(FenceRefused::QuietHours { until: None })) => {
+                    self.metrics.quiet_hours_expired(self.channel);
                     info!(
                         "its quiet hours began while it waited for its slot and outlast it: \
                            settled as expired, not sent"

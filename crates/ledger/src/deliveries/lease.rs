@@ -117,6 +117,9 @@ pub enum LeaseOutcome {
     },
     /// Owed, but its time ran out: settled `expired`, nothing sent.
     Expired,
+    /// Due inside its quiet hours, which outlast its expiry: settled `expired` with the
+    /// reason `quiet_hours`, nothing sent.
+    QuietHoursExpired,
     /// Its reminder was cancelled: settled `cancelled`, nothing sent.
     Cancelled,
     /// A duplicate or old message: the delivery moved on (other state or generation).
@@ -822,7 +825,7 @@ impl Ledger {
                         account: ProviderAccount::parse(&row.account)
                             .map_err(|e| LedgerError::corrupt("deliveries", e))?,
                     },
-                    Plan::QuietExpire => LeaseOutcome::Expired,
+                    Plan::QuietExpire => LeaseOutcome::QuietHoursExpired,
                     Plan::Now if applied.started => LeaseOutcome::Leased {
                         lease: row.lease(batch.lease_holder, applied, quiet)?,
                         material: row.material(batch.cipher),

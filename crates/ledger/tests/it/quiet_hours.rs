@@ -115,7 +115,7 @@ async fn a_delivery_whose_quiet_hours_outlast_its_expiry_expires_with_that_reaso
     let due = claim_all(&ledger, t0()).await.remove(0);
     assert!(matches!(
         lease(&ledger, &due, t0()).await,
-        LeaseOutcome::Expired
+        LeaseOutcome::QuietHoursExpired
     ));
     let (state, next, reason, attempts) = row(&ledger, due.id).await;
     assert_eq!(
