@@ -6,8 +6,12 @@
 --   window ends the next day. No row: no quiet hours on that channel.
 -- * `tenants.quiet_hours_ignorable`: whether the tenant's reminders may say
 --   `"quiet_hours": "ignore"` (urgent classes, such as a cancelled appointment).
--- * `contacts.quiet_from`/`quiet_to`/`quiet_off`: the subscriber's own window, or none at all,
---   instead of the tenant's; kept on each of the subscriber's contacts as the zone is.
+-- * `contacts.quiet_from`/`quiet_to`/`quiet_off`/`quiet_set_at`: the subscriber's own window,
+--   or none at all, or (both NULL, not off) the tenant's, as `PUT .../contacts` last gave it,
+--   written on their contacts with when. The subscriber's setting is the one of their contacts
+--   with the latest `quiet_set_at`, so a contact added later follows it, and one a concurrent
+--   write held (skipped, not waited for) is outranked. Erasure and retention, which delete
+--   contacts, take it with them.
 -- * `reminders.ignore_quiet_hours`: the reminder said `"quiet_hours": "ignore"`; it counts
 --   only while its tenant allows it (read at each lease).
 --
@@ -34,10 +38,13 @@ ALTER TABLE contacts
     ADD COLUMN quiet_from time(0) without time zone NULL,
     ADD COLUMN quiet_to time(0) without time zone NULL,
     ADD COLUMN quiet_off boolean NOT NULL DEFAULT false,
+    ADD COLUMN quiet_set_at timestamptz NULL,
     ADD CONSTRAINT contacts_quiet_window CHECK (
         (quiet_from IS NULL AND quiet_to IS NULL)
         OR (quiet_from IS NOT NULL AND quiet_to IS NOT NULL AND quiet_from <> quiet_to
-            AND NOT quiet_off));
+            AND NOT quiet_off)),
+    ADD CONSTRAINT contacts_quiet_set CHECK (
+        quiet_set_at IS NOT NULL OR (quiet_from IS NULL AND NOT quiet_off));
 
 ALTER TABLE reminders
     ADD COLUMN ignore_quiet_hours boolean NOT NULL DEFAULT false;

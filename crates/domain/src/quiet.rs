@@ -59,6 +59,11 @@ impl QuietHours {
         Self::new(parse_time(from)?, parse_time(to)?)
     }
 
+    /// One wall-clock time as a window's edge takes it, `HH:MM` or `HH:MM:SS`.
+    pub fn parse_time(text: &str) -> Result<NaiveTime, InvalidQuietHours> {
+        parse_time(text)
+    }
+
     pub fn from(&self) -> NaiveTime {
         self.from
     }
@@ -128,17 +133,24 @@ fn boundary(zone: Zone, local: chrono::NaiveDateTime, edge: Edge) -> DateTime<Ut
             let as_utc = local.and_utc();
             let before = zone.offset_at(as_utc - Duration::days(1)).local_minus_utc();
             let after = zone.offset_at(as_utc + Duration::days(1)).local_minus_utc();
-            let mut lo = (local - Duration::seconds(i64::from(after))).and_utc();
-            let mut hi = (local - Duration::seconds(i64::from(before))).and_utc();
-            while hi - lo > Duration::seconds(1) {
+            // Whole seconds: transitions fall on them, so the search ends on the jump itself.
+            let mut lo = (local - Duration::seconds(i64::from(after)))
+                .and_utc()
+                .timestamp();
+            let mut hi = (local - Duration::seconds(i64::from(before)))
+                .and_utc()
+                .timestamp();
+            let wall =
+                |secs: i64| DateTime::from_timestamp(secs, 0).map(|at| zone.local_at(at).naive());
+            while hi - lo > 1 {
                 let mid = lo + (hi - lo) / 2;
-                if zone.local_at(mid).naive() >= local {
+                if wall(mid).is_some_and(|w| w >= local) {
                     hi = mid;
                 } else {
                     lo = mid;
                 }
             }
-            hi
+            DateTime::from_timestamp(hi, 0).unwrap_or_else(|| local.and_utc())
         }
     }
 }
@@ -331,6 +343,14 @@ mod tests {
                 "2027-03-14T07:00:00Z",
                 Some("2027-03-14T08:00:00Z"),
                 None,
+            ),
+            // A start in the gap that is not half-way into it: at the jump, to the second.
+            row(
+                "America/New_York",
+                ("02:20", "04:00"),
+                "2027-03-14T06:59:59Z",
+                None,
+                Some("2027-03-14T07:00:00Z"),
             ),
             row(
                 "America/New_York",

@@ -500,7 +500,7 @@ impl Ledger {
             .await?;
         }
         if let Some(quiet) = quiet_hours {
-            crate::quiet::set_subscriber_quiet_hours(&mut tx, tenant_id, &stored_ref, quiet)
+            crate::quiet::set_subscriber_quiet_hours(&mut tx, tenant_id, &stored_ref, quiet, now)
                 .await?;
         }
         tx.commit().await?;

@@ -126,15 +126,18 @@ pub enum SubscriberQuietHours {
     Off,
 }
 
-/// Writes a subscriber's quiet hours to every one of their contacts. Contacts another
-/// transaction holds are skipped rather than waited for, as the subscriber's zone is
-/// (`contacts::set_subscriber_zones`): that write brings its own, or the skipped contact keeps
-/// what it had until the subscriber's next write.
+/// Records a subscriber's quiet hours, stamped `now`, on their contacts. The subscriber's
+/// setting is the latest stamped among all their contacts (the lease reads it so): a contact
+/// added later follows it, and a contact another transaction holds (a concurrent post for the
+/// same subscriber, storing another channel) is skipped rather than waited for (waiting for it
+/// while it waits for ours would deadlock) and keeps its older stamp, which the latest
+/// outranks. The contacts this transaction stored are its own, so they are always written.
 pub(crate) async fn set_subscriber_quiet_hours(
     conn: &mut sqlx::PgConnection,
     tenant_id: TenantId,
     stored_ref: &str,
     quiet: SubscriberQuietHours,
+    now: chrono::DateTime<chrono::Utc>,
 ) -> Result<(), LedgerError> {
     let (from, to, off) = match quiet {
         SubscriberQuietHours::Tenant => (None, None, false),
@@ -145,10 +148,9 @@ pub(crate) async fn set_subscriber_quiet_hours(
         "WITH free AS (
              SELECT c.channel FROM contacts c
              WHERE c.tenant_id = $1 AND c.subscriber_ref = $2
-               AND (c.quiet_from IS DISTINCT FROM $3 OR c.quiet_to IS DISTINCT FROM $4
-                    OR c.quiet_off IS DISTINCT FROM $5)
              FOR UPDATE OF c SKIP LOCKED)
-         UPDATE contacts c SET quiet_from = $3, quiet_to = $4, quiet_off = $5
+         UPDATE contacts c
+         SET quiet_from = $3, quiet_to = $4, quiet_off = $5, quiet_set_at = $6
          FROM free f
          WHERE c.tenant_id = $1 AND c.subscriber_ref = $2 AND c.channel = f.channel",
     )
@@ -157,6 +159,7 @@ pub(crate) async fn set_subscriber_quiet_hours(
     .bind(from)
     .bind(to)
     .bind(off)
+    .bind(now)
     .execute(&mut *conn)
     .await?;
     Ok(())

@@ -37,6 +37,14 @@ impl TenantSetting {
     }
 }
 
+/// A condition under which a setting's change is refused, checked under the tenant's row lock:
+/// `when` is a statement of the tenant's id (`$1`) answering whether to refuse, and `why` the
+/// error's message.
+struct Refusal {
+    when: &'static str,
+    why: &'static str,
+}
+
 /// Signing secrets sealed again per transaction by [`Ledger::reseal_tenant_secrets`].
 const RESEAL_BATCH: i64 = 500;
 
@@ -223,7 +231,7 @@ impl Ledger {
         }
         let value = i32::try_from(weight).unwrap_or(1000);
         let previous = self
-            .set_tenant_setting(id, TenantSetting::Weight, value, None, by)
+            .set_tenant_setting(id, TenantSetting::Weight, value, None, None, by)
             .await?;
         Ok(previous.map(|p| u32::try_from(p).unwrap_or(1)))
     }
@@ -239,7 +247,7 @@ impl Ledger {
         by: &Operator,
     ) -> Result<Option<Option<f64>>, LedgerError> {
         let value = share.map(nudge_domain::MaxShare::get);
-        self.set_tenant_setting(id, TenantSetting::MaxShare, value, None, by)
+        self.set_tenant_setting(id, TenantSetting::MaxShare, value, None, None, by)
             .await
     }
 
@@ -261,6 +269,13 @@ impl Ledger {
                 TenantSetting::TimeZone,
                 value,
                 Some(("tzdb", nudge_domain::TZDB_VERSION)),
+                // The quiet hours are read in this zone for a subscriber without one; set
+                // under the same lock (`set_tenant_quiet_hours`), so the two never part.
+                zone.is_none().then_some(Refusal {
+                    when: "SELECT EXISTS (SELECT 1 FROM tenant_quiet_hours WHERE tenant_id = $1)",
+                    why: "the tenant has quiet hours, read in its zone for a subscriber without \
+                          one: clear them first (nudgectl tenant quiet-hours clear)",
+                }),
                 by,
             )
             .await?;
@@ -277,6 +292,7 @@ impl Ledger {
         setting: TenantSetting,
         value: T,
         note: Option<(&str, &str)>,
+        refuse: Option<Refusal>,
         by: &Operator,
     ) -> Result<Option<T>, LedgerError>
     where
@@ -298,6 +314,15 @@ impl Ledger {
         let Some(previous) = previous else {
             return Ok(None);
         };
+        if let Some(refusal) = refuse {
+            let refused: bool = sqlx::query_scalar(refusal.when)
+                .bind(id.as_uuid())
+                .fetch_one(&mut *tx)
+                .await?;
+            if refused {
+                return Err(LedgerError::InvalidInput(refusal.why));
+            }
+        }
         let mut details = serde_json::json!({ column: &value, "previous": &previous });
         if let (Some((key, text)), Some(map)) = (note, details.as_object_mut()) {
             map.insert(key.to_owned(), serde_json::Value::from(text));
@@ -328,8 +353,15 @@ impl Ledger {
         ignorable: bool,
         by: &Operator,
     ) -> Result<Option<bool>, LedgerError> {
-        self.set_tenant_setting(id, TenantSetting::QuietHoursIgnorable, ignorable, None, by)
-            .await
+        self.set_tenant_setting(
+            id,
+            TenantSetting::QuietHoursIgnorable,
+            ignorable,
+            None,
+            None,
+            by,
+        )
+        .await
     }
 
     /// Routes a tenant's channel to a provider account (None = the channel's default account),

@@ -1295,7 +1295,6 @@ async fn change_reminders(
     change::run(ledger, cipher, source, &options, out).await
 }
 
-/// A `--time-zone` value: an IANA name the built-in tz database knows.
 /// `nudgectl tenant quiet-hours set|clear|show`.
 async fn quiet_hours(
     ledger: &Ledger,
@@ -1372,6 +1371,7 @@ async fn quiet_hours(
     Ok(())
 }
 
+/// A `--time-zone` value: an IANA name the built-in tz database knows.
 fn parse_zone(name: &str) -> Result<Zone, nudge_domain::UnknownZone> {
     Zone::parse(name)
 }

@@ -465,7 +465,7 @@ impl Worker {
             } => {
                 let reason = deferral_label(reason);
                 self.metrics.deferral(&account, self.channel, reason);
-                debug!(provider_account = %account, reason, %until, "no send slot in time: released");
+                debug!(provider_account = %account, reason, %until, "given back unsent: no slot in time, or inside quiet hours");
                 Processed::Released(reason)
             }
             LeaseOutcome::Expired => {

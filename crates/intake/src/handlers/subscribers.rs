@@ -8,7 +8,7 @@
 use axum::Json;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use nudge_domain::{Channel, InvalidQuietHours, QuietHours, SubscriberRef, Zone};
+use nudge_domain::{Channel, QuietHours, SubscriberRef, Zone};
 use nudge_ledger::input;
 use nudge_ledger::{LedgerTime, Operator, SubscriberQuietHours};
 use serde_json::Value;
@@ -56,13 +56,12 @@ fn quiet_hours(value: Value) -> Result<Option<SubscriberQuietHours>, ApiError> {
                 )),
             };
             let (from, to) = (time("from")?, time("to")?);
-            let hours = QuietHours::parse(&from, &to).map_err(|e| match e {
-                InvalidQuietHours::Time if QuietHours::parse(&from, "00:00:01").is_err() => {
-                    ApiError::invalid("/quiet_hours/from", e.to_string())
-                }
-                InvalidQuietHours::Time => ApiError::invalid("/quiet_hours/to", e.to_string()),
-                InvalidQuietHours::Empty => ApiError::invalid("/quiet_hours", e.to_string()),
-            })?;
+            let from = QuietHours::parse_time(&from)
+                .map_err(|e| ApiError::invalid("/quiet_hours/from", e.to_string()))?;
+            let to = QuietHours::parse_time(&to)
+                .map_err(|e| ApiError::invalid("/quiet_hours/to", e.to_string()))?;
+            let hours = QuietHours::new(from, to)
+                .map_err(|e| ApiError::invalid("/quiet_hours", e.to_string()))?;
             Ok(Some(SubscriberQuietHours::Own(hours)))
         }
         _ => Err(ApiError::invalid("/quiet_hours", SHAPE)),
@@ -115,6 +114,22 @@ pub async fn put_contacts(
         Some(_) => return Err(ApiError::invalid("/time_zone", "must be a string")),
     };
     let quiet = quiet_hours(map.remove("quiet_hours").unwrap_or(Value::Null))?;
+    // A window is read in the subscriber's zone, else the tenant's: with neither it would
+    // never apply, so it is refused rather than stored to be ignored.
+    if matches!(quiet, Some(SubscriberQuietHours::Own(_))) && time_zone.is_none() {
+        let zones = state
+            .ledger()
+            .fallback_zones(tenant.id, &subscriber, state.cipher())
+            .await
+            .map_err(ApiError::internal)?;
+        if zones.subscriber.is_none() && zones.tenant.is_none() {
+            return Err(ApiError::invalid(
+                "/quiet_hours",
+                "needs a zone to be read in: give time_zone (the subscriber's), or the tenant \
+                 needs a default zone (nudgectl tenant set --time-zone)",
+            ));
+        }
+    }
     let destinations = map
         .remove("destinations")
         .ok_or_else(|| ApiError::invalid("/destinations", "missing field"))?;

@@ -46,11 +46,29 @@ async fn a_subscribers_quiet_hours_are_their_own_window_none_or_the_tenants_on_e
 ) {
     let intake = intake_at(pool.clone(), clock(now())).await;
     let both = json!({"sms": "+15550100", "email": "a@example.org"});
-    let own = intake
+    // No zone to read a window in (neither given, nor the subscriber's, nor the tenant's):
+    // refused rather than stored to be ignored.
+    let zoneless = intake
         .call(
             "PUT",
             CONTACTS,
             &json!({"destinations": both, "quiet_hours": {"from": "22:00", "to": "07:30"}}),
+        )
+        .await;
+    assert_eq!(
+        zoneless.status,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        zoneless.text
+    );
+    assert_eq!(zoneless.body["errors"][0]["path"], "/quiet_hours");
+    assert_eq!(intake.count("contacts").await, 0);
+    let own = intake
+        .call(
+            "PUT",
+            CONTACTS,
+            &json!({"destinations": both, "time_zone": "Europe/Paris",
+                    "quiet_hours": {"from": "22:00", "to": "07:30"}}),
         )
         .await;
     assert_eq!(own.status, StatusCode::OK, "{}", own.text);
@@ -107,6 +125,7 @@ async fn a_subscribers_quiet_hours_are_their_own_window_none_or_the_tenants_on_e
         (json!({"from": "25:00", "to": "07:00"}), "/quiet_hours/from"),
         (json!({"from": "22:00", "to": "7:00"}), "/quiet_hours/to"),
         (json!({"from": "22:00", "to": "22:00"}), "/quiet_hours"),
+        (json!({"from": "00:00:01", "to": "7"}), "/quiet_hours/to"),
         (
             json!({"from": "22:00", "to": "07:00", "days": "mon"}),
             "/quiet_hours",

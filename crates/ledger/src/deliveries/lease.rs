@@ -426,8 +426,8 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
            r.ignore_quiet_hours
                AND (SELECT t.quiet_hours_ignorable FROM tenants t WHERE t.id = d.tenant_id)
                AS ignore_quiet_hours,
-           c.quiet_from AS contact_quiet_from, c.quiet_to AS contact_quiet_to,
-           COALESCE(c.quiet_off, false) AS contact_quiet_off,
+           sq.quiet_from AS contact_quiet_from, sq.quiet_to AS contact_quiet_to,
+           COALESCE(sq.quiet_off, false) AS contact_quiet_off,
            q.quiet_from AS tenant_quiet_from, q.quiet_to AS tenant_quiet_to,
            COALESCE($5, now()) AS db_now
     FROM input i
@@ -444,10 +444,17 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
         SELECT c0.destination_ciphertext, c0.destination_digest,
                c0.invalid_at IS NOT NULL AS invalid,
                c0.opted_out_at IS NOT NULL AS opted_out,
-               c0.time_zone, c0.quiet_from, c0.quiet_to, c0.quiet_off
+               c0.time_zone
         FROM contacts c0
         WHERE c0.tenant_id = d.tenant_id AND c0.subscriber_ref = r.subscriber_ref
           AND c0.channel = d.channel) c ON true
+    LEFT JOIN LATERAL (
+        SELECT s.quiet_from, s.quiet_to, s.quiet_off
+        FROM contacts s
+        WHERE s.tenant_id = d.tenant_id AND s.subscriber_ref = r.subscriber_ref
+          AND s.quiet_set_at IS NOT NULL
+        ORDER BY s.quiet_set_at DESC, s.channel
+        LIMIT 1) sq ON true
     CROSS JOIN LATERAL (
         SELECT x.account, EXISTS (
                    SELECT 1 FROM rate_buckets b

@@ -7,9 +7,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chrono::{DateTime, Duration, Utc};
-use nudge_domain::{Channel, DeferReason, DeliveryState, QuietHours, Zone};
+use nudge_domain::{Channel, DeferReason, QuietHours, Zone};
 use nudge_ledger::test_support::*;
-use nudge_ledger::{FenceRefused, LeaseOutcome, Ledger, LedgerError, SendSlot};
+use nudge_ledger::{
+    FenceRefused, LeaseOutcome, Ledger, LedgerError, SendSlot, SubscriberQuietHours,
+};
 use sqlx::PgPool;
 
 /// Berlin is UTC+1 at [`t0`] (2026-11-29 09:00 UTC, 10:00 in Berlin).
@@ -235,8 +237,34 @@ async fn the_subscribers_zone_and_window_decide_and_a_switch_or_the_reminder_can
         Some(t0() + minutes(330))
     );
 
-    // Their own window 03:00-04:30 covers 04:00 in New York: back until 04:30 there.
-    set("UPDATE contacts SET quiet_from = '03:00', quiet_to = '04:30'").await;
+    // Their own window 03:00-04:30 covers 04:00 in New York: back until 04:30 there. Given
+    // with their email contact, it is the subscriber's, so it holds for the SMS too.
+    let quiet = |setting: SubscriberQuietHours, at: DateTime<Utc>| {
+        let ledger = ledger.clone();
+        let subscriber = subscriber.clone();
+        async move {
+            ledger
+                .set_contacts(
+                    tenant.id,
+                    &subscriber,
+                    &[(
+                        Channel::Email,
+                        nudge_ledger::Destination::new("a@example.org"),
+                    )],
+                    None,
+                    Some(setting),
+                    &cipher(),
+                    at,
+                )
+                .await
+                .unwrap();
+        }
+    };
+    quiet(
+        SubscriberQuietHours::Own(QuietHours::parse("03:00", "04:30").unwrap()),
+        t0(),
+    )
+    .await;
     owed(&ledger, tenant.id, "evt-own", &[Channel::Sms], t0()).await;
     let due = claim_all(&ledger, t0()).await.remove(0);
     match lease(&ledger, &due, t0()).await {
@@ -250,15 +278,15 @@ async fn the_subscribers_zone_and_window_decide_and_a_switch_or_the_reminder_can
     }
 
     // Switched off: sent, though the tenant's window in the tenant's zone would cover it.
-    set("UPDATE contacts SET time_zone = NULL, quiet_from = NULL, quiet_to = NULL, quiet_off = true")
-        .await;
+    set("UPDATE contacts SET time_zone = NULL").await;
+    quiet(SubscriberQuietHours::Off, t0() + Duration::seconds(1)).await;
     owed(&ledger, tenant.id, "evt-off", &[Channel::Sms], t0()).await;
     let due = claim_all(&ledger, t0()).await.remove(0);
     assert!(leased(lease(&ledger, &due, t0()).await).quiet.is_none());
 
     // Back to the tenant's window; the reminder ignores quiet hours, which counts only while
     // the tenant allows it.
-    set("UPDATE contacts SET quiet_off = false").await;
+    quiet(SubscriberQuietHours::Tenant, t0() + Duration::seconds(2)).await;
     for (event, allowed) in [("evt-urgent-1", false), ("evt-urgent-2", true)] {
         ledger
             .set_tenant_quiet_hours_ignorable(tenant.id, allowed, &ops(t0()))
@@ -320,6 +348,14 @@ async fn quiet_hours_need_the_tenants_zone_and_each_change_is_audited(pool: PgPo
             .unwrap(),
         Some(None)
     );
+    // The zone cannot go while a window is read in it.
+    let cleared = ledger
+        .set_tenant_time_zone(tenant.id, None, &ops(t0()))
+        .await;
+    assert!(
+        matches!(cleared, Err(LedgerError::InvalidInput(_))),
+        "{cleared:?}"
+    );
     let later = QuietHours::parse("22:00", "07:30").unwrap();
     assert_eq!(
         ledger
@@ -338,6 +374,14 @@ async fn quiet_hours_need_the_tenants_zone_and_each_change_is_audited(pool: PgPo
             .await
             .unwrap(),
         Some(Some(later))
+    );
+    assert!(
+        ledger
+            .set_tenant_time_zone(tenant.id, None, &ops(t0()))
+            .await
+            .unwrap()
+            .is_some(),
+        "without windows the zone may go"
     );
     let audited: Vec<serde_json::Value> = sqlx::query_scalar(
         "SELECT details FROM audit_log WHERE action = 'tenant_quiet_hours' ORDER BY id",
@@ -368,5 +412,4 @@ async fn quiet_hours_need_the_tenants_zone_and_each_change_is_audited(pool: PgPo
             .unwrap()
             .quiet_hours_ignorable
     );
-    let _ = DeliveryState::Expired;
 }
