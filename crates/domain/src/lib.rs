@@ -30,6 +30,7 @@ pub mod quiet;
 pub mod restore;
 pub mod retention;
 pub mod retry_after;
+pub mod series;
 pub mod state;
 pub mod zone;
 
@@ -63,6 +64,7 @@ pub use quiet::{InvalidQuietHours, QuietHours, QuietSpan, QuietVerdict, quiet_ve
 pub use restore::{AfterRestore, HoldReason, KeepReason, RESTORED_REASON, after_restore};
 pub use retention::{InvalidRetention, RetentionDays, RetentionPolicy};
 pub use retry_after::{MalformedReason, MalformedRetryAfter, RetryAfter};
+pub use series::{Occurrence, Series, SeriesError, SeriesLimits};
 pub use state::{DeliveryState, IllegalTransition};
 pub use zone::{
     ExpiresAfter, Expiry, InvalidExpiresAfter, InvalidLocalTime, LocalTime, ReminderTimes,
