@@ -3,7 +3,7 @@
 //!
 //! Creating a reminder and running its window are serialised on the tenant row: a creation
 //! (or a whole import batch) holds its tenants `FOR SHARE` until it commits, a window takes
-//! its tenant `FOR UPDATE` (see [`Ledger::materialise_window`]). A reminder whose window has
+//! its tenant `FOR NO KEY UPDATE` (see [`Ledger::materialise_window`]). A reminder whose window has
 //! already run, or whose time has come, gets its deliveries in its own create transaction.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -409,8 +409,13 @@ impl Ledger {
         // and a creation that starts later waits for this window (and then sees its intent and
         // materialises itself). Without it, a reminder committing around the window's read is
         // taken by neither. A concurrent pause also either lands before this intent or waits.
+        // NO KEY UPDATE, not UPDATE: it conflicts with FOR SHARE as much, but not with the
+        // KEY SHARE a foreign key's check takes. The relay's claim inserts the tenant's pass
+        // (`tenant_claim_passes`, keyed to the tenant) while it updates deliveries a replayed
+        // window inserts again: under FOR UPDATE each waited for the other (a deadlock the
+        // read-only-ledger test met as the window replayed after the outage).
         let paused: Option<bool> =
-            sqlx::query_scalar("SELECT intake_paused FROM tenants WHERE id = $1 FOR UPDATE")
+            sqlx::query_scalar("SELECT intake_paused FROM tenants WHERE id = $1 FOR NO KEY UPDATE")
                 .bind(tenant_id.as_uuid())
                 .fetch_optional(&mut *tx)
                 .await?;
