@@ -713,17 +713,17 @@ async fn status_lists_each_tenants_lateness_and_what_waits_for_an_account_nobody
         .filter(|r: &Vec<&str>| !r.is_empty())
         .collect();
     assert_eq!(
-        rows[0][..8],
-        ["shared", "sms", "(default)", "0", "2", "0", "0", "0"],
+        rows[0][..9],
+        ["shared", "sms", "(default)", "0", "2", "0", "0", "0", "0"],
         "{table}"
     );
     assert!(
-        rows[0][8].parse::<i64>().unwrap() >= 90,
+        rows[0][9].parse::<i64>().unwrap() >= 90,
         "the latest first: {table}"
     );
     assert_eq!(
         rows[1],
-        ["routed", "sms", "clinic-own", "0", "0", "0", "1", "1", "-"],
+        ["routed", "sms", "clinic-own", "0", "0", "0", "1", "1", "0", "-"],
         "{table}"
     );
     let waiting = &table[waiting_at..];
