@@ -723,7 +723,18 @@ async fn status_lists_each_tenants_lateness_and_what_waits_for_an_account_nobody
     );
     assert_eq!(
         rows[1],
-        ["routed", "sms", "clinic-own", "0", "0", "0", "1", "1", "0", "-"],
+        [
+            "routed",
+            "sms",
+            "clinic-own",
+            "0",
+            "0",
+            "0",
+            "1",
+            "1",
+            "0",
+            "-"
+        ],
         "{table}"
     );
     let waiting = &table[waiting_at..];
