@@ -1071,9 +1071,30 @@ impl Ledger {
         until: DateTime<Utc>,
         at: LedgerTime,
     ) -> Result<Result<DateTime<Utc>, FenceRefused>, LedgerError> {
+        let given_back = self
+            .give_back_unsent(lease, Some(until), Some(QUIET_HOURS), at)
+            .await?;
+        Ok(Err(if given_back {
+            FenceRefused::QuietHours { until: Some(until) }
+        } else {
+            FenceRefused::LeaseLost
+        }))
+    }
+
+    /// The one statement that gives a lease back before its send started: `retry_wait`, due
+    /// at `until` (None: now), with `reason` when given (else the one it had), the attempt it
+    /// did not make not counted. False when the lease was no longer this worker's unsent one.
+    async fn give_back_unsent(
+        &self,
+        lease: &LeasedDelivery,
+        until: Option<DateTime<Utc>>,
+        reason: Option<&str>,
+        at: LedgerTime,
+    ) -> Result<bool, LedgerError> {
         let updated = sqlx::query(
             "UPDATE deliveries
-             SET state = 'retry_wait', next_attempt_at = $4, last_error_reason = $6,
+             SET state = 'retry_wait', next_attempt_at = COALESCE($4, $5, now()),
+                 last_error_reason = COALESCE($6, last_error_reason),
                  lease_owner = NULL, lease_expires_at = NULL, lease_idempotent = NULL,
                  send_started_at = NULL, attempt_count = attempt_count - 1,
                  updated_at = COALESCE($5, now())
@@ -1085,14 +1106,10 @@ impl Ledger {
         .bind(to_i64(lease.generation))
         .bind(until)
         .bind(at.bind())
-        .bind(QUIET_HOURS)
+        .bind(reason)
         .execute(&self.pool)
         .await?;
-        Ok(Err(if updated.rows_affected() == 1 {
-            FenceRefused::QuietHours { until: Some(until) }
-        } else {
-            FenceRefused::LeaseLost
-        }))
+        Ok(updated.rows_affected() == 1)
     }
 
     /// Gives a lease back before its send started (shutdown, the bucket closed while it
@@ -1104,23 +1121,7 @@ impl Ledger {
         until: Option<DateTime<Utc>>,
         at: LedgerTime,
     ) -> Result<(), LedgerError> {
-        let updated = sqlx::query(
-            "UPDATE deliveries
-             SET state = 'retry_wait', next_attempt_at = COALESCE($4, $5, now()),
-                 lease_owner = NULL, lease_expires_at = NULL, lease_idempotent = NULL,
-                 send_started_at = NULL, attempt_count = attempt_count - 1,
-                 updated_at = COALESCE($5, now())
-             WHERE id = $1 AND state = 'sending' AND lease_owner = $2 AND generation = $3
-               AND send_started_at IS NULL",
-        )
-        .bind(lease.id.as_uuid())
-        .bind(&lease.lease_holder)
-        .bind(to_i64(lease.generation))
-        .bind(until)
-        .bind(at.bind())
-        .execute(&self.pool)
-        .await?;
-        if updated.rows_affected() != 1 {
+        if !self.give_back_unsent(lease, until, None, at).await? {
             return Err(self.lease_lost(lease.id).await);
         }
         Ok(())
