@@ -502,24 +502,33 @@ pub fn on_throttled(
     on_throttled_after(config, state, retry_at, None, now)
 }
 
-/// [`on_throttled`] for a send whose slot was reserved at `reserved_at`. A 429 for a slot
-/// reserved before the last decrease was paced at the old rate and says nothing new about the
-/// new one: it may pause the bucket, but it does not lower the rate again (one decrease per
-/// round of reservations, as TCP makes one per window), so a burst of late 429s does not drive
-/// the rate far below the provider's limit.
+/// A throttled send's times, as the worker that sent it knows them: when its slot was reserved
+/// and the slot it went out in (the reservation's instant for a slot that had come already).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThrottledSend {
+    pub reserved_at: DateTime<Utc>,
+    pub slot_at: DateTime<Utc>,
+}
+
+/// [`on_throttled`] for a send whose times are known. A 429 for a slot reserved before the
+/// last decrease was paced at the old rate and says nothing new about the new one: it may
+/// pause the bucket, but it does not lower the rate again (one decrease per round of
+/// reservations, as TCP makes one per window), so a burst of late 429s does not drive the rate
+/// far below the provider's limit.
 ///
-/// A 429 that arrives while the bucket is still spending its burst (within `burst` intervals
-/// of an admission that found the whole burst available), for a send reserved since then, is
-/// read first as "burst too large": the provider took fewer back to back than we sent, at a
-/// rate it may well sustain. The burst shrinks to three quarters (at least 1; once per round:
-/// not for a send reserved before the last shrink) and the rate is left alone; the stored TATs
-/// keep their credit counted in requests, so the shrink costs no slot. Only a 429 outside a
-/// burst, or with the burst already down to 1, lowers the rate.
+/// A 429 for a send that spent the burst (reserved no earlier than an admission that found the
+/// whole burst available, its slot within `burst` intervals of it) is read first as "burst too
+/// large": the provider took fewer back to back than we sent, at a rate it may well sustain.
+/// The burst shrinks to three quarters (at least 1; once per round: not for a send reserved
+/// before the last shrink) and the rate is left alone; the stored TATs keep their credit
+/// counted in requests, so the shrink costs no slot. Only a 429 outside a burst, or with the
+/// burst already down to 1, lowers the rate. The send's slot decides, not when its answer is
+/// recorded: a loaded worker recording a burst's 429 late does not make it the rate's.
 pub fn on_throttled_after(
     config: &BucketConfig,
     state: &mut BucketState,
     retry_at: Option<DateTime<Utc>>,
-    reserved_at: Option<DateTime<Utc>>,
+    send: Option<ThrottledSend>,
     now: DateTime<Utc>,
 ) -> bool {
     let before = state.clone();
@@ -540,7 +549,8 @@ pub fn on_throttled_after(
             state.paused_until = Some(until);
         }
     }
-    if spending_burst(config, state, reserved_at, now) {
+    let reserved_at = send.map(|s| s.reserved_at);
+    if spending_burst(config, state, send, now) {
         let stale = matches!((reserved_at, state.burst_cut_at), (Some(r), Some(c)) if r <= c);
         if !stale {
             let old = admitting_burst(config, state);
@@ -674,20 +684,22 @@ fn admitting_burst(config: &BucketConfig, state: &BucketState) -> u32 {
         .map_or(config.burst, |b| b.clamp(1, config.burst.max(1)))
 }
 
-/// Whether a 429 arriving at `now` for a send reserved at `reserved_at` came while the bucket
-/// was still spending its burst: the send reserved no earlier than the last admission that
-/// found the whole burst available, and the answer less than `burst` intervals after it (a
-/// later answer is read as being about the rate). A burst of 1 has nothing to shrink.
+/// Whether a throttled send spent the burst: reserved no earlier than the last admission that
+/// found the whole burst available (`from`), and either answered while the burst was being
+/// spent (less than `burst` intervals after `from`) or sent on the burst's credit (its slot
+/// came at its reservation, and within those intervals). A burst of 1 has nothing to shrink; a
+/// 429 whose send is not known is read as the rate's.
 ///
-/// Known limit: a burst's 429 recorded later than that (a loaded worker) is read as the
-/// rate's. Judging by the reservation instead was tried and measured worse: a lease batch
-/// reserves every slot at one instant, up to the admission wait ahead, so the 429s of sends
-/// paced at the rate were read as the burst's (the drain benchmark's bucket at twice the
-/// provider's rate drew 3.2% 429s instead of 0.8%). The send's slot is the right measure.
+/// The credit part is for a loaded worker: judged by the answer's arrival alone, a burst's 429
+/// recorded after the burst's time was read as the rate's and halved it. A send paced at the
+/// rate (its slot after its reservation) still counts only while the burst is spent, because a
+/// lease batch reserves its slots at one instant, up to the admission wait ahead: judged by the
+/// reservation, the 429s of sends paced at the rate were read as the burst's (3.2% 429s
+/// instead of 0.8% in the drain benchmark's bucket at twice the provider's rate).
 fn spending_burst(
     config: &BucketConfig,
     state: &BucketState,
-    reserved_at: Option<DateTime<Utc>>,
+    send: Option<ThrottledSend>,
     now: DateTime<Utc>,
 ) -> bool {
     let rate = admitting_rate(config, state);
@@ -695,11 +707,13 @@ fn spending_burst(
     if rate <= 0.0 || burst <= 1 {
         return false;
     }
-    let (Some(reserved), Some(from)) = (reserved_at, state.burst_from) else {
+    let (Some(send), Some(from)) = (send, state.burst_from) else {
         return false;
     };
-    let (reserved, from) = (to_ns(reserved), to_ns(from));
-    reserved >= from && to_ns(now) < from + i128::from(burst) * interval_ns(rate)
+    let (reserved, slot) = (to_ns(send.reserved_at), to_ns(send.slot_at));
+    let spent_by = to_ns(from) + i128::from(burst) * interval_ns(rate);
+    let on_credit = slot <= reserved && slot < spent_by;
+    reserved >= to_ns(from) && (to_ns(now) < spent_by || on_credit)
 }
 
 /// Moves each stored TAT earlier by the tolerance the burst lost, so the credit (or debt)
@@ -1464,12 +1478,18 @@ mod tests {
             &c,
             &mut s,
             None,
-            Some(t0()),
+            Some(sent(t0())),
             t0() + ms(100)
         ));
         assert_eq!(s.effective_rate, 40.0);
         // Two seconds later, a 429 for a slot reserved before that decrease: paced at 80/s.
-        let _ = on_throttled_after(&c, &mut s, None, Some(t0() + ms(50)), t0() + ms(2_100));
+        let _ = on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(sent(t0() + ms(50))),
+            t0() + ms(2_100),
+        );
         assert_eq!(s.effective_rate, 40.0);
         // ...but its Retry-After still pauses the bucket.
         let pause = t0() + ms(3_000);
@@ -1477,7 +1497,7 @@ mod tests {
             &c,
             &mut s,
             Some(pause),
-            Some(t0()),
+            Some(sent(t0())),
             t0() + ms(2_200)
         ));
         assert_eq!((s.effective_rate, s.paused_until), (40.0, Some(pause)));
@@ -1486,10 +1506,18 @@ mod tests {
             &c,
             &mut s,
             None,
-            Some(t0() + ms(500)),
+            Some(sent(t0() + ms(500))),
             t0() + ms(2_300)
         ));
         assert_eq!(s.effective_rate, 30.0);
+    }
+
+    /// A send that went out at the instant its slot was reserved.
+    fn sent(at: DateTime<Utc>) -> ThrottledSend {
+        ThrottledSend {
+            reserved_at: at,
+            slot_at: at,
+        }
     }
 
     /// A provider with its own token bucket (rate, burst), answering each send at its slot.
@@ -1547,20 +1575,21 @@ mod tests {
         feedback_ms: i64,
     ) -> (usize, usize) {
         let settings = waiting(500);
+        // Reserved, not yet sent: (slot, reserved at).
         let mut pending: Vec<(DateTime<Utc>, DateTime<Utc>)> = Vec::new();
         let (mut accepted, mut throttled) = (0, 0);
         // Sends in flight: answered at.
         let mut answers: Vec<DateTime<Utc>> = Vec::new();
-        // 429s on their way to the bucket: (arriving at, reserved at).
-        let mut feedback: Vec<(DateTime<Utc>, DateTime<Utc>)> = Vec::new();
+        // 429s on their way to the bucket: (arriving at, the send).
+        let mut feedback: Vec<(DateTime<Utc>, ThrottledSend)> = Vec::new();
         for tick in 0..seconds * 1_000 {
             let now = t0() + ms(tick);
             answers.retain(|&answer_at| answer_at > now);
-            feedback.retain(|&(arrives_at, reserved_at)| {
+            feedback.retain(|&(arrives_at, send)| {
                 if arrives_at > now {
                     return true;
                 }
-                let _ = on_throttled_after(config, state, None, Some(reserved_at), now);
+                let _ = on_throttled_after(config, state, None, Some(send), now);
                 false
             });
             while pending.len() + answers.len() < window {
@@ -1573,12 +1602,16 @@ mod tests {
             }
             pending.sort();
             while pending.first().is_some_and(|&(at, _)| at <= now) {
-                let (at, reserved_at) = pending.remove(0);
-                if provider.accepts(at) {
+                let (slot_at, reserved_at) = pending.remove(0);
+                if provider.accepts(slot_at) {
                     accepted += 1;
                 } else {
                     throttled += 1;
-                    feedback.push((now + ms(answer_ms + feedback_ms), reserved_at));
+                    let send = ThrottledSend {
+                        reserved_at,
+                        slot_at,
+                    };
+                    feedback.push((now + ms(answer_ms + feedback_ms), send));
                 }
                 answers.push(now + ms(answer_ms));
             }
@@ -1612,9 +1645,9 @@ mod tests {
     fn a_burst_over_the_providers_sent_through_a_window_with_slow_answers_keeps_the_rate() {
         // As deployed in the drain benchmark: the relay keeps 40 in flight (one second at
         // 40/s), so the burst of 50 is spent over the first answers; the provider answers
-        // 20 ms after each send, and a worker records a 429 up to 0.4 s later. (Recorded after
-        // the burst's time, a 429 is read as the rate's: see `spending_burst`.)
-        for latency_ms in [0, 150, 400] {
+        // 20 ms after each send, and a loaded worker records a 429 up to 2 s later (past the
+        // burst's 1.25 s: the slot, not the arrival, says it was the burst's).
+        for latency_ms in [0, 150, 400, 1_300, 2_000] {
             let c = config(40.0, 50);
             let mut s = BucketState::fresh(&c);
             let mut provider = Provider::new(40.0, 40);
@@ -1636,6 +1669,38 @@ mod tests {
     }
 
     #[test]
+    fn a_bucket_at_twice_the_providers_rate_through_a_window_is_cut_whatever_the_feedbacks_delay() {
+        // The drain benchmark's bucket at 80/s (burst 40) over a provider at 40/s (burst 40),
+        // through the relay's window of one second's sends: the rate is cut to the provider's
+        // neighbourhood however late the 429s are recorded, and the 429s are bounded by what
+        // the delay lets through.
+        for latency_ms in [0, 150, 400, 1_300, 2_000] {
+            let c = config(80.0, 40);
+            let mut s = BucketState::fresh(&c);
+            let mut provider = Provider::new(40.0, 40);
+            let (accepted, throttled) =
+                drain_through_a_window(&c, &mut s, &mut provider, 30, 80, 20, latency_ms);
+            assert!(
+                s.effective_rate <= 45.0,
+                "latency {latency_ms} ms: still at {}/s",
+                s.effective_rate
+            );
+            // The sends over the provider's rate while the 429s are on their way (40/s for
+            // the feedback's delay), plus a burst's worth (40) before the cut takes hold.
+            let bound = 40 + 40 * usize::try_from(latency_ms).unwrap() / 1_000;
+            assert!(
+                throttled <= bound,
+                "latency {latency_ms} ms: {throttled} 429s (bound {bound}), {accepted} accepted"
+            );
+            // Within 2% of the floor's 40 + 40/s.
+            assert!(
+                accepted * 50 >= (40 + 40 * 30) * 49,
+                "latency {latency_ms} ms: accepted {accepted}"
+            );
+        }
+    }
+
+    #[test]
     fn a_429_for_a_send_spending_the_burst_shrinks_it_and_later_ones_of_the_round_do_not() {
         let c = config(40.0, 50);
         let mut s = BucketState::fresh(&c);
@@ -1648,7 +1713,7 @@ mod tests {
             &c,
             &mut s,
             None,
-            Some(t0()),
+            Some(sent(t0())),
             t0() + ms(5)
         ));
         assert_eq!(
@@ -1667,7 +1732,7 @@ mod tests {
             t0() + ms(25)
         );
         let mut after_first = s.clone();
-        let _ = on_throttled_after(&c, &mut s, None, Some(t0()), t0() + ms(6));
+        let _ = on_throttled_after(&c, &mut s, None, Some(sent(t0())), t0() + ms(6));
         after_first.last_throttled_at = Some(t0() + ms(6));
         assert_eq!(
             s, after_first,
@@ -1675,13 +1740,19 @@ mod tests {
         );
         // After the burst's time (37 intervals), a 429 is about the rate again, once
         // another confirms it.
-        let _ = on_throttled_after(&c, &mut s, None, Some(t0() + ms(1_000)), t0() + ms(1_008));
+        let _ = on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(sent(t0() + ms(1_000))),
+            t0() + ms(1_008),
+        );
         assert_eq!(s.effective_rate, 40.0);
         assert!(on_throttled_after(
             &c,
             &mut s,
             None,
-            Some(t0() + ms(1_000)),
+            Some(sent(t0() + ms(1_000))),
             t0() + ms(1_010)
         ));
         assert_eq!(s.effective_rate, 20.0);
@@ -1697,7 +1768,7 @@ mod tests {
             &c,
             &mut s,
             None,
-            Some(t0()),
+            Some(sent(t0())),
             t0() + ms(5)
         ));
         assert_eq!(
@@ -1710,7 +1781,7 @@ mod tests {
             &c,
             &mut s,
             None,
-            Some(t0() + ms(100)),
+            Some(sent(t0() + ms(100))),
             t0() + ms(105)
         ));
         assert_eq!((s.burst_limit, s.effective_rate), (Some(1), 20.0));
@@ -1728,7 +1799,7 @@ mod tests {
         let c = config(40.0, 50);
         let mut s = BucketState::fresh(&c);
         let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
-        let _ = on_throttled_after(&c, &mut s, None, Some(t0()), t0() + ms(5));
+        let _ = on_throttled_after(&c, &mut s, None, Some(sent(t0())), t0() + ms(5));
         assert_eq!(s.burst_limit, Some(37));
         reconfigured(&c, &mut s, t0() + ms(10));
         assert_eq!(
@@ -2070,14 +2141,21 @@ mod tests {
             for (i, &(gap_us, l)) in requests.iter().enumerate() {
                 now += TimeDelta::microseconds(i64::try_from(gap_us).unwrap());
                 let (kind, offset_ms, real) = feedback[i % feedback.len()];
-                let reserved_at = if real && !reserved.is_empty() {
-                    reserved[usize::try_from(offset_ms.unsigned_abs()).unwrap() % reserved.len()]
+                // A real send's reservation and slot, or made-up ones (the slot anywhere from
+                // a second before the reservation to two after).
+                let send = if real && !reserved.is_empty() {
+                    let k = usize::try_from(offset_ms.unsigned_abs()).unwrap() % reserved.len();
+                    ThrottledSend { reserved_at: reserved[k], slot_at: admitted[k] }
                 } else {
-                    now + ms(offset_ms)
+                    let reserved_at = now + ms(offset_ms);
+                    ThrottledSend {
+                        reserved_at,
+                        slot_at: reserved_at + ms((offset_ms * 7).rem_euclid(3_000) - 1_000),
+                    }
                 };
                 match kind {
-                    0 => { let _ = on_throttled_after(&config, &mut state, None, Some(reserved_at), now); }
-                    1 => { let _ = on_throttled_after(&config, &mut state, Some(now + ms(300)), Some(reserved_at), now); }
+                    0 => { let _ = on_throttled_after(&config, &mut state, None, Some(send), now); }
+                    1 => { let _ = on_throttled_after(&config, &mut state, Some(now + ms(300)), Some(send), now); }
                     2 => { let _ = on_success(&config, &mut state, now); }
                     _ => {}
                 }

@@ -36,8 +36,8 @@ pub mod zone;
 
 pub use admission::{
     Admission, AdmissionSettings, BucketConfig, BucketState, DeferReason, InvalidBucket,
-    InvalidShare, MaxShare, TenantCap, admit, admit_capped, on_success, on_suspended, on_throttled,
-    on_throttled_after, reconfigured,
+    InvalidShare, MaxShare, TenantCap, ThrottledSend, admit, admit_capped, on_success,
+    on_suspended, on_throttled, on_throttled_after, reconfigured,
 };
 pub use answer::{
     Alert, BucketSignal, ContactFlag, Effects, ProviderAnswer, ProviderCode, Verdict,

@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use nudge_domain::drain::{self, BucketRates};
 use nudge_domain::{
     Admission, AdmissionSettings, BucketConfig, BucketState, Channel, Lane, MaxShare,
-    ProviderAccount, TenantCap, TenantId, admission,
+    ProviderAccount, TenantCap, TenantId, ThrottledSend, admission,
 };
 
 use crate::{Ledger, LedgerError, LedgerTime};
@@ -51,12 +51,12 @@ impl RateBucket {
 /// What a provider's answer says about the bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Feedback {
-    /// A 429; `retry_at` when it carried a valid Retry-After; `reserved_at` when the send's
-    /// slot was reserved (a 429 for a slot reserved before the last decrease does not lower
-    /// the rate again).
+    /// A 429; `retry_at` when it carried a valid Retry-After; `send` when the send's
+    /// reservation and slot are known (a 429 for a slot reserved before the last decrease does
+    /// not lower the rate again; one for a send that spent the burst shrinks the burst).
     Throttled {
         retry_at: Option<DateTime<Utc>>,
-        reserved_at: Option<DateTime<Utc>>,
+        send: Option<ThrottledSend>,
     },
     Success,
 }
@@ -547,16 +547,12 @@ impl Ledger {
         let config = row.config()?;
         let mut state = row.state();
         let (changed, cause) = match feedback {
-            Feedback::Throttled {
-                retry_at,
-                reserved_at,
-            } => {
+            Feedback::Throttled { retry_at, send } => {
                 let longest =
                     now + chrono::Duration::from_std(max_pause).unwrap_or(chrono::Duration::MAX);
                 let capped = retry_at.filter(|r| *r > longest).map(|_| longest);
                 let kept = capped.or(retry_at);
-                let changed =
-                    admission::on_throttled_after(&config, &mut state, kept, reserved_at, now);
+                let changed = admission::on_throttled_after(&config, &mut state, kept, send, now);
                 let cause = kept
                     .filter(|_| state.paused_until != row.paused_until)
                     .map(|until| {

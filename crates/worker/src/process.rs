@@ -28,7 +28,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use nudge_domain::{
     AdmissionSettings, AttemptContext, AttemptFacts, BucketSignal, Channel, Decision,
-    DeliveryState, OutcomeClass, ProviderAccount, RandJitter, RetryPolicy, SendOutcome, decide,
+    DeliveryState, OutcomeClass, ProviderAccount, RandJitter, RetryPolicy, SendOutcome,
+    ThrottledSend, decide,
 };
 use nudge_ledger::{
     AttemptRecord, Destination, DestinationCipher, Feedback, FenceRefused, LeaseBatch,
@@ -187,9 +188,10 @@ pub struct ToSend {
     held: HeldLease,
     material: Result<Material, LedgerError>,
     slot: SendSlot,
-    /// When the slot was reserved (the database's clock): a 429 for a slot reserved before
-    /// the bucket's last decrease does not lower it again.
-    reserved_at: DateTime<Utc>,
+    /// When the slot was reserved and the slot itself (the database's clock), for a 429's
+    /// feedback: one for a slot reserved before the bucket's last decrease does not lower it
+    /// again, one for a send on the burst's credit shrinks the burst.
+    times: ThrottledSend,
     /// The bucket admitted below its configured rate: a success may raise it back.
     below_full_rate: bool,
     correlation_id: String,
@@ -441,10 +443,7 @@ impl Worker {
                 slot,
             } => {
                 drop(_entered);
-                let reserved_at = match slot {
-                    SendSlot::At { reserved_at, .. } => reserved_at,
-                    SendSlot::Now => leased_at,
-                };
+                let times = slot_times(slot, leased_at);
                 let below_full_rate = below_full_rate.contains(&&lease.provider_account);
                 let held = self.leases.hold(&lease);
                 return Step::Send(Box::new(ToSend {
@@ -452,7 +451,7 @@ impl Worker {
                     lease,
                     material,
                     slot,
-                    reserved_at,
+                    times,
                     below_full_rate,
                     correlation_id: envelope.correlation_id,
                     span,
@@ -519,7 +518,7 @@ impl Worker {
             held,
             material,
             slot,
-            reserved_at,
+            times,
             below_full_rate,
             correlation_id,
             span: _,
@@ -532,21 +531,13 @@ impl Worker {
             // A check that stops a send before its slot is waited for (quiet hours, consent)
             // stands here: after the material is open, before the fence, which checks it
             // again with the database's clock.
-            let reserved_at = self
-                .wait_and_fence(&mut lease, &held, slot, reserved_at)
-                .await?;
+            let times = self.wait_and_fence(&mut lease, &held, slot, times).await?;
             let answered = self
                 .call_provider(provider, &lease, &held, payload, &correlation_id)
                 .await;
             ControlFlow::Continue(
-                self.settle(
-                    lease,
-                    answered,
-                    reserved_at,
-                    below_full_rate,
-                    &correlation_id,
-                )
-                .await,
+                self.settle(lease, answered, times, below_full_rate, &correlation_id)
+                    .await,
             )
         };
         let end = match phases.await {
@@ -644,7 +635,8 @@ impl Worker {
     /// Waits for the reserved slot, then fences (a slot that had come at the lease was fenced
     /// with it: nothing to wait for). The fence renews `lease`; a bucket slowed since the
     /// reservation reserves again (a few times), which renews it too. Returns when the slot the
-    /// send goes out in was reserved (the database's clock), for the bucket's feedback. Ends
+    /// send goes out in was reserved and the slot (the database's clock), for the bucket's
+    /// feedback. Ends
     /// the message when the send may not go: shut down while waiting, the lease lost, the
     /// delivery expired or cancelled, the bucket closed, no new slot in time.
     async fn wait_and_fence(
@@ -652,8 +644,8 @@ impl Worker {
         lease: &mut LeasedDelivery,
         held: &HeldLease,
         mut slot: SendSlot,
-        mut reserved_at: DateTime<Utc>,
-    ) -> Phase<DateTime<Utc>> {
+        mut times: ThrottledSend,
+    ) -> Phase<ThrottledSend> {
         let mut rounds = 0;
         while let SendSlot::At {
             send_at,
@@ -661,7 +653,7 @@ impl Worker {
         } = slot
         {
             rounds += 1;
-            reserved_at = reserved;
+            times = slot_times(slot, reserved);
             if let Ok(wait) = (send_at - reserved).to_std() {
                 tokio::select! {
                     () = tokio::time::sleep(wait) => {}
@@ -700,7 +692,8 @@ impl Worker {
                 Ok(Err(FenceRefused::Slowed)) if rounds < 3 => {
                     let slot = self.reserve_again(lease).await?;
                     held.end().renewed(lease.lease_expires_at);
-                    reserved_at = self.clock.now();
+                    // A slot at once: reserved, and sent, now.
+                    times = slot_times(slot, self.clock.now());
                     slot
                 }
                 Ok(Err(FenceRefused::Slowed)) => {
@@ -731,7 +724,7 @@ impl Worker {
                 }
             };
         }
-        ControlFlow::Continue(reserved_at)
+        ControlFlow::Continue(times)
     }
 
     /// The fence, tried again while the ledger is away (and the worker is not stopping): the
@@ -871,7 +864,7 @@ impl Worker {
         &self,
         lease: LeasedDelivery,
         answered: Answered,
-        reserved_at: DateTime<Utc>,
+        times: ThrottledSend,
         below_full_rate: bool,
         correlation_id: &str,
     ) -> Processed {
@@ -882,13 +875,8 @@ impl Worker {
         } = answered;
         let response_class = nudge_domain::response_class(&outcome);
         let decision = self.decide_attempt(&lease, &outcome, finished_at);
-        self.feedback(
-            &lease.provider_account,
-            &decision,
-            reserved_at,
-            below_full_rate,
-        )
-        .await;
+        self.feedback(&lease.provider_account, &decision, times, below_full_rate)
+            .await;
         self.raise_alert(&lease.provider_account, &decision);
         info!(
             attempt = lease.attempt_number,
@@ -1058,13 +1046,13 @@ impl Worker {
         &self,
         account: &ProviderAccount,
         decision: &Decision,
-        reserved_at: DateTime<Utc>,
+        times: ThrottledSend,
         below_full_rate: bool,
     ) {
         let feedback = match (decision.effects.bucket, decision.facts.outcome_class) {
             (Some(BucketSignal::Throttled { retry_at }), _) => Feedback::Throttled {
                 retry_at,
-                reserved_at: Some(reserved_at),
+                send: Some(times),
             },
             (None, OutcomeClass::Delivered) if below_full_rate => Feedback::Success,
             _ => return,
@@ -1165,5 +1153,23 @@ fn without_send(state: DeliveryState, reason: &str) -> Decision {
             provider_message_id: None,
         },
         effects: nudge_domain::Effects::default(),
+    }
+}
+
+/// A slot's times for the bucket's feedback: when it was reserved and when it comes. A slot
+/// that had come at its reservation (`Now`) went out at `at`, on the bucket's credit.
+fn slot_times(slot: SendSlot, at: DateTime<Utc>) -> ThrottledSend {
+    match slot {
+        SendSlot::At {
+            send_at,
+            reserved_at,
+        } => ThrottledSend {
+            reserved_at,
+            slot_at: send_at,
+        },
+        SendSlot::Now => ThrottledSend {
+            reserved_at: at,
+            slot_at: at,
+        },
     }
 }

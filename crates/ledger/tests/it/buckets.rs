@@ -9,6 +9,7 @@ use chrono::{DateTime, Utc};
 use nudge_domain::drain::{self, BucketRates};
 use nudge_domain::{
     AdmissionSettings, Channel, DeferReason, DeliveryState, IdempotencySupport, ProviderAccount,
+    ThrottledSend,
 };
 use nudge_ledger::test_support::*;
 use nudge_ledger::{
@@ -68,17 +69,34 @@ async fn lease_batch(
         .outcomes
 }
 
-/// A lease waiting for its slot: the last of `burst + 1` leased at once.
-async fn waiting_lease(ledger: &Ledger, burst: usize) -> (LeasedDelivery, DateTime<Utc>) {
+/// A lease waiting for its slot: the last of `burst + 1` leased at once, with its slot's times.
+async fn waiting_lease(ledger: &Ledger, burst: usize) -> (LeasedDelivery, ThrottledSend) {
     let due = due(ledger, burst + 1).await;
     let outcomes = lease_batch(ledger, &due, "worker-1", &wait(500), t0()).await;
     match outcomes.into_iter().last().unwrap() {
         LeaseOutcome::Leased {
             lease,
-            slot: SendSlot::At { reserved_at, .. },
+            slot: SendSlot::At {
+                reserved_at,
+                send_at,
+            },
             ..
-        } => (lease, reserved_at),
+        } => (
+            lease,
+            ThrottledSend {
+                reserved_at,
+                slot_at: send_at,
+            },
+        ),
         other => panic!("expected a waiting lease, got {other:?}"),
+    }
+}
+
+/// A send that went out at its reservation.
+fn at_once(at: DateTime<Utc>) -> ThrottledSend {
+    ThrottledSend {
+        reserved_at: at,
+        slot_at: at,
     }
 }
 
@@ -106,7 +124,7 @@ async fn an_earlier_429(ledger: &Ledger, now: DateTime<Utc>) {
         ledger,
         Feedback::Throttled {
             retry_at: None,
-            reserved_at: None,
+            send: None,
         },
         now - chrono::Duration::milliseconds(100),
     )
@@ -220,7 +238,7 @@ async fn a_429_with_retry_after_pauses_the_bucket_for_every_replica(pool: PgPool
         .ensure_bucket(&main_account(), Channel::Sms, 20.0, 1, t0())
         .await
         .unwrap();
-    let (waiting, reserved_at) = waiting_lease(&ledger, 1).await;
+    let (waiting, send) = waiting_lease(&ledger, 1).await;
     let until = t0() + secs(3);
     an_earlier_429(&ledger, t0() + secs(1)).await;
 
@@ -228,7 +246,7 @@ async fn a_429_with_retry_after_pauses_the_bucket_for_every_replica(pool: PgPool
         &ledger,
         Feedback::Throttled {
             retry_at: Some(until),
-            reserved_at: Some(reserved_at),
+            send: Some(send),
         },
         t0() + secs(1),
     )
@@ -247,7 +265,7 @@ async fn a_429_with_retry_after_pauses_the_bucket_for_every_replica(pool: PgPool
     let fenced = ledger
         .fence(
             &waiting,
-            reserved_at,
+            send.reserved_at,
             LEASE,
             Duration::from_secs(10),
             at(t0() + secs(1)),
@@ -284,13 +302,13 @@ async fn a_slot_reserved_before_a_slow_down_is_reserved_again(pool: PgPool) {
         .ensure_bucket(&main_account(), Channel::Sms, 20.0, 5, t0())
         .await
         .unwrap();
-    let (waiting, reserved_at) = waiting_lease(&ledger, 5).await;
+    let (waiting, ThrottledSend { reserved_at, .. }) = waiting_lease(&ledger, 5).await;
     an_earlier_429(&ledger, t0() + secs(1)).await;
     feedback(
         &ledger,
         Feedback::Throttled {
             retry_at: None,
-            reserved_at: None,
+            send: None,
         },
         t0() + secs(1),
     )
@@ -334,7 +352,7 @@ async fn the_fence_refuses_a_send_that_expired_or_was_cancelled_while_it_waited(
         .ensure_bucket(&main_account(), Channel::Sms, 20.0, 1, t0())
         .await
         .unwrap();
-    let (expiring, reserved_at) = waiting_lease(&ledger, 1).await;
+    let (expiring, ThrottledSend { reserved_at, .. }) = waiting_lease(&ledger, 1).await;
     let after_expiry = expiring.expires_at + secs(1);
     let lease_for = Duration::from_secs(7200);
     // Renew the lease so only the expiry can refuse it.
@@ -439,7 +457,7 @@ async fn a_huge_retry_after_pauses_the_bucket_at_most_the_maximum_and_an_operato
         &ledger,
         Feedback::Throttled {
             retry_at: Some(asked),
-            reserved_at: Some(t0()),
+            send: Some(at_once(t0())),
         },
         t0(),
     )
@@ -468,7 +486,7 @@ async fn a_huge_retry_after_pauses_the_bucket_at_most_the_maximum_and_an_operato
         &ledger,
         Feedback::Throttled {
             retry_at: Some(t0() + secs(120)),
-            reserved_at: Some(t0() + secs(62)),
+            send: Some(at_once(t0() + secs(62))),
         },
         t0() + secs(62),
     )

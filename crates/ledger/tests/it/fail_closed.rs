@@ -192,7 +192,7 @@ async fn a_tenant_whose_own_bucket_is_paused_or_closed_waits_for_it_and_never_go
             Channel::Sms,
             nudge_ledger::Feedback::Throttled {
                 retry_at: Some(pause_until),
-                reserved_at: None,
+                send: None,
             },
             std::time::Duration::from_secs(60),
             at(t0() - chrono::Duration::milliseconds(100)),
@@ -206,7 +206,7 @@ async fn a_tenant_whose_own_bucket_is_paused_or_closed_waits_for_it_and_never_go
             Channel::Sms,
             nudge_ledger::Feedback::Throttled {
                 retry_at: Some(pause_until),
-                reserved_at: None,
+                send: None,
             },
             std::time::Duration::from_secs(60),
             at(t0()),
