@@ -206,6 +206,47 @@ impl Series {
             .filter_map(|n| LocalTime::new(n).ok())
     }
 
+    /// The first occurrence at or after `from`, if the series has one: where the expansion
+    /// resumes. A local time the clocks skip resolves later than the next ones on its day, so
+    /// the rule's times are looked at a day past the first that comes at or after `from`.
+    pub fn next_from(&self, from: DateTime<Utc>) -> Option<Occurrence> {
+        // Past UNTIL (two days of slack, as in `between`) nothing more can come.
+        let stop = self.until.map_or(NaiveDateTime::MAX, |u| {
+            self.zone.local_at(u).naive() + Duration::days(2)
+        });
+        let mut best: Option<Occurrence> = None;
+        for local in self.locals_until(stop) {
+            if best.is_some_and(|b| local.naive() > b.local.naive() + Duration::days(1)) {
+                break;
+            }
+            let o = Occurrence {
+                local,
+                resolved: self.zone.resolve(local),
+            };
+            if self.until.is_some_and(|u| o.instant() > u) || o.instant() < from {
+                continue;
+            }
+            if best.is_none_or(|b| (o.instant(), o.local) < (b.instant(), b.local)) {
+                best = Some(o);
+            }
+        }
+        best
+    }
+
+    /// Up to `n` occurrences at or after `from`, in order.
+    pub fn upcoming(&self, from: DateTime<Utc>, n: usize) -> Vec<Occurrence> {
+        let mut found = Vec::with_capacity(n);
+        let mut from = from;
+        while found.len() < n {
+            let Some(o) = self.next_from(from) else {
+                break;
+            };
+            from = o.instant() + Duration::microseconds(1);
+            found.push(o);
+        }
+        found
+    }
+
     /// The occurrences whose instants fall in `[from, to)`, in order of instant. Two local
     /// times that resolve to one instant (02:30 and 03:30 on a spring-forward day) are one
     /// occurrence, the earlier wall-clock time's.
@@ -343,6 +384,32 @@ mod tests {
     }
 
     #[test]
+    fn the_next_occurrence_is_the_earliest_instant_even_past_a_gap() {
+        // 02:30 and 03:30 daily: on the spring-forward day 02:30 resolves to 03:30 EDT, the
+        // same instant as 03:30; the next after 03:00 EDT that day is that one instant, once.
+        let s = series(
+            "FREQ=DAILY;BYHOUR=2,3;BYMINUTE=30;UNTIL=20270320",
+            "2027-01-01T02:30:00",
+            "America/New_York",
+        );
+        let next = s.next_from(utc("2027-03-14T06:59:00Z")).unwrap();
+        assert_eq!(next.local.to_string(), "2027-03-14T02:30:00");
+        assert_eq!(next.instant(), utc("2027-03-14T07:30:00Z"));
+        let after = s.next_from(next.instant() + Duration::seconds(1)).unwrap();
+        assert_eq!(after.local.to_string(), "2027-03-15T02:30:00");
+        // Nothing after the last.
+        assert_eq!(s.next_from(utc("2027-03-21T12:00:00Z")), None);
+        let counted = series("FREQ=DAILY;COUNT=2", "2027-01-01T08:00:00", "Europe/Berlin");
+        assert_eq!(counted.next_from(utc("2027-01-02T08:00:00Z")), None);
+        assert_eq!(
+            counted
+                .next_from(utc("2026-01-01T00:00:00Z"))
+                .map(|o| o.local.to_string()),
+            Some("2027-01-01T08:00:00".to_owned())
+        );
+    }
+
+    #[test]
     fn weekly_and_monthly_rules_count_and_until() {
         let s = series(
             "RRULE:FREQ=WEEKLY;INTERVAL=2;BYDAY=MO,WE;COUNT=4",
@@ -447,6 +514,13 @@ mod tests {
                 .map(|o| o.local)
                 .collect();
             prop_assert_eq!(pieces, whole);
+            // Where an expansion resumes: the first of what is left.
+            for edge in &edges {
+                prop_assert_eq!(
+                    s.next_from(*edge).map(|o| o.local),
+                    s.between(*edge, to).first().map(|o| o.local)
+                );
+            }
         }
     }
 }

@@ -89,7 +89,7 @@ pub const RETRY_AFTER_S: u64 = 2;
 /// from the request other than the event id.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
-    /// `not_found`, `event_conflict`, `revision_conflict`, `reminder_cancelled`,
+    /// `not_found`, `event_conflict`, `series_conflict`, `revision_conflict`, `reminder_cancelled`,
     /// `subscriber_differs`, `payload_too_large`, `unsupported_media_type`, `request_timeout`,
     /// `ledger_unavailable` or `internal`.
     pub error: &'static str,
@@ -97,6 +97,9 @@ pub struct ErrorBody {
     /// The event id concerned (409 only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub event_id: Option<String>,
+    /// The series id concerned (409 `series_conflict` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub series_id: Option<String>,
     /// The reminder's current revision (409 `revision_conflict` only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub current_revision: Option<i64>,
@@ -108,7 +111,10 @@ pub enum ApiError {
     Invalid(Vec<Problem>),
     Unauthorized(Refusal),
     NotFound,
+    SeriesNotFound,
     EventConflict(String),
+    /// The series id is used for another series (409).
+    SeriesConflict(String),
     /// A replacement refused as it stands (409): a code, a sentence, and the current revision
     /// when that is why.
     Conflict {
@@ -156,6 +162,7 @@ pub fn error_body(status: StatusCode, error: &'static str, message: impl Into<St
             error,
             message: message.into(),
             event_id: None,
+            series_id: None,
             current_revision: None,
         }),
     )
@@ -186,6 +193,24 @@ impl IntoResponse for ApiError {
                 "not_found",
                 "no reminder with this event id for this tenant",
             ),
+            Self::SeriesNotFound => error_body(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "no series with this id for this tenant",
+            ),
+            Self::SeriesConflict(series_id) => (
+                StatusCode::CONFLICT,
+                Json(ErrorBody {
+                    error: "series_conflict",
+                    message: format!(
+                        "series id {series_id:?} is already used for a different series"
+                    ),
+                    event_id: None,
+                    series_id: Some(series_id),
+                    current_revision: None,
+                }),
+            )
+                .into_response(),
             Self::EventConflict(event_id) => (
                 StatusCode::CONFLICT,
                 Json(ErrorBody {
@@ -194,6 +219,7 @@ impl IntoResponse for ApiError {
                         "event id {event_id:?} is already used for a different reminder"
                     ),
                     event_id: Some(event_id),
+                    series_id: None,
                     current_revision: None,
                 }),
             )
@@ -209,6 +235,7 @@ impl IntoResponse for ApiError {
                     error,
                     message,
                     event_id: Some(event_id),
+                    series_id: None,
                     current_revision,
                 }),
             )

@@ -44,7 +44,7 @@ use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 use tracing::{info, warn};
 
-use crate::handlers::{operations, receipts as receipt_routes, reminders, subscribers};
+use crate::handlers::{operations, receipts as receipt_routes, reminders, series, subscribers};
 
 pub use config::{IntakeConfig, IntakeSection};
 pub use metrics::IntakeMetrics;
@@ -65,6 +65,15 @@ pub fn router(state: AppState, body_limit: usize, request_timeout: Duration) -> 
         .route(
             "/v1/tenants/{tenant}/reminders/{event_id}/cancel",
             post(reminders::cancel_reminder),
+        )
+        .route("/v1/tenants/{tenant}/series", post(series::post_series))
+        .route(
+            "/v1/tenants/{tenant}/series/{series_id}",
+            get(series::get_series),
+        )
+        .route(
+            "/v1/tenants/{tenant}/series/{series_id}/cancel",
+            post(series::cancel_series),
         )
         .route(
             "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/contacts",

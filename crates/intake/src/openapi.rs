@@ -9,7 +9,7 @@ use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
-use crate::handlers::{operations, receipts, reminders, subscribers};
+use crate::handlers::{operations, receipts, reminders, series, subscribers};
 
 /// The OpenAPI document, generated from the handlers of [`crate::handlers`] and the types
 /// they name.
@@ -32,6 +32,9 @@ use crate::handlers::{operations, receipts, reminders, subscribers};
         reminders::get_reminder,
         reminders::put_reminder,
         reminders::cancel_reminder,
+        series::post_series,
+        series::get_series,
+        series::cancel_series,
         subscribers::put_contacts,
         subscribers::erase_subscriber,
         receipts::twilio,
@@ -43,6 +46,7 @@ use crate::handlers::{operations, receipts, reminders, subscribers};
     modifiers(&SignatureScheme),
     tags(
         (name = "reminders", description = "Post, read and cancel reminders"),
+        (name = "series", description = "Recurring reminders: post, read and cancel"),
         (name = "subscribers", description = "Destinations and erasure"),
         (name = "receipts", description = "Providers' delivery receipts, signed by the provider"),
         (name = "operations", description = "Health, readiness and this document"),

@@ -383,6 +383,104 @@ pub struct ErasureAnswer {
     pub contacts_deleted: u64,
     pub reminders_erased: u64,
     pub deliveries_cancelled: u64,
+    /// The subscriber's series, cancelled and erased like their reminders.
+    pub series_erased: u64,
+}
+
+/// A recurring reminder: the reminder's fields, a zone, a start in the patient's local time
+/// and an RFC 5545 RRULE. Each occurrence becomes its own reminder, event id
+/// `{series_id}/{local date-time the rule gave}` (`med-42/2027-03-14T08:00:00`), created
+/// within the producer's horizon: a series of years never holds more rows than that. The
+/// rule is expanded on the wall clock: 08:00 stays 08:00 across both daylight-saving changes;
+/// a time the clocks skip happens once, moved forward by the gap; one they repeat happens
+/// once, the first time. The start counts as the first occurrence only when the rule matches
+/// it (RFC 5545).
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SeriesBody {
+    /// The client's id for the series, unique per tenant: posting it again is safe.
+    #[schema(min_length = 1, max_length = 180, pattern = "^[!-~]+$")]
+    pub series_id: String,
+    #[schema(min_length = 1, max_length = 128, pattern = "^[!-~]+$")]
+    pub subscriber_ref: String,
+    #[schema(min_items = 1, max_items = 3)]
+    pub channels: Vec<ChannelName>,
+    /// The IANA zone the rule runs in (`Europe/Berlin`): also the subscriber's zone from then
+    /// on.
+    #[schema(min_length = 1, max_length = 64, example = "Europe/Berlin")]
+    pub time_zone: String,
+    /// The first wall-clock time (`2027-03-01T08:00:00`), at most
+    /// `intake.max_schedule_ahead_days` ahead. Occurrences before the post are not created.
+    #[schema(value_type = String, example = "2027-03-01T08:00:00", pattern = "^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2})?$")]
+    pub start_local: String,
+    /// `FREQ=DAILY|WEEKLY|MONTHLY` with INTERVAL, BYDAY, BYMONTHDAY, BYHOUR, BYMINUTE, WKST,
+    /// and COUNT or UNTIL (one of them; UNTIL as `YYYYMMDD`, `YYYYMMDDTHHMMSS` local or
+    /// `YYYYMMDDTHHMMSSZ`), ending within `intake.max_schedule_ahead_days` of the start and
+    /// at most 24 times a day. `RRULE:` in front is accepted.
+    #[schema(min_length = 1, max_length = 512, example = "FREQ=DAILY;COUNT=30")]
+    pub rrule: String,
+    /// Each occurrence's lifetime: never sent later than this many seconds after its time.
+    #[schema(minimum = 1, maximum = 31622400)]
+    pub expires_after_s: u32,
+    pub destinations: Destinations,
+    #[schema(value_type = Option<Object>)]
+    pub content: Option<Value>,
+    pub quiet_hours: Option<QuietHoursMode>,
+}
+
+/// One occurrence: its event id, the wall-clock time the rule gave, and when it is due.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OccurrenceShape {
+    pub event_id: String,
+    #[schema(value_type = String, example = "2027-03-14T02:30:00")]
+    pub local: String,
+    pub scheduled_at: DateTime<Utc>,
+}
+
+/// The answer to a series' post: 202 `accepted`, or 200 `duplicate` (the same series again).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SeriesAccepted {
+    pub series_id: String,
+    /// `accepted` or `duplicate`.
+    pub status: &'static str,
+    /// Occurrences created with the post (due before the producer's horizon already passed).
+    pub occurrences_created: u64,
+    pub correlation_id: String,
+    /// The next occurrences from now (at most 5).
+    pub upcoming: Vec<OccurrenceShape>,
+}
+
+/// A series as the ledger has it (no subscriber, destination or content).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SeriesState {
+    pub series_id: String,
+    pub channels: Vec<ChannelName>,
+    pub time_zone: String,
+    #[schema(value_type = String, example = "2027-03-01T08:00:00")]
+    pub start_local: String,
+    pub rrule: String,
+    pub expires_after_s: u32,
+    pub created_at: DateTime<Utc>,
+    pub cancelled_at: Option<DateTime<Utc>>,
+    /// The first occurrence not created as a reminder yet (none: all created, or cancelled).
+    pub next_at: Option<DateTime<Utc>>,
+    pub occurrences_created: u64,
+    /// Occurrences a provider was given (sent, delivered, or held as maybe sent).
+    pub occurrences_sent: u64,
+    /// The next occurrences from now (at most 5; none once cancelled).
+    pub upcoming: Vec<OccurrenceShape>,
+}
+
+/// What a series' cancel did: no occurrence is created any more; those created and not sent
+/// are cancelled with their deliveries; those a provider was given are counted.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SeriesCancelAnswer {
+    pub series_id: String,
+    pub occurrences_cancelled: u64,
+    pub deliveries_cancelled: u64,
+    pub occurrences_sent: u64,
+    /// It had been cancelled before: this cancel changed nothing.
+    pub already_cancelled: bool,
 }
 
 /// The API's name of `c`.

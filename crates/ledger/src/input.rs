@@ -417,7 +417,8 @@ fn string<'v>(value: &'v Value, field: &'static str) -> Result<&'v str, InputErr
         .ok_or_else(|| InputError::wrong_type(field, "a string"))
 }
 
-fn channels(value: &Value) -> Result<Vec<Channel>, InputError> {
+/// A `channels` array: at least one of push, email, sms, none twice.
+pub fn channels(value: &Value) -> Result<Vec<Channel>, InputError> {
     let items = value
         .as_array()
         .ok_or_else(|| InputError::wrong_type("channels", "an array of channel names"))?;

@@ -111,6 +111,9 @@ pub struct Erasure {
     pub contacts_deleted: u64,
     pub reminders_erased: u64,
     pub deliveries_cancelled: u64,
+    /// Series of the subscriber: cancelled, their subscriber reference replaced and their
+    /// content dropped, as their reminders'.
+    pub series_erased: u64,
 }
 
 /// Locks the tenant's row for a change to its secrets (two rotations never race), or says
@@ -539,6 +542,21 @@ impl Ledger {
         .execute(&mut *tx)
         .await?
         .rows_affected();
+        // Their series first (a window expanding one holds it, then inserts its reminders):
+        // no occurrence is created for them any more.
+        let series_erased = sqlx::query(
+            "UPDATE series
+             SET subscriber_ref = 'erased:' || id::text, content_ciphertext = NULL,
+                 request_digest = NULL, next_at = NULL,
+                 cancelled_at = COALESCE(cancelled_at, $3), erased_at = $3
+             WHERE tenant_id = $1 AND subscriber_ref = $2",
+        )
+        .bind(tenant_id.as_uuid())
+        .bind(&stored_ref)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
         let reminders: Vec<uuid::Uuid> = sqlx::query_scalar(
             "SELECT id FROM reminders WHERE tenant_id = $1
                AND (subscriber_ref = $2 OR (NOT subscriber_ref_keyed AND subscriber_ref = $3))
@@ -587,6 +605,7 @@ impl Ledger {
             contacts_deleted,
             reminders_erased,
             deliveries_cancelled,
+            series_erased,
         };
         let mut entry = by.entry(
             "subscriber_erase",
@@ -595,6 +614,7 @@ impl Ledger {
                 "contacts_deleted": contacts_deleted,
                 "reminders_erased": reminders_erased,
                 "deliveries_cancelled": deliveries_cancelled,
+                "series_erased": series_erased,
             }),
         );
         entry.at = now;

@@ -39,6 +39,7 @@ mod reschedule;
 mod restore;
 mod retention;
 mod schedules;
+mod series;
 mod status;
 mod tenants;
 #[cfg(feature = "test-support")]
@@ -87,6 +88,10 @@ pub use retention::{
     RetentionRun, RetentionTable, RunEnd, RunState, RunSummary, TableCount,
 };
 pub use schedules::Schedule;
+pub use series::{
+    MAX_SERIES_ID_LEN, NewSeries, SHOWN_OCCURRENCES, SeriesCancellation, SeriesOutcome,
+    SeriesStatus, SeriesSummary, check_series_id, occurrence_event_id,
+};
 pub use status::{ChannelStatus, TenantLateness, TenantLatenessReport};
 pub use tenants::Tenant;
 pub use trace::{

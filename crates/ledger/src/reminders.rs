@@ -222,8 +222,15 @@ pub struct CreatedReminder {
 /// What a producer tick did for one `(tenant, window)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WindowOutcome {
-    /// First run of this window: the run intent was written with this many new deliveries.
-    Materialised { deliveries_created: u64 },
+    /// First run of this window: the run intent was written with this many new deliveries,
+    /// and this many occurrences of the tenant's series became reminders. `series_unexpandable`
+    /// series could not be expanded (their stored rule or zone no longer parses: a zone the tz
+    /// database dropped); they wait, and the producer logs them as errors.
+    Materialised {
+        deliveries_created: u64,
+        occurrences_created: u64,
+        series_unexpandable: u64,
+    },
     /// The window had run before: nothing was created.
     AlreadyRun,
     /// The tenant's intake is paused: no run intent, so the window runs after resume.
@@ -439,6 +446,9 @@ impl Ledger {
         let Some(intent) = intent else {
             return Ok(WindowOutcome::AlreadyRun);
         };
+        // The occurrences of the tenant's series this window reaches become reminders first,
+        // in this transaction, so the read below materialises them with the rest.
+        let expanded = crate::series::expand_series(&mut tx, tenant_id, end, now).await?;
 
         // Streamed through a cursor, WINDOW_BATCH reminders at a time, all in this one
         // transaction: a window may hold any number of reminders, and the producer's memory
@@ -480,6 +490,8 @@ impl Ledger {
         tx.commit().await?;
         Ok(WindowOutcome::Materialised {
             deliveries_created: created,
+            occurrences_created: expanded.occurrences_created,
+            series_unexpandable: expanded.unexpandable,
         })
     }
 

@@ -19,6 +19,7 @@ mod replication;
 mod restore;
 mod retention;
 mod schedule;
+mod series;
 mod status;
 mod table;
 mod trace;
@@ -83,6 +84,9 @@ pub enum Command {
     /// Bulk-load reminders (a clinic moving from another system).
     #[command(subcommand)]
     Reminders(RemindersCommand),
+    /// A tenant's recurring reminders (series): list, show, cancel.
+    #[command(subcommand, long_about = series::HELP)]
+    Series(SeriesCommand),
     /// Set when the producer materialises a tenant's reminders.
     #[command(subcommand)]
     Schedule(ScheduleCommand),
@@ -589,6 +593,37 @@ Needs crypto.destination_key (NUDGE_CRYPTO__DESTINATION_KEY), the key the worker
 for --dry-run, so that a clean dry run means the load can run.";
 
 #[derive(Debug, Subcommand)]
+pub enum SeriesCommand {
+    /// A tenant's series, newest first.
+    List {
+        /// Tenant name.
+        tenant: String,
+        /// Show at most this many (1 to 10000).
+        #[arg(long, default_value_t = 100,
+              value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        limit: u32,
+    },
+    /// One series: its rule, zone and start, counts and its next occurrences.
+    Show {
+        /// Tenant name.
+        tenant: String,
+        /// The client's series id.
+        series_id: String,
+    },
+    /// Cancel a series: no occurrence is created any more; those created and not sent are
+    /// cancelled with their deliveries. Audited.
+    Cancel {
+        /// Tenant name.
+        tenant: String,
+        /// The client's series id.
+        series_id: String,
+        /// Why: recorded in the audit log.
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum ScheduleCommand {
     /// Set (replace) a tenant's schedule: a cron expression and a look-ahead window.
     #[command(
@@ -1047,6 +1082,19 @@ pub async fn execute(
             )
             .await?;
         }
+        Command::Series(SeriesCommand::List { tenant, limit }) => {
+            series::list(ledger, &tenant, limit, out).await?;
+        }
+        Command::Series(SeriesCommand::Show { tenant, series_id }) => {
+            series::show(ledger, &tenant, &series_id, out).await?;
+        }
+        Command::Series(SeriesCommand::Cancel {
+            tenant,
+            series_id,
+            reason,
+        }) => {
+            series::cancel(ledger, actor, &tenant, &series_id, &reason, out).await?;
+        }
         Command::Schedule(ScheduleCommand::Set {
             name,
             cron,
@@ -1236,7 +1284,7 @@ async fn route(
 
 /// The database's clock: every time condition of a read (due, expired, ages) is the
 /// database's, as for the processes; this machine's clock may be anything.
-async fn database_now(ledger: &Ledger) -> anyhow::Result<chrono::DateTime<chrono::Utc>> {
+pub(crate) async fn database_now(ledger: &Ledger) -> anyhow::Result<chrono::DateTime<chrono::Utc>> {
     ledger
         .clock(LedgerTime::Database)
         .await

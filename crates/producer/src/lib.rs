@@ -139,28 +139,52 @@ async fn finish_pass(
                         "failed to acknowledge the schedule pass"),
     }
     for (schedule, outcome) in outcomes {
-        let (label, created) = match &outcome {
+        let (label, created, occurrences) = match &outcome {
             Ok(WindowOutcome::Materialised {
                 deliveries_created: 0,
-            }) => (Some("empty"), 0),
-            Ok(WindowOutcome::Materialised { deliveries_created }) => {
-                (Some("materialised"), *deliveries_created)
-            }
-            Ok(WindowOutcome::Paused) => (Some("paused"), 0),
-            Ok(WindowOutcome::AlreadyRun) => (None, 0),
-            Err(_) => (Some("bad_schedule"), 0),
+                occurrences_created,
+                ..
+            }) => (Some("empty"), 0, *occurrences_created),
+            Ok(WindowOutcome::Materialised {
+                deliveries_created,
+                occurrences_created,
+                ..
+            }) => (
+                Some("materialised"),
+                *deliveries_created,
+                *occurrences_created,
+            ),
+            Ok(WindowOutcome::Paused) => (Some("paused"), 0, 0),
+            Ok(WindowOutcome::AlreadyRun) => (None, 0, 0),
+            Err(_) => (Some("bad_schedule"), 0, 0),
         };
         if let Some(label) = label {
-            metrics.window(label, created);
+            metrics.window(label, created, occurrences);
+        }
+        if let Ok(WindowOutcome::Materialised {
+            series_unexpandable: unexpandable @ 1..,
+            ..
+        }) = &outcome
+        {
+            metrics.series_unexpandable(*unexpandable);
+            error!(tenant_id = %schedule.tenant_id, series = unexpandable,
+                   "series could not be expanded (a stored zone or rule no longer parses, such \
+                    as a zone the tz database dropped): their occurrences wait until mended");
         }
         match outcome {
             // Most windows of a quiet tenant are empty: not worth a line
             // per tick in production logs.
             Ok(WindowOutcome::Materialised {
                 deliveries_created: 0,
+                occurrences_created: 0,
+                ..
             }) => debug!(tenant_id = %schedule.tenant_id, "empty window"),
-            Ok(WindowOutcome::Materialised { deliveries_created }) => info!(
-                tenant_id = %schedule.tenant_id, deliveries_created,
+            Ok(WindowOutcome::Materialised {
+                deliveries_created,
+                occurrences_created,
+                ..
+            }) => info!(
+                tenant_id = %schedule.tenant_id, deliveries_created, occurrences_created,
                 "window materialised"),
             Ok(WindowOutcome::Paused) => {
                 debug!(tenant_id = %schedule.tenant_id, "tenant paused: window withheld")

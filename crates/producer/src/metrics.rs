@@ -28,6 +28,9 @@ struct WindowLabels {
 /// - `nudge_windows_total{outcome}`: schedule windows run, `materialised`, `empty`, `paused`
 ///   (tenant paused: withheld) or `bad_schedule`.
 /// - `nudge_window_deliveries_total`: deliveries the windows created.
+/// - `nudge_series_occurrences_total`: occurrences of series the windows created as reminders.
+/// - `nudge_series_unexpandable_total`: a window's series that could not be expanded (a stored
+///   zone or rule that no longer parses); each is also an error log line.
 #[derive(Debug)]
 pub struct ProducerMetrics {
     registry: Arc<MetricRegistry>,
@@ -36,6 +39,8 @@ pub struct ProducerMetrics {
     unpublished: Family<ChannelLabels, Counter>,
     windows: Family<WindowLabels, Counter>,
     window_deliveries: Counter,
+    series_occurrences: Counter,
+    series_unexpandable: Counter,
 }
 
 impl Default for ProducerMetrics {
@@ -52,6 +57,8 @@ impl ProducerMetrics {
         let unpublished = Family::<ChannelLabels, Counter>::default();
         let windows = Family::<WindowLabels, Counter>::default();
         let window_deliveries = Counter::default();
+        let series_occurrences = Counter::default();
+        let series_unexpandable = Counter::default();
         registry.register(
             "nudge_relay_published",
             "Claimed deliveries published to the work queue with the broker's confirm",
@@ -77,6 +84,16 @@ impl ProducerMetrics {
             "Deliveries created by schedule windows",
             window_deliveries.clone(),
         );
+        registry.register(
+            "nudge_series_occurrences",
+            "Occurrences of recurring series created as reminders by schedule windows",
+            series_occurrences.clone(),
+        );
+        registry.register(
+            "nudge_series_unexpandable",
+            "Series a window could not expand (a stored zone or rule no longer parses)",
+            series_unexpandable.clone(),
+        );
         Self {
             registry: Arc::new(registry),
             published,
@@ -84,6 +101,8 @@ impl ProducerMetrics {
             unpublished,
             windows,
             window_deliveries,
+            series_occurrences,
+            series_unexpandable,
         }
     }
 
@@ -116,10 +135,17 @@ impl ProducerMetrics {
         }
     }
 
-    /// Counts one window run and the deliveries it created.
-    pub fn window(&self, outcome: &'static str, deliveries_created: u64) {
+    /// Counts one window run, the deliveries it created and the series' occurrences it made
+    /// reminders of.
+    pub fn window(&self, outcome: &'static str, deliveries_created: u64, occurrences: u64) {
         self.windows.get_or_create(&WindowLabels { outcome }).inc();
         self.window_deliveries.inc_by(deliveries_created);
+        self.series_occurrences.inc_by(occurrences);
+    }
+
+    /// Counts series a window could not expand.
+    pub fn series_unexpandable(&self, series: u64) {
+        self.series_unexpandable.inc_by(series);
     }
 }
 
@@ -138,8 +164,9 @@ mod tests {
         let metrics = ProducerMetrics::new();
         metrics.published(Channel::Sms, false, 3, 1);
         metrics.published(Channel::Sms, true, 2, 0);
-        metrics.window("materialised", 5);
-        metrics.window("empty", 0);
+        metrics.window("materialised", 5, 2);
+        metrics.window("empty", 0, 1);
+        metrics.series_unexpandable(2);
         let text = metrics.encode().expect("encodes");
         for line in [
             "nudge_relay_published_total{channel=\"sms\"} 3\n",
@@ -148,6 +175,8 @@ mod tests {
             "nudge_windows_total{outcome=\"materialised\"} 1\n",
             "nudge_windows_total{outcome=\"empty\"} 1\n",
             "nudge_window_deliveries_total 5\n",
+            "nudge_series_occurrences_total 3\n",
+            "nudge_series_unexpandable_total 2\n",
         ] {
             assert!(text.contains(line), "{line} missing from {text}");
         }

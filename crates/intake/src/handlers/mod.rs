@@ -12,4 +12,5 @@
 pub mod operations;
 pub mod receipts;
 pub mod reminders;
+pub mod series;
 pub mod subscribers;

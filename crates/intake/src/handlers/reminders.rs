@@ -486,7 +486,7 @@ fn event_id(text: &str) -> Result<EventId, ApiError> {
 }
 
 /// The request's correlation id when it is 1 to 128 printable ASCII characters, else a new one.
-fn correlation_id(headers: &HeaderMap) -> String {
+pub(crate) fn correlation_id(headers: &HeaderMap) -> String {
     headers
         .get(CORRELATION_HEADER)
         .and_then(|v| v.to_str().ok())

@@ -227,6 +227,7 @@ pub async fn erase_subscriber(
     Ok(Json(ErasureAnswer {
         contacts_deleted: erasure.contacts_deleted,
         reminders_erased: erasure.reminders_erased,
+        series_erased: erasure.series_erased,
         deliveries_cancelled: erasure.deliveries_cancelled,
     })
     .into_response())

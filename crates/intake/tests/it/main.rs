@@ -6,5 +6,6 @@ mod away;
 mod commit;
 mod quiet_hours;
 mod receipts;
+mod series;
 mod server;
 mod zones;

@@ -192,6 +192,8 @@ struct CandidateRow {
     max_share: Option<f64>,
     subscriber_ref: String,
     content_ciphertext: Option<Vec<u8>>,
+    /// The content is the series' (an occurrence's own is NULL): sealed bound to the series.
+    content_series: Option<uuid::Uuid>,
     destination_ciphertext: Option<Vec<u8>>,
     destination_digest: Option<Vec<u8>>,
     contact_invalid: bool,
@@ -344,10 +346,11 @@ impl CandidateRow {
             .content_ciphertext
             .as_deref()
             .map(|sealed| {
-                cipher.open(
-                    sealed,
-                    &content_aad(tenant_id, ReminderId::from_uuid(self.reminder_id)),
-                )
+                let aad = match self.content_series {
+                    Some(series) => crate::series::series_content_aad(tenant_id, series),
+                    None => content_aad(tenant_id, ReminderId::from_uuid(self.reminder_id)),
+                };
+                cipher.open(sealed, &aad)
             })
             .transpose()?;
         let contact_flag = if self.contact_opted_out {
@@ -416,7 +419,11 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
         FROM unnest($1::uuid[], $2::bigint[]) AS i(id, generation) ORDER BY i.id)
     SELECT d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
            d.idempotency_key, d.scheduled_at, d.expires_at, a.account, a.bucketed,
-           r.subscriber_ref, r.content_ciphertext,
+           r.subscriber_ref,
+           COALESCE(r.content_ciphertext,
+                    (SELECT s.content_ciphertext FROM series s WHERE s.id = r.series_key))
+               AS content_ciphertext,
+           CASE WHEN r.content_ciphertext IS NULL THEN r.series_key END AS content_series,
            c.destination_ciphertext, c.destination_digest,
            COALESCE(c.invalid, false) AS contact_invalid,
            COALESCE(c.opted_out, false) AS contact_opted_out,

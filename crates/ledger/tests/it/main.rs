@@ -21,6 +21,7 @@ mod restore;
 mod retention;
 mod roles;
 mod schema;
+mod series;
 mod subscribers;
 mod tenant_secrets;
 mod trace;

@@ -103,7 +103,9 @@ async fn a_draining_channel_gets_nothing_new_until_the_drain_ends(pool: PgPool) 
     assert_eq!(
         window,
         WindowOutcome::Materialised {
-            deliveries_created: 0
+            deliveries_created: 0,
+            occurrences_created: 0,
+            series_unexpandable: 0
         }
     );
     assert_eq!(

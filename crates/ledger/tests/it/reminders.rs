@@ -110,7 +110,9 @@ async fn a_window_materialises_one_scheduled_delivery_per_channel_due_at_its_sch
     assert_eq!(
         outcome,
         WindowOutcome::Materialised {
-            deliveries_created: 3
+            deliveries_created: 3,
+            occurrences_created: 0,
+            series_unexpandable: 0
         }
     );
     let deliveries = ledger.deliveries_of_reminder(created.id).await.unwrap();
@@ -156,7 +158,9 @@ async fn a_window_larger_than_one_batch_materialises_every_reminder_once(pool: P
     assert_eq!(
         outcome,
         WindowOutcome::Materialised {
-            deliveries_created: count as u64
+            deliveries_created: count as u64,
+            occurrences_created: 0,
+            series_unexpandable: 0
         }
     );
     let (deliveries, reminders): (i64, i64) =
@@ -235,7 +239,9 @@ async fn two_producers_running_the_same_window_at_once_create_each_delivery_once
             matches!(
                 o,
                 WindowOutcome::Materialised {
-                    deliveries_created: 150
+                    deliveries_created: 150,
+                    occurrences_created: 0,
+                    series_unexpandable: 0
                 }
             )
         })
@@ -289,7 +295,9 @@ async fn a_window_takes_only_reminders_in_its_half_open_range_and_skips_cancelle
     assert_eq!(
         outcome,
         WindowOutcome::Materialised {
-            deliveries_created: 2
+            deliveries_created: 2,
+            occurrences_created: 0,
+            series_unexpandable: 0
         }
     );
 }
@@ -496,7 +504,9 @@ async fn a_paused_tenant_gets_no_run_intent_and_its_window_runs_after_resume(poo
     assert_eq!(
         resumed,
         WindowOutcome::Materialised {
-            deliveries_created: 1
+            deliveries_created: 1,
+            occurrences_created: 0,
+            series_unexpandable: 0
         }
     );
     assert_eq!(

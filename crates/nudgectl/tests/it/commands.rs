@@ -921,3 +921,99 @@ async fn migrate_seals_old_signing_secrets_again_under_the_tenant_secret_key(poo
         .unwrap();
     assert_eq!(opened.secrets.first(), Some(&secret));
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+#[allow(clippy::unwrap_used)]
+async fn series_list_show_and_cancel_read_and_cancel_a_tenants_series_audited(pool: PgPool) {
+    use nudge_domain::series::{Series, SeriesLimits};
+    use nudge_domain::{ExpiresAfter, LocalTime, SubscriberRef, Zone};
+    use nudge_ledger::test_support::cipher;
+
+    let ledger = Ledger::from_pool(pool);
+    create_tenant(&ledger, "clinic-a").await;
+    let tenant = ledger.tenant_by_name("clinic-a").await.unwrap().unwrap();
+    let series = Series::parse(
+        "FREQ=WEEKLY;BYDAY=MO;COUNT=4",
+        LocalTime::parse("2030-01-07T09:00:00").unwrap(),
+        Zone::parse("Europe/London").unwrap(),
+        &SeriesLimits {
+            max_ahead: chrono::TimeDelta::days(366),
+            max_per_day: 24,
+        },
+    )
+    .unwrap();
+    let new = nudge_ledger::NewSeries::new(
+        tenant.id,
+        "inhaler-7",
+        SubscriberRef::parse("patient-7").unwrap(),
+        &[Channel::Email],
+        series,
+        "FREQ=WEEKLY;BYDAY=MO;COUNT=4",
+        ExpiresAfter::from_secs(600).unwrap(),
+    )
+    .unwrap();
+    let contacts = [(
+        Channel::Email,
+        nudge_ledger::Destination::new("p7@example.org".to_owned()),
+    )];
+    ledger
+        .create_series(&new, &contacts, &cipher(), chrono::Utc::now())
+        .await
+        .unwrap();
+
+    let listed = run(&ledger, parse(&["series", "list", "clinic-a"]).unwrap())
+        .await
+        .unwrap();
+    assert!(listed.contains("inhaler-7"), "{listed}");
+    assert!(listed.contains("Europe/London"), "{listed}");
+    assert!(listed.contains("2030-01-07T09:00:00Z"), "{listed}");
+    let shown = run(
+        &ledger,
+        parse(&["series", "show", "clinic-a", "inhaler-7"]).unwrap(),
+    )
+    .await
+    .unwrap();
+    assert!(shown.contains("FREQ=WEEKLY;BYDAY=MO;COUNT=4"), "{shown}");
+    assert!(shown.contains("2030-01-28T09:00:00"), "{shown}");
+    assert!(!shown.contains("p7@example.org") && !shown.contains("patient-7"));
+
+    assert!(
+        parse(&["series", "cancel", "clinic-a", "inhaler-7"]).is_err(),
+        "--reason is required"
+    );
+    let cancelled = run(
+        &ledger,
+        parse(&[
+            "series",
+            "cancel",
+            "clinic-a",
+            "inhaler-7",
+            "--reason",
+            "course ended",
+        ])
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        cancelled.starts_with("series inhaler-7 cancelled"),
+        "{cancelled}"
+    );
+    let audit = ledger.recent_audit(1).await.unwrap();
+    assert_eq!(audit[0].action, "series_cancel");
+    assert_eq!(audit[0].reason.as_deref(), Some("course ended"));
+    let shown = run(
+        &ledger,
+        parse(&["series", "show", "clinic-a", "inhaler-7"]).unwrap(),
+    )
+    .await
+    .unwrap();
+    assert!(shown.contains("upcoming      none"), "{shown}");
+    let unknown = run(
+        &ledger,
+        parse(&["series", "show", "clinic-a", "nope"]).unwrap(),
+    )
+    .await
+    .unwrap_err();
+    assert!(unknown.to_string().contains("no series"), "{unknown}");
+}
