@@ -20,4 +20,5 @@ mod push_providers;
 mod reschedule_race;
 mod restore_refusal;
 mod retries;
+mod series;
 mod traces;
