@@ -7,6 +7,8 @@
 
 use std::fmt;
 
+pub mod series;
+
 use chrono::{DateTime, Utc};
 use nudge_domain::{
     Channel, EventId, ExpiresAfter, Expiry, IdError, InvalidExpiresAfter, InvalidLocalTime,

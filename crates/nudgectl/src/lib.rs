@@ -578,6 +578,12 @@ Timestamps are RFC 3339 with an offset; expires_at must be after scheduled_at. `
 optional (any JSON object); so is `revision` (the reminder's first revision, 0 when absent; a
 reschedule must give a higher one). Unknown fields are an error. Blank lines are skipped.
 
+A line with `series_id` instead of `event_id` is a recurring reminder, in the fields of
+POST /v1/tenants/{tenant}/series (`time_zone`, `start_local`, `rrule`, `expires_after_s`, ...)
+plus `tenant`: recorded when it is read, in its own transaction; its occurrences are created by
+the producer's windows. It may start and end at most 400 days ahead; a rule is refused by its
+kind, never quoted.
+
 Each line is imported in its own transaction (the reminder and its encrypted destinations),
 so a bad line writes nothing and the good lines still load. Re-posting an event id with the
 same reminder counts as already present, so loading a file again is safe; re-using it for a

@@ -27,15 +27,21 @@ use std::sync::Arc;
 use anyhow::Context;
 use chrono::Utc;
 use nudge_domain::TenantId;
+use nudge_domain::series::SeriesLimits;
+use nudge_ledger::input::series::{MAX_PER_DAY, SeriesInput, SeriesProblem, is_series};
 use nudge_ledger::input::{InputError, ReminderInput, TenantField};
 use nudge_ledger::{
     AuditEntry, DestinationCipher, FallbackZones, ImportOutcome, ImportReminder, Ledger,
-    LedgerError,
+    LedgerError, SeriesOutcome,
 };
 use nudge_telemetry::error_chain;
 use serde::Serialize;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader};
 use tokio::task::JoinHandle;
+
+/// How far ahead a loaded series may start, and end after its start (the intake's default
+/// `intake.max_schedule_ahead_days`).
+const SERIES_AHEAD: chrono::TimeDelta = chrono::TimeDelta::days(400);
 
 /// A progress line goes to the error stream after every this many input lines.
 const PROGRESS_EVERY: u64 = 1000;
@@ -284,6 +290,8 @@ enum Pending {
         tenant: String,
         item: ImportReminder,
     },
+    /// A series line, recorded when it was read (its own transaction).
+    Recorded(Loaded),
 }
 
 /// What one good line did.
@@ -421,8 +429,15 @@ impl Loader<'_> {
         self.finish(err).await
     }
 
-    /// Parses a line and resolves its tenant; `Err` only when the tenant lookup failed.
+    /// Parses a line and resolves its tenant; `Err` only when the tenant lookup failed (or,
+    /// for a series line, recording it).
     async fn check_line(&mut self, bytes: &[u8]) -> anyhow::Result<Pending> {
+        if bytes.windows(11).any(|w| w == b"\"series_id\"")
+            && let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes)
+            && is_series(&value)
+        {
+            return self.series_line(value).await;
+        }
         let line = match ReminderInput::parse(bytes, TenantField::Required) {
             Ok(line) => line,
             Err(e) => return Ok(Pending::Rejected(e.into())),
@@ -453,6 +468,64 @@ impl Loader<'_> {
             return Ok(Pending::Valid);
         }
         Ok(Pending::Import { tenant, item })
+    }
+
+    /// A series line (`series_id` instead of `event_id`): checked as the intake checks a
+    /// series, and recorded now, in its own transaction, with its digest taken over the line
+    /// without `tenant` (the same series posted to the intake, or loaded again, is already
+    /// present). Its first occurrences are created by the producer's windows.
+    async fn series_line(&mut self, mut value: serde_json::Value) -> anyhow::Result<Pending> {
+        let input = match SeriesInput::from_value(value.clone(), TenantField::Required) {
+            Ok(input) => input,
+            Err(problems) => return Ok(Pending::Rejected(LineError::Series(joined(&problems)))),
+        };
+        let tenant = input.tenant.clone().unwrap_or_default();
+        let Some(tenant_id) = self.tenant_id(&tenant).await? else {
+            return Ok(Pending::Rejected(LineError::UnknownTenant(tenant)));
+        };
+        let now = DatabaseClock::get(&self.clock, self.ledger)
+            .await
+            .context("failed to read the database's clock")?
+            .now();
+        let limits = SeriesLimits {
+            max_ahead: SERIES_AHEAD,
+            max_per_day: MAX_PER_DAY,
+        };
+        let (new, contacts) = match input.into_new(tenant_id, &limits, now + SERIES_AHEAD) {
+            Ok(parts) => parts,
+            Err(problems) => return Ok(Pending::Rejected(LineError::Series(joined(&problems)))),
+        };
+        if self.dry_run {
+            return Ok(Pending::Valid);
+        }
+        if let serde_json::Value::Object(map) = &mut value {
+            map.remove("tenant");
+        }
+        let canonical = serde_json::to_vec(&value).context("failed to read the line back")?;
+        let digest = self
+            .cipher
+            .request_digest(tenant_id, &canonical)
+            .context("failed to take the series' digest")?;
+        let new = new.with_request_digest(digest);
+        let outcome = self
+            .ledger
+            .create_series(&new, &contacts, self.cipher, now)
+            .await
+            .context("failed to record a series")?;
+        Ok(match outcome {
+            SeriesOutcome::Created { .. } => {
+                *self.loaded_per_tenant.entry(tenant).or_default() += 1;
+                Pending::Recorded(Loaded::New {
+                    deliveries_created: 0,
+                })
+            }
+            SeriesOutcome::AlreadyPresent { .. } => Pending::Recorded(Loaded::AlreadyPresent),
+            SeriesOutcome::Conflict => Pending::Rejected(LineError::SeriesConflict {
+                tenant,
+                series_id: new.series_id().to_owned(),
+            }),
+            SeriesOutcome::UnknownTenant => Pending::Rejected(LineError::UnknownTenant(tenant)),
+        })
     }
 
     /// Hands the pending lines to the ledger as one chunk (its own transaction, written in
@@ -567,6 +640,7 @@ impl Loader<'_> {
             let result = match pending {
                 Pending::Rejected(reason) => Err(reason),
                 Pending::Valid => Ok(Loaded::Valid),
+                Pending::Recorded(loaded) => Ok(loaded),
                 Pending::Import { tenant, item } => match outcomes.next() {
                     Some(ImportOutcome::Created {
                         deliveries_created, ..
@@ -642,4 +716,18 @@ enum LineError {
     UnknownTenant(String),
     #[error("event_id {event_id:?} of tenant {tenant:?} is already used for a different reminder")]
     EventConflict { tenant: String, event_id: String },
+    /// A series line's problems, each `field: problem`.
+    #[error("{0}")]
+    Series(String),
+    #[error("series_id {series_id:?} of tenant {tenant:?} is already used for a different series")]
+    SeriesConflict { tenant: String, series_id: String },
+}
+
+/// A series line's problems, each `field: problem`, in one line.
+fn joined(problems: &[SeriesProblem]) -> String {
+    problems
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -8,9 +8,9 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use nudge_domain::series::{Occurrence, Series, SeriesLimits};
-use nudge_domain::{ExpiresAfter, LocalTime, SubscriberRef, Zone};
-use nudge_ledger::input::{channels, destinations};
+use nudge_domain::series::{Occurrence, SeriesLimits};
+use nudge_ledger::input::TenantField;
+use nudge_ledger::input::series::{MAX_PER_DAY, SeriesInput, SeriesProblem};
 use nudge_ledger::{LedgerTime, NewSeries, SeriesOutcome, occurrence_event_id};
 use serde_json::Value;
 
@@ -22,23 +22,6 @@ use crate::shapes::{
     SeriesState, channel_name,
 };
 use crate::state::AppState;
-
-/// The most occurrences a series may have on one day.
-pub const MAX_PER_DAY: usize = 24;
-
-/// The fields of a series, as an unknown field's problem lists them.
-const FIELDS: &[&str] = &[
-    "series_id",
-    "subscriber_ref",
-    "channels",
-    "time_zone",
-    "start_local",
-    "rrule",
-    "expires_after_s",
-    "destinations",
-    "content",
-    "quiet_hours",
-];
 
 /// Record a recurring reminder (series).
 ///
@@ -245,203 +228,31 @@ struct Parsed {
     ignore_quiet_hours: bool,
 }
 
-/// Reads a series' body: every problem found, each by its field, never quoting a value.
+/// Reads a series' body (the format shared with `reminders load`): every problem found, each
+/// by its field, never quoting a value.
 fn parse(
     state: &AppState,
     tenant_id: nudge_domain::TenantId,
     value: Value,
 ) -> Result<Parsed, ApiError> {
-    let Value::Object(map) = value else {
-        return Err(ApiError::invalid("", "expected a JSON object"));
+    let problems = |found: Vec<SeriesProblem>| {
+        ApiError::Invalid(
+            found
+                .into_iter()
+                .map(|p| Problem::new(p.path, p.problem))
+                .collect(),
+        )
     };
-    let mut problems = Vec::new();
-    if map.keys().any(|k| !FIELDS.contains(&k.as_str())) {
-        problems.push(Problem::new(
-            "",
-            format!(
-                "has a field that is not one of {}; its name is not repeated, as it could be \
-                 patient data",
-                FIELDS.join(", ")
-            ),
-        ));
-    }
-    let text = |field: &'static str, problems: &mut Vec<Problem>| -> Option<String> {
-        match map.get(field) {
-            Some(Value::String(s)) => Some(s.clone()),
-            Some(_) => {
-                problems.push(Problem::new(format!("/{field}"), "must be a string"));
-                None
-            }
-            None => {
-                problems.push(Problem::new(format!("/{field}"), "is required"));
-                None
-            }
-        }
+    let input = SeriesInput::from_value(value, TenantField::Absent).map_err(problems)?;
+    let ignore_quiet_hours = input.ignore_quiet_hours;
+    let ahead = state.limits().max_schedule_ahead;
+    let limits = SeriesLimits {
+        max_ahead: ahead,
+        max_per_day: MAX_PER_DAY,
     };
-    let series_id = text("series_id", &mut problems).and_then(|id| {
-        nudge_ledger::check_series_id(&id)
-            .map(|()| id)
-            .map_err(|_| {
-                problems.push(Problem::new(
-                    "/series_id",
-                    "must be 1 to 180 visible ASCII characters",
-                ));
-            })
-            .ok()
-    });
-    let subscriber = text("subscriber_ref", &mut problems).and_then(|s| {
-        SubscriberRef::parse(&s)
-            .map_err(|e| problems.push(Problem::new("/subscriber_ref", e.to_string())))
-            .ok()
-    });
-    let channels = match map.get("channels") {
-        Some(value) => channels(value)
-            .map_err(|e| problems.push(Problem::input("", &e)))
-            .ok(),
-        None => {
-            problems.push(Problem::new("/channels", "is required"));
-            None
-        }
-    };
-    let contacts = match (map.get("destinations"), &channels) {
-        (Some(value), Some(channels)) => destinations(value, channels)
-            .map_err(|e| problems.push(Problem::input("", &e)))
-            .ok(),
-        (None, _) => {
-            problems.push(Problem::new("/destinations", "is required"));
-            None
-        }
-        (Some(_), None) => None,
-    };
-    let zone = text("time_zone", &mut problems).and_then(|z| {
-        Zone::parse(&z)
-            .map_err(|_| {
-                problems.push(Problem::new(
-                    "/time_zone",
-                    "is not a zone of the built-in tz database (an IANA name such as \
-                     Europe/Berlin)",
-                ));
-            })
-            .ok()
-    });
-    let start = text("start_local", &mut problems).and_then(|s| {
-        LocalTime::parse(&s)
-            .map_err(|_| {
-                problems.push(Problem::new(
-                    "/start_local",
-                    "must be a local date and time, YYYY-MM-DDTHH:MM[:SS], without an offset",
-                ));
-            })
-            .ok()
-    });
-    let rule = text("rrule", &mut problems);
-    let expires_after = match map.get("expires_after_s") {
-        Some(value) => value
-            .as_u64()
-            .and_then(|s| ExpiresAfter::from_secs(s).ok())
-            .or_else(|| {
-                problems.push(Problem::new(
-                    "/expires_after_s",
-                    "must be an integer from 1 to 31622400",
-                ));
-                None
-            }),
-        None => {
-            problems.push(Problem::new("/expires_after_s", "is required"));
-            None
-        }
-    };
-    let content = match map.get("content") {
-        None | Some(Value::Null) => None,
-        Some(content @ Value::Object(_)) => {
-            let bytes = content.to_string().into_bytes();
-            if bytes.len() > nudge_ledger::MAX_CONTENT_BYTES {
-                problems.push(Problem::new(
-                    "/content",
-                    "is longer than 16384 bytes (as JSON text)",
-                ));
-                None
-            } else {
-                Some(bytes)
-            }
-        }
-        Some(_) => {
-            problems.push(Problem::new("/content", "must be a JSON object"));
-            None
-        }
-    };
-    let ignore_quiet_hours = match map.get("quiet_hours") {
-        None | Some(Value::Null) => false,
-        Some(Value::String(m)) if m == "respect" => false,
-        Some(Value::String(m)) if m == "ignore" => true,
-        Some(_) => {
-            problems.push(Problem::new(
-                "/quiet_hours",
-                "must be \"respect\" or \"ignore\"",
-            ));
-            false
-        }
-    };
-    // The rule, once its zone and start are known.
-    let series = match (&rule, zone, start) {
-        (Some(rule), Some(zone), Some(start)) => {
-            let ahead = state.limits().max_schedule_ahead;
-            if zone.resolve(start).instant > state.now() + ahead {
-                problems.push(Problem::new(
-                    "/start_local",
-                    format!(
-                        "is more than {} days ahead (intake.max_schedule_ahead_days)",
-                        ahead.num_days()
-                    ),
-                ));
-                None
-            } else {
-                let limits = SeriesLimits {
-                    max_ahead: ahead,
-                    max_per_day: MAX_PER_DAY,
-                };
-                Series::parse(rule, start, zone, &limits)
-                    .map_err(|e| problems.push(Problem::new("/rrule", e.to_string())))
-                    .ok()
-            }
-        }
-        _ => None,
-    };
-    if !problems.is_empty() {
-        return Err(ApiError::Invalid(problems));
-    }
-    let (
-        Some(series_id),
-        Some(subscriber),
-        Some(channels),
-        Some(contacts),
-        Some(series),
-        Some(rule),
-        Some(expires_after),
-    ) = (
-        series_id,
-        subscriber,
-        channels,
-        contacts,
-        series,
-        rule,
-        expires_after,
-    )
-    else {
-        return Err(ApiError::invalid("", "the series cannot be accepted"));
-    };
-    let series = NewSeries::new(
-        tenant_id,
-        &series_id,
-        subscriber,
-        &channels,
-        series,
-        &rule,
-        expires_after,
-    )
-    .and_then(|s| s.with_content(content))
-    .map_err(|e| ApiError::invalid("", e.to_string()))?
-    .ignoring_quiet_hours(ignore_quiet_hours);
+    let (series, contacts) = input
+        .into_new(tenant_id, &limits, state.now() + ahead)
+        .map_err(problems)?;
     Ok(Parsed {
         series,
         contacts,

@@ -568,3 +568,57 @@ async fn local_times_load_in_the_patients_zone_whatever_the_hosts_zone_is(pool: 
         .collect();
     assert_eq!(stored, expected);
 }
+
+/// A reminder and two series (one good, one whose rule never ends), then the good series again
+/// with another rule under its id.
+const WITH_SERIES: &str = r#"{"tenant": "clinic-a", "event_id": "appt-1", "subscriber_ref": "patient-1", "channels": ["sms"], "scheduled_at": "2099-11-30T09:00:00Z", "expires_at": "2099-11-30T10:00:00Z", "destinations": {"sms": "+15550101"}}
+{"tenant": "clinic-a", "series_id": "med-1", "subscriber_ref": "patient-2", "channels": ["sms"], "time_zone": "Europe/Berlin", "start_local": "2027-01-04T08:00:00", "rrule": "FREQ=WEEKLY;BYDAY=MO;COUNT=8", "expires_after_s": 3600, "destinations": {"sms": "+15550105"}, "content": {"template": "appointment-reminder"}}
+{"tenant": "clinic-a", "series_id": "med-2", "subscriber_ref": "patient-5", "channels": ["sms"], "time_zone": "Mars/Base", "start_local": "2027-01-04T08:00:00", "rrule": "FREQ=DAILY", "expires_after_s": 0, "destinations": {"sms": "+15550106"}}
+{"tenant": "clinic-a", "series_id": "med-1", "subscriber_ref": "patient-2", "channels": ["sms"], "time_zone": "Europe/Berlin", "start_local": "2027-01-04T08:00:00", "rrule": "FREQ=WEEKLY;BYDAY=MO;COUNT=9", "expires_after_s": 3600, "destinations": {"sms": "+15550105"}, "content": {"template": "appointment-reminder"}}
+"#;
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn series_lines_load_beside_reminders_and_loading_again_finds_them_present(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    create_tenants(&ledger, &["clinic-a"]).await;
+    // Far enough ahead of any clock this test runs under for the series to start in the
+    // future, near enough for the schedule-ahead limit: computed from now.
+    let start = (chrono::Utc::now() + chrono::Duration::days(30))
+        .format("%Y-%m-%dT08:00:00")
+        .to_string();
+    let text = WITH_SERIES.replace("2027-01-04T08:00:00", &start);
+    let file = input_file("series", &text);
+
+    let outcome = load(&ledger, file.clone(), false, false).await;
+    assert!(outcome.result.is_err(), "two lines are rejected");
+    assert!(
+        outcome
+            .out
+            .starts_with("loaded 2 new, 0 already present, 2 rejected (of 4 lines)"),
+        "{}",
+        outcome.out
+    );
+    let rejected: Vec<&str> = outcome.err.lines().collect();
+    assert_eq!(rejected.len(), 2, "{}", outcome.err);
+    assert!(rejected[0].starts_with("line 3: "), "{}", rejected[0]);
+    for field in ["time_zone:", "expires_after_s:"] {
+        assert!(rejected[0].contains(field), "{}", rejected[0]);
+    }
+    assert_eq!(
+        rejected[1],
+        "line 4: series_id \"med-1\" of tenant \"clinic-a\" is already used for a different series"
+    );
+    assert_nothing_sensitive(&outcome.everything_shown());
+    assert_eq!(count(&pool, "SELECT count(*) FROM series").await, 1);
+
+    // Again: the reminder and the series are already present.
+    let again = load(&ledger, file, false, false).await;
+    assert!(
+        again
+            .out
+            .starts_with("loaded 0 new, 2 already present, 2 rejected (of 4 lines)"),
+        "{}",
+        again.out
+    );
+    assert_eq!(count(&pool, "SELECT count(*) FROM series").await, 1);
+}
