@@ -383,6 +383,72 @@ mod tests {
         );
     }
 
+    /// Daily series at 08:00, 02:30 and 01:30 (New York's, London's and Lord Howe's changes
+    /// happen between 01:00 and 03:00) on both change days of each zone: each day has exactly
+    /// one occurrence, 08:00 stays 08:00, a skipped time comes after the gap, a repeated one the
+    /// first time. Printed as the table it checks.
+    #[test]
+    fn the_series_dst_table() {
+        // (zone, spring-forward day, fall-back day, the wall clock a skipped time comes at:
+        // New York skips 02:00-03:00, London 01:00-02:00, Lord Howe 02:00-02:30).
+        let zones = [
+            ("America/New_York", "2027-03-14", "2027-11-07", "03:30:00"),
+            ("Europe/London", "2027-03-28", "2027-10-31", "02:30:00"),
+            ("Australia/Lord_Howe", "2027-10-03", "2027-04-04", "-"),
+        ];
+        println!(
+            "{:<20} {:<6} {:<11} {:<20} {:<26} {}",
+            "zone", "daily", "day", "occurrence (local)", "due (UTC)", "wall clock then"
+        );
+        for (zone, spring, fall, skipped_at) in zones {
+            let z = Zone::parse(zone).unwrap();
+            for time in ["08:00:00", "02:30:00", "01:30:00"] {
+                let s = series("FREQ=DAILY;COUNT=365", &format!("2027-01-01T{time}"), zone);
+                for (day, kind) in [(spring, "spring"), (fall, "fall")] {
+                    let d = NaiveDate::parse_from_str(day, "%Y-%m-%d").unwrap();
+                    let from = z.resolve(LocalTime::new(d.and_hms_opt(0, 0, 0).unwrap()).unwrap());
+                    let to = z.resolve(
+                        LocalTime::new((d + Duration::days(1)).and_hms_opt(0, 0, 0).unwrap())
+                            .unwrap(),
+                    );
+                    let found = s.between(from.instant, to.instant);
+                    assert_eq!(found.len(), 1, "{zone} {day} {time}: {found:?}");
+                    let o = found[0];
+                    let wall = z.local_at(o.instant()).naive().time().to_string();
+                    println!(
+                        "{zone:<20} {:<6} {day:<11} {:<20} {:<26} {wall} ({kind})",
+                        &time[..5],
+                        o.local.to_string(),
+                        o.instant().to_rfc3339()
+                    );
+                    assert_eq!(o.local.to_string(), format!("{day}T{time}"));
+                    let in_gap = kind == "spring"
+                        && z.resolve(o.local).kind != crate::zone::Resolution::Exact;
+                    if in_gap {
+                        assert_eq!(wall, skipped_at, "{zone} {day} {time}");
+                    } else {
+                        assert_eq!(wall, time, "{zone} {day} {time}: on the wall clock");
+                    }
+                    if kind == "fall"
+                        && let crate::zone::Resolution::Repeated { .. } = z.resolve(o.local).kind
+                    {
+                        // A repeated time: the first of its two instants (the later offset).
+                        let second = o.instant()
+                            + Duration::seconds(
+                                i64::from(z.offset_at(o.instant()).local_minus_utc())
+                                    - i64::from(
+                                        z.offset_at(o.instant() + Duration::hours(3))
+                                            .local_minus_utc(),
+                                    ),
+                            );
+                        assert!(second > o.instant(), "{zone} {day} {time}");
+                        assert_eq!(z.local_at(second).naive(), o.local.naive());
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_next_occurrence_is_the_earliest_instant_even_past_a_gap() {
         // 02:30 and 03:30 daily: on the spring-forward day 02:30 resolves to 03:30 EDT, the
