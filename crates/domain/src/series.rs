@@ -87,8 +87,11 @@ const KEYS: &[&str] = &[
 
 /// The rule without UNTIL (for `rrule`), and UNTIL as nudge reads it.
 fn prepass(text: &str, zone: Zone) -> Result<(String, Option<DateTime<Utc>>), SeriesError> {
+    if text.len() > 512 {
+        return Err(SeriesError::Rule);
+    }
     let body = text.strip_prefix("RRULE:").unwrap_or(text);
-    if body.is_empty() || body.len() > 512 || !body.is_ascii() {
+    if body.is_empty() || !body.is_ascii() {
         return Err(SeriesError::Rule);
     }
     let mut kept = Vec::new();

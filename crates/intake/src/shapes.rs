@@ -416,7 +416,7 @@ pub struct SeriesBody {
     /// `FREQ=DAILY|WEEKLY|MONTHLY` with INTERVAL, BYDAY, BYMONTHDAY, BYHOUR, BYMINUTE, WKST,
     /// and COUNT or UNTIL (one of them; UNTIL as `YYYYMMDD`, `YYYYMMDDTHHMMSS` local or
     /// `YYYYMMDDTHHMMSSZ`), ending within `intake.max_schedule_ahead_days` of the start and
-    /// at most 24 times a day. `RRULE:` in front is accepted.
+    /// at most 24 times a day. `RRULE:` in front is accepted (512 bytes in all).
     #[schema(min_length = 1, max_length = 512, example = "FREQ=DAILY;COUNT=30")]
     pub rrule: String,
     /// Each occurrence's lifetime: never sent later than this many seconds after its time.
@@ -467,8 +467,11 @@ pub struct SeriesState {
     pub occurrences_created: u64,
     /// Occurrences a provider was given (sent, delivered, or held as maybe sent).
     pub occurrences_sent: u64,
-    /// The next occurrences from now (at most 5; none once cancelled).
+    /// The next occurrences from now (at most 5; none once cancelled or unexpandable).
     pub upcoming: Vec<OccurrenceShape>,
+    /// Its zone or rule no longer parses (a zone this build's tz database lacks): no
+    /// occurrence is created until it is mended (post it again under a new id and cancel it).
+    pub unexpandable: bool,
 }
 
 /// What a series' cancel did: no occurrence is created any more; those created and not sent

@@ -542,17 +542,25 @@ impl Ledger {
         .execute(&mut *tx)
         .await?
         .rows_affected();
-        // Their series first (a window expanding one holds it, then inserts its reminders):
-        // no occurrence is created for them any more.
-        let series_erased = sqlx::query(
-            "UPDATE series
-             SET subscriber_ref = 'erased:' || id::text, content_ciphertext = NULL,
-                 request_digest = NULL, next_at = NULL,
-                 cancelled_at = COALESCE(cancelled_at, $3), erased_at = $3
-             WHERE tenant_id = $1 AND subscriber_ref = $2",
+        // Their series first (a window expanding one holds it, then inserts its reminders),
+        // locked in id order as the window locks them: no occurrence is created for them any
+        // more.
+        let series: Vec<uuid::Uuid> = sqlx::query_scalar(
+            "SELECT id FROM series WHERE tenant_id = $1 AND subscriber_ref = $2
+             ORDER BY id FOR NO KEY UPDATE",
         )
         .bind(tenant_id.as_uuid())
         .bind(&stored_ref)
+        .fetch_all(&mut *tx)
+        .await?;
+        let series_erased = sqlx::query(
+            "UPDATE series
+             SET subscriber_ref = 'erased:' || id::text, content_ciphertext = NULL,
+                 request_digest = NULL, next_at = NULL, next_local = NULL,
+                 cancelled_at = COALESCE(cancelled_at, $2), erased_at = $2
+             WHERE id = ANY($1)",
+        )
+        .bind(&series)
         .bind(now)
         .execute(&mut *tx)
         .await?

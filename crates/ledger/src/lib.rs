@@ -89,8 +89,9 @@ pub use retention::{
 };
 pub use schedules::Schedule;
 pub use series::{
-    MAX_SERIES_ID_LEN, NewSeries, SHOWN_OCCURRENCES, SeriesCancellation, SeriesOutcome,
-    SeriesStatus, SeriesSummary, check_series_id, occurrence_event_id,
+    MAX_SERIES_ID_LEN, NewSeries, RESERVED_EVENT_ID, SHOWN_OCCURRENCES, SeriesCancellation,
+    SeriesOutcome, SeriesStatus, SeriesSummary, check_series_id, is_occurrence_event_id,
+    occurrence_event_id,
 };
 pub use status::{ChannelStatus, TenantLateness, TenantLatenessReport};
 pub use tenants::Tenant;

@@ -448,7 +448,8 @@ impl Ledger {
         };
         // The occurrences of the tenant's series this window reaches become reminders first,
         // in this transaction, so the read below materialises them with the rest.
-        let expanded = crate::series::expand_series(&mut tx, tenant_id, end, now).await?;
+        let expanded = crate::series::expand_series(&mut tx, tenant_id, start, end, now).await?;
+        let mut created = insert_deliveries(&mut tx, tenant_id, &expanded.early, now).await?;
 
         // Streamed through a cursor, WINDOW_BATCH reminders at a time, all in this one
         // transaction: a window may hold any number of reminders, and the producer's memory
@@ -464,7 +465,6 @@ impl Ledger {
         .bind(end)
         .execute(&mut *tx)
         .await?;
-        let mut created = 0;
         loop {
             let reminders: Vec<WindowReminder> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
                 "FETCH FORWARD {WINDOW_BATCH} FROM window_reminders"

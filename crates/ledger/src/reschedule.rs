@@ -397,6 +397,7 @@ impl Ledger {
             "UPDATE reminders
              SET channels = $2, scheduled_at = $3, expires_at = $4,
                  content_ciphertext = CASE WHEN $8 THEN $5 ELSE content_ciphertext END,
+                 content_from_series = CASE WHEN $8 THEN false ELSE content_from_series END,
                  revision = $6, revision_digest = $7,
                  ignore_quiet_hours = COALESCE($9, ignore_quiet_hours)
              WHERE id = $1",

@@ -181,6 +181,24 @@ pub fn occurrence_event_id(series_id: &str, local: LocalTime) -> Result<EventId,
         .map_err(|_| LedgerError::InvalidInput("a series id is 1 to 180 visible ASCII characters"))
 }
 
+/// Whether an event id has an occurrence's shape (`{series_id}/YYYY-MM-DDTHH:MM:SS`): reserved
+/// for the occurrences of series, so a reminder posted on its own can never take the id an
+/// occurrence will need (which would leave the occurrence uncreated).
+pub fn is_occurrence_event_id(event_id: &EventId) -> bool {
+    event_id
+        .as_str()
+        .rsplit_once('/')
+        .is_some_and(|(series, local)| {
+            !series.is_empty()
+                && local.len() == 19
+                && NaiveDateTime::parse_from_str(local, "%Y-%m-%dT%H:%M:%S").is_ok()
+        })
+}
+
+/// The problem with a reminder's event id that has an occurrence's shape.
+pub const RESERVED_EVENT_ID: &str = "ends like a series occurrence's event id \
+    ({series_id}/YYYY-MM-DDTHH:MM:SS), which only the occurrences of a series may have";
+
 /// What recording a series did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeriesOutcome {
@@ -219,8 +237,11 @@ pub struct SeriesStatus {
     /// Occurrences with a delivery that went to a provider (sent, delivered or maybe sent).
     pub occurrences_sent: u64,
     /// Up to [`SHOWN_OCCURRENCES`] occurrences from now on, created or not (none once
-    /// cancelled).
+    /// cancelled, or when it cannot be expanded).
     pub upcoming: Vec<Occurrence>,
+    /// Its stored zone or rule no longer parses (a zone this build's tz database lacks): its
+    /// occurrences wait (0504).
+    pub unexpandable: bool,
 }
 
 /// A series in `nudgectl series list`.
@@ -259,6 +280,7 @@ struct StoredSeries {
     ignore_quiet_hours: bool,
     correlation_id: Option<String>,
     next_at: Option<DateTime<Utc>>,
+    next_local: Option<NaiveDateTime>,
 }
 
 impl StoredSeries {
@@ -273,7 +295,8 @@ impl StoredSeries {
 }
 
 const STORED_COLUMNS: &str = "id, series_id, subscriber_ref, channels, time_zone, start_local, \
-                              rrule, expires_after_s, ignore_quiet_hours, correlation_id, next_at";
+                              rrule, expires_after_s, ignore_quiet_hours, correlation_id, next_at, \
+                              next_local";
 
 impl Ledger {
     /// Records a series, idempotently on `(tenant, series_id)`, with the subscriber's
@@ -395,12 +418,14 @@ impl Ledger {
             ignore_quiet_hours: new.ignore_quiet_hours,
             correlation_id: new.correlation_id.clone(),
             next_at: None,
+            next_local: None,
         };
         let occurrences = new.series.between(now, reached);
         let created =
             insert_occurrences(&mut tx, new.tenant_id, &stored, &occurrences, now).await?;
-        let next_at = new.series.next_from(reached).map(|o| o.instant());
-        advance(&mut tx, key, next_at, created.len()).await?;
+        let next = new.series.next_from(reached);
+        let next_at = next.map(|o| o.instant());
+        advance(&mut tx, key, next, created.len()).await?;
         if !paused {
             crate::reminders::insert_deliveries(&mut tx, new.tenant_id, &created, now).await?;
         }
@@ -460,19 +485,15 @@ impl Ledger {
                     .map_err(|_| LedgerError::corrupt("series", "unknown channel"))?,
             );
         }
-        let upcoming = if row.cancelled_at.is_none() {
-            Series::parse(
-                &row.rrule,
-                LocalTime::new(row.start_local)
-                    .map_err(|_| LedgerError::corrupt("series", "start_local"))?,
-                Zone::parse(&row.time_zone)
-                    .map_err(|_| LedgerError::corrupt("series", "a zone the tz database lacks"))?,
-                &STORED,
-            )
-            .map_err(|_| LedgerError::corrupt("series", "a rule that no longer parses"))?
-            .upcoming(now, SHOWN_OCCURRENCES)
-        } else {
-            Vec::new()
+        // A series whose stored zone or rule no longer parses is shown as such, not refused.
+        let parsed = LocalTime::new(row.start_local)
+            .ok()
+            .zip(Zone::parse(&row.time_zone).ok())
+            .and_then(|(start, zone)| Series::parse(&row.rrule, start, zone, &STORED).ok());
+        let unexpandable = parsed.is_none();
+        let upcoming = match parsed {
+            Some(series) if row.cancelled_at.is_none() => series.upcoming(now, SHOWN_OCCURRENCES),
+            _ => Vec::new(),
         };
         Ok(Some(SeriesStatus {
             key: row.id,
@@ -488,6 +509,7 @@ impl Ledger {
             occurrences_created: u64::try_from(row.occurrences_created).unwrap_or(0),
             occurrences_sent: u64::try_from(row.occurrences_sent).unwrap_or(0),
             upcoming,
+            unexpandable,
         }))
     }
 
@@ -524,7 +546,7 @@ impl Ledger {
                  SELECT id, cancelled_at IS NOT NULL AS cancelled FROM series
                  WHERE tenant_id = $1 AND series_id = $2 FOR UPDATE)
              UPDATE series s SET cancelled_at = COALESCE(s.cancelled_at, $3, now()),
-                                 next_at = NULL
+                                 next_at = NULL, next_local = NULL
              FROM before b WHERE s.id = b.id
              RETURNING s.id, b.cancelled, COALESCE($3, now())",
         )
@@ -606,46 +628,80 @@ impl Ledger {
 }
 
 /// What a window's expansion did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Default)]
 pub(crate) struct Expanded {
     pub(crate) occurrences_created: u64,
     /// Series whose stored rule or zone no longer parses (a zone the tz database dropped):
     /// left where they are, for the producer to report.
     pub(crate) unexpandable: u64,
+    /// Occurrences created due before the window's start (a newer tz database moved them
+    /// earlier, or a series mended after it could not be expanded): the window's read does
+    /// not reach them, so the window gives them their deliveries itself.
+    pub(crate) early: Vec<WindowReminder>,
 }
+
+/// Series a window expands at a time (its memory is bounded by this, not by how many of the
+/// tenant's series have an occurrence in it).
+const EXPAND_BATCH: i64 = 1_000;
 
 /// The window's part (`Ledger::materialise_window`, after its run intent): every occurrence
 /// of the tenant's series before `end` that is not created yet is created now, and each series'
-/// `next_at` moves past `end`. A series whose stored rule or zone no longer parses is left
-/// where it is, so it does not hold the tenant's window, and counted for the producer's error
-/// log and metric.
+/// next occurrence moves past `end`. The expansion resumes from the wall-clock time stored
+/// (`next_local`) resolved under this build's tz rules, or the stored instant if that is
+/// earlier, so a rule change cannot skip an occurrence. A series whose stored rule or zone no
+/// longer parses is left where it is, so it does not hold the tenant's window, and counted for
+/// the producer's error log and metric. Series are read [`EXPAND_BATCH`] at a time, in id order
+/// (the order every other writer of several series locks them in).
 pub(crate) async fn expand_series(
     tx: &mut PgConnection,
     tenant_id: TenantId,
+    start: DateTime<Utc>,
     end: DateTime<Utc>,
     now: DateTime<Utc>,
 ) -> Result<Expanded, LedgerError> {
-    let rows: Vec<StoredSeries> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {STORED_COLUMNS} FROM series
-         WHERE tenant_id = $1 AND next_at IS NOT NULL AND next_at < $2
-         ORDER BY id FOR NO KEY UPDATE"
-    )))
-    .bind(tenant_id.as_uuid())
-    .bind(end)
-    .fetch_all(&mut *tx)
-    .await?;
     let mut expanded = Expanded::default();
-    for row in rows {
-        let Some(from) = row.next_at else { continue };
-        let Ok(series) = row.series() else {
-            expanded.unexpandable += 1;
-            continue;
+    let mut after = uuid::Uuid::nil();
+    loop {
+        let rows: Vec<StoredSeries> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT {STORED_COLUMNS} FROM series
+             WHERE tenant_id = $1 AND next_at IS NOT NULL AND next_at < $2 AND id > $3
+             ORDER BY id LIMIT {EXPAND_BATCH} FOR NO KEY UPDATE"
+        )))
+        .bind(tenant_id.as_uuid())
+        .bind(end)
+        .bind(after)
+        .fetch_all(&mut *tx)
+        .await?;
+        let Some(last) = rows.last() else {
+            break;
         };
-        let occurrences = series.between(from, end);
-        let inserted = insert_occurrences(tx, tenant_id, &row, &occurrences, now).await?;
-        let next_at = series.next_from(end).map(|o| o.instant());
-        advance(tx, row.id, next_at, inserted.len()).await?;
-        expanded.occurrences_created += inserted.len() as u64;
+        after = last.id;
+        let full = rows.len() == usize::try_from(EXPAND_BATCH).unwrap_or(usize::MAX);
+        for row in rows {
+            let Some(stored_at) = row.next_at else {
+                continue;
+            };
+            let Ok(series) = row.series() else {
+                expanded.unexpandable += 1;
+                continue;
+            };
+            let from = row
+                .next_local
+                .and_then(|n| LocalTime::new(n).ok())
+                .map_or(stored_at, |local| {
+                    series.zone().resolve(local).instant.min(stored_at)
+                });
+            let occurrences = series.between(from, end);
+            let inserted = insert_occurrences(tx, tenant_id, &row, &occurrences, now).await?;
+            advance(tx, row.id, series.next_from(end), inserted.len()).await?;
+            expanded.occurrences_created += inserted.len() as u64;
+            expanded
+                .early
+                .extend(inserted.into_iter().filter(|r| r.scheduled_at < start));
+        }
+        if !full {
+            break;
+        }
     }
     Ok(expanded)
 }
@@ -680,9 +736,9 @@ async fn insert_occurrences(
     let created: Vec<WindowReminder> = sqlx::query_as(
         "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, subscriber_ref_keyed,
                                 channels, scheduled_at, expires_at, created_at, correlation_id,
-                                revision, ignore_quiet_hours, series_key)
+                                revision, ignore_quiet_hours, series_key, content_from_series)
          SELECT o.id, $1, o.event_id, $2, true, $3, o.scheduled_at, o.expires_at, $4, $5, 0,
-                $6, $7
+                $6, $7, true
          FROM UNNEST($8::uuid[], $9::text[], $10::timestamptz[], $11::timestamptz[])
               AS o(id, event_id, scheduled_at, expires_at)
          ORDER BY o.event_id
@@ -708,16 +764,17 @@ async fn insert_occurrences(
 async fn advance(
     tx: &mut PgConnection,
     key: uuid::Uuid,
-    next_at: Option<DateTime<Utc>>,
+    next: Option<Occurrence>,
     created: usize,
 ) -> Result<(), LedgerError> {
     sqlx::query(
-        "UPDATE series SET next_at = $2,
-                           occurrences_created = occurrences_created + $3
+        "UPDATE series SET next_at = $2, next_local = $3,
+                           occurrences_created = occurrences_created + $4
          WHERE id = $1 AND cancelled_at IS NULL",
     )
     .bind(key)
-    .bind(next_at)
+    .bind(next.map(|o| o.instant()))
+    .bind(next.map(|o| o.local.naive()))
     .bind(i32::try_from(created).unwrap_or(i32::MAX))
     .execute(&mut *tx)
     .await?;

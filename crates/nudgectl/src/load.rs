@@ -442,6 +442,9 @@ impl Loader<'_> {
             Ok(line) => line,
             Err(e) => return Ok(Pending::Rejected(e.into())),
         };
+        if nudge_ledger::is_occurrence_event_id(&line.event_id) {
+            return Ok(Pending::Rejected(LineError::ReservedEventId));
+        }
         let tenant = line.tenant.clone().unwrap_or_default();
         let Some(tenant_id) = self.tenant_id(&tenant).await? else {
             return Ok(Pending::Rejected(LineError::UnknownTenant(tenant)));
@@ -716,6 +719,8 @@ enum LineError {
     UnknownTenant(String),
     #[error("event_id {event_id:?} of tenant {tenant:?} is already used for a different reminder")]
     EventConflict { tenant: String, event_id: String },
+    #[error("event_id {}", nudge_ledger::RESERVED_EVENT_ID)]
+    ReservedEventId,
     /// A series line's problems, each `field: problem`.
     #[error("{0}")]
     Series(String),

@@ -118,6 +118,14 @@ pub async fn show(
         s.occurrences_created, s.occurrences_sent
     )?;
     writeln!(out, "  next to create {}", time(s.next_at))?;
+    if s.unexpandable {
+        writeln!(
+            out,
+            "  cannot be expanded: its zone or rule no longer parses (a zone this build's tz \
+             database lacks); its occurrences wait. Post it again under a new id with a current \
+             zone, then cancel this one."
+        )?;
+    }
     if s.upcoming.is_empty() {
         writeln!(out, "  upcoming      none")?;
     } else {

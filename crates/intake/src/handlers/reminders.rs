@@ -122,6 +122,12 @@ fn parse(value: Value, raw: Option<&[u8]>, prefix: &str) -> Result<Parsed, Vec<P
         None => ReminderInput::from_value(value, TenantField::Absent),
     }
     .map_err(|e| vec![Problem::input(prefix, &e)])?;
+    if nudge_ledger::is_occurrence_event_id(&input.event_id) {
+        return Err(vec![Problem::new(
+            format!("{prefix}/event_id"),
+            nudge_ledger::RESERVED_EVENT_ID,
+        )]);
+    }
     Ok(Parsed { input, canonical })
 }
 

@@ -169,6 +169,7 @@ pub async fn get_series(
         next_at: status.next_at,
         occurrences_created: status.occurrences_created,
         occurrences_sent: status.occurrences_sent,
+        unexpandable: status.unexpandable,
     })
     .into_response())
 }

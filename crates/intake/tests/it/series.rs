@@ -158,3 +158,78 @@ async fn a_bad_series_is_a_400_naming_its_field_and_stores_nothing(pool: PgPool)
     assert_eq!(intake.count("contacts").await, 0);
     assert_eq!(intake.count("reminders").await, 0);
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn an_occurrence_is_a_reminder_a_reminder_may_not_take_its_id_and_a_broken_series_reads_back(
+    pool: PgPool,
+) {
+    let intake = intake_at(pool.clone(), clock(now())).await;
+    let posted = intake.call("POST", SERIES, &series("med-1")).await;
+    assert_eq!(posted.status, StatusCode::ACCEPTED, "{}", posted.text);
+    // A reminder of its own may not take an id shaped like an occurrence's.
+    let mut taken = crate::api::reminder("med-1/2027-03-12T02:30:00");
+    taken["scheduled_at"] = json!("2027-03-12T07:30:00Z");
+    taken["expires_at"] = json!("2027-03-12T09:30:00Z");
+    let refused = intake.post(&taken).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.text);
+    assert_eq!(refused.body["errors"][0]["path"], "/event_id");
+    assert_eq!(intake.count("reminders").await, 0);
+
+    // The producer's window reaches the first occurrence: it is a reminder like any other,
+    // read and rescheduled by its event id; without content now, it never sends the series'.
+    let tenant = intake
+        .ledger
+        .tenant_by_name("clinic")
+        .await
+        .unwrap()
+        .unwrap();
+    intake
+        .ledger
+        .materialise_window(
+            tenant.id,
+            Utc.with_ymd_and_hms(2027, 3, 10, 0, 0, 0).unwrap(),
+            Utc.with_ymd_and_hms(2027, 3, 11, 0, 0, 0).unwrap(),
+            now(),
+        )
+        .await
+        .unwrap();
+    let occurrence = "/v1/tenants/clinic/reminders/med-1%2F2027-03-10T02:30:00";
+    let read = intake.call("GET", occurrence, &Value::Null).await;
+    assert_eq!(read.status, StatusCode::OK, "{}", read.text);
+    assert_eq!(read.body["scheduled_at"], "2027-03-10T07:30:00Z");
+    let moved = intake
+        .call(
+            "PUT",
+            occurrence,
+            &json!({
+                "revision": 1,
+                "subscriber_ref": "patient-42",
+                "channels": ["sms"],
+                "scheduled_at": "2027-03-10T08:00:00Z",
+                "expires_at": "2027-03-10T09:00:00Z",
+                "destinations": {"sms": "+15550100"}
+            }),
+        )
+        .await;
+    assert_eq!(moved.status, StatusCode::OK, "{}", moved.text);
+    let (from_series, own): (bool, bool) = sqlx::query_as(
+        "SELECT content_from_series, content_ciphertext IS NOT NULL FROM reminders
+         WHERE event_id = 'med-1/2027-03-10T02:30:00'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((from_series, own), (false, false));
+
+    // A series whose zone this build no longer knows: shown as such, not a 500.
+    sqlx::query("UPDATE series SET time_zone = 'America/Atlantis'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let read = intake
+        .call("GET", &format!("{SERIES}/med-1"), &Value::Null)
+        .await;
+    assert_eq!(read.status, StatusCode::OK, "{}", read.text);
+    assert_eq!(read.body["unexpandable"], true);
+    assert_eq!(read.body["upcoming"], json!([]));
+}

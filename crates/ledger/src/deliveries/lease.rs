@@ -192,7 +192,7 @@ struct CandidateRow {
     max_share: Option<f64>,
     subscriber_ref: String,
     content_ciphertext: Option<Vec<u8>>,
-    /// The content is the series' (an occurrence's own is NULL): sealed bound to the series.
+    /// The content is the series' (an occurrence not rescheduled): sealed bound to the series.
     content_series: Option<uuid::Uuid>,
     destination_ciphertext: Option<Vec<u8>>,
     destination_digest: Option<Vec<u8>>,
@@ -420,10 +420,10 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
     SELECT d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
            d.idempotency_key, d.scheduled_at, d.expires_at, a.account, a.bucketed,
            r.subscriber_ref,
-           COALESCE(r.content_ciphertext,
-                    (SELECT s.content_ciphertext FROM series s WHERE s.id = r.series_key))
-               AS content_ciphertext,
-           CASE WHEN r.content_ciphertext IS NULL THEN r.series_key END AS content_series,
+           CASE WHEN r.content_from_series
+                THEN (SELECT s.content_ciphertext FROM series s WHERE s.id = r.series_key)
+                ELSE r.content_ciphertext END AS content_ciphertext,
+           CASE WHEN r.content_from_series THEN r.series_key END AS content_series,
            c.destination_ciphertext, c.destination_digest,
            COALESCE(c.invalid, false) AS contact_invalid,
            COALESCE(c.opted_out, false) AS contact_opted_out,

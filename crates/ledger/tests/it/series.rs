@@ -306,8 +306,10 @@ async fn a_cancelled_series_creates_nothing_more_and_its_unsent_occurrences_are_
     assert_eq!(cancelled.occurrences_cancelled, 2);
     assert_eq!(cancelled.deliveries_cancelled, 2);
     assert!(!cancelled.already_cancelled);
-    let again = ledger
-        .cancel_series(tenant.id, "med-1", None, at(first_due))
+    // Again, as the intake's role does it (its grants cover every statement).
+    let intake = connected_as(&pool, "nudge_intake").await;
+    let again = intake
+        .cancel_series(tenant.id, "med-1", None, LedgerTime::Database)
         .await
         .unwrap()
         .unwrap();
@@ -371,7 +373,8 @@ async fn erasing_the_subscriber_erases_their_series(pool: PgPool) {
         )
         .await
         .unwrap();
-    let erasure = ledger
+    let intake = connected_as(&pool, "nudge_intake").await;
+    let erasure = intake
         .erase_subscriber(
             tenant.id,
             &SubscriberRef::parse("patient-1").unwrap(),
@@ -449,4 +452,105 @@ async fn a_series_whose_zone_no_longer_parses_waits_without_holding_the_others(p
             .await
             .unwrap();
     assert_eq!(next, Some(utc("2026-11-30T07:00:00Z")), "left where it was");
+
+    // Mended after its first occurrence's window ran: the next window creates that one too,
+    // and gives it its delivery although it is due before the window's start (it then sends
+    // late, or expires: never silently dropped).
+    sqlx::query("UPDATE series SET time_zone = 'Europe/Berlin' WHERE series_id = 'med-1'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let window = ledger
+        .materialise_window(
+            tenant.id,
+            t0() + secs(86_400),
+            t0() + secs(2 * 86_400),
+            t0() + secs(86_400),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        window,
+        WindowOutcome::Materialised {
+            deliveries_created: 3,
+            occurrences_created: 3,
+            series_unexpandable: 0
+        }
+    );
+    let med_1: Vec<String> = sqlx::query_scalar(
+        "SELECT r.event_id FROM reminders r JOIN deliveries d ON d.reminder_id = r.id
+         WHERE r.event_id LIKE 'med-1/%' ORDER BY r.scheduled_at",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        med_1,
+        ["med-1/2026-11-30T08:00:00", "med-1/2026-12-01T08:00:00"]
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_tz_rule_that_moves_an_occurrence_earlier_cannot_skip_it(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    ledger
+        .create_series(
+            &daily(tenant.id, "med-1", "patient-1"),
+            &contacts(),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+    // As if the build that stored it had Berlin an hour further behind UTC: the stored instant
+    // is later than the wall-clock time resolves to now.
+    sqlx::query("UPDATE series SET next_at = next_at + interval '1 hour'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    ledger
+        .materialise_window(tenant.id, t0(), t0() + secs(86_400), t0())
+        .await
+        .unwrap();
+    let rows = occurrences(&pool).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].0, "med-1/2026-11-30T08:00:00");
+    assert_eq!(
+        rows[0].1,
+        utc("2026-11-30T07:00:00Z"),
+        "at this build's instant"
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_rescheduled_occurrence_sends_its_own_content_or_none_never_the_series(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    ledger
+        .create_series(
+            &daily(tenant.id, "med-1", "patient-1"),
+            &contacts(),
+            &cipher(),
+            t0(),
+        )
+        .await
+        .unwrap();
+    ledger
+        .materialise_window(tenant.id, t0(), t0() + secs(86_400), t0())
+        .await
+        .unwrap();
+    // A reschedule that gave it no content (the whole reminder as it should now be).
+    sqlx::query("UPDATE reminders SET content_from_series = false WHERE series_key IS NOT NULL")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let due_at = utc("2026-11-30T07:00:01Z");
+    let due = claim_all(&ledger, due_at).await;
+    match lease(&ledger, &due[0], due_at).await {
+        nudge_ledger::LeaseOutcome::Leased { material, .. } => {
+            assert_eq!(material.unwrap().content, None, "not the series' content");
+        }
+        other => panic!("{other:?}"),
+    }
 }
