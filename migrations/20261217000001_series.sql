@@ -5,17 +5,14 @@
 --   `(tenant_id, series_id)`: the subscriber (keyed, as on reminders), channels, content (sealed,
 --   bound to the series' id), the zone, the start in local time, the RRULE as posted and each
 --   occurrence's lifetime. `next_at` is the instant of the first occurrence not created yet
---   (NULL: none left, or cancelled), `next_local` the wall-clock time the rule gave it (the
---   expansion resumes from it under the tz rules of the build that runs it, so a rule change
---   that moves an occurrence earlier cannot skip it); the producer's window that reaches it
---   creates the occurrences up to its end, in its own transaction, and moves both on. So a
---   series holds as many reminder rows as its occurrences inside the producer's horizon,
---   however long it runs.
+--   (NULL: none left, or cancelled); the producer's window that reaches it creates the
+--   occurrences up to its end, in its own transaction, and moves it on. So a series holds as
+--   many reminder rows as its occurrences inside the producer's horizon, however long it runs.
 -- * `reminders.series_key`: the series an occurrence belongs to. Its event id is
 --   `{series_id}/{local date-time the rule gave}`, so a replayed window creates none twice
---   (the unique `(tenant_id, event_id)`; the intake refuses such an id for a reminder of its
---   own). `reminders.content_from_series`: its content is the series' (read from the series at
---   the lease) until a reschedule gives it its own, or none.
+--   (the unique `(tenant_id, event_id)`). Its content is the series' (`content_ciphertext`
+--   NULL on the reminder, read from the series at the lease) unless a reschedule gave it its
+--   own.
 --
 -- Erasure of the subscriber erases their series as it does their reminders (subscriber
 -- reference replaced, content dropped, cancelled).
@@ -35,23 +32,19 @@ CREATE TABLE series (
     correlation_id      text NULL,
     request_digest      bytea NULL,
     next_at             timestamptz NULL,
-    next_local          timestamp(0) without time zone NULL,
     occurrences_created integer NOT NULL DEFAULT 0,
     created_at          timestamptz NOT NULL,
     cancelled_at        timestamptz NULL,
     erased_at           timestamptz NULL,
     CONSTRAINT series_unique_id UNIQUE (tenant_id, series_id),
-    CONSTRAINT series_cancelled_has_no_next CHECK (cancelled_at IS NULL OR next_at IS NULL),
-    CONSTRAINT series_next_both CHECK ((next_at IS NULL) = (next_local IS NULL))
+    CONSTRAINT series_cancelled_has_no_next CHECK (cancelled_at IS NULL OR next_at IS NULL)
 );
 
 -- The window's question: which of this tenant's series have an occurrence before its end.
 CREATE INDEX series_next_idx ON series (tenant_id, next_at) WHERE next_at IS NOT NULL;
 
 ALTER TABLE reminders
-    ADD COLUMN series_key uuid NULL REFERENCES series (id),
-    ADD COLUMN content_from_series boolean NOT NULL DEFAULT false,
-    ADD CONSTRAINT reminders_content_from_a_series CHECK (NOT content_from_series OR series_key IS NOT NULL);
+    ADD COLUMN series_key uuid NULL REFERENCES series (id);
 
 CREATE INDEX reminders_series_idx ON reminders (series_key, scheduled_at)
     WHERE series_key IS NOT NULL;
@@ -60,7 +53,7 @@ DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'nudge_producer') THEN
         GRANT SELECT ON public.series TO nudge_producer;
-        GRANT UPDATE (next_at, next_local, occurrences_created) ON public.series TO nudge_producer;
+        GRANT UPDATE (next_at, occurrences_created) ON public.series TO nudge_producer;
         GRANT INSERT ON public.reminders TO nudge_producer;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'nudge_intake') THEN

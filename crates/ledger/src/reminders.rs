@@ -51,6 +51,19 @@ pub struct NewReminder {
 /// The longest correlation id stored with a reminder (printable ASCII, as on the envelope).
 pub const MAX_CORRELATION_ID_BYTES: usize = 128;
 
+/// A correlation id as stored with a reminder or a series: 1 to 128 printable ASCII characters.
+pub(crate) fn checked_correlation_id(id: &str) -> Result<String, LedgerError> {
+    if id.is_empty()
+        || id.len() > MAX_CORRELATION_ID_BYTES
+        || !id.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err(LedgerError::InvalidInput(
+            "a correlation id is 1 to 128 printable ASCII characters",
+        ));
+    }
+    Ok(id.to_owned())
+}
+
 impl NewReminder {
     pub fn new(
         tenant_id: TenantId,
@@ -116,15 +129,7 @@ impl NewReminder {
     /// The correlation id its deliveries' envelopes carry (1 to 128 printable ASCII
     /// characters); without one, each publish makes its own.
     pub fn with_correlation_id(mut self, id: &str) -> Result<Self, LedgerError> {
-        if id.is_empty()
-            || id.len() > MAX_CORRELATION_ID_BYTES
-            || !id.bytes().all(|b| b.is_ascii_graphic())
-        {
-            return Err(LedgerError::InvalidInput(
-                "a correlation id is 1 to 128 printable ASCII characters",
-            ));
-        }
-        self.correlation_id = Some(id.to_owned());
+        self.correlation_id = Some(checked_correlation_id(id)?);
         Ok(self)
     }
 

@@ -24,7 +24,7 @@ use crate::audit::{self, Operator};
 use crate::contacts::{SubscriberZone, seal_contact, set_subscriber_zones, upsert_contacts};
 use crate::crypto::{Destination, DestinationCipher};
 use crate::deliveries::LedgerTime;
-use crate::reminders::{MAX_CONTENT_BYTES, MAX_CORRELATION_ID_BYTES, WindowReminder};
+use crate::reminders::{MAX_CONTENT_BYTES, WindowReminder};
 use crate::{Ledger, LedgerError};
 
 /// The longest series id: its occurrences' event ids (`{series_id}/YYYY-MM-DDTHH:MM:SS`) must
@@ -126,15 +126,7 @@ impl NewSeries {
     }
 
     pub fn with_correlation_id(mut self, id: &str) -> Result<Self, LedgerError> {
-        if id.is_empty()
-            || id.len() > MAX_CORRELATION_ID_BYTES
-            || !id.bytes().all(|b| b.is_ascii_graphic())
-        {
-            return Err(LedgerError::InvalidInput(
-                "a correlation id is 1 to 128 printable ASCII characters",
-            ));
-        }
-        self.correlation_id = Some(id.to_owned());
+        self.correlation_id = Some(crate::reminders::checked_correlation_id(id)?);
         Ok(self)
     }
 
