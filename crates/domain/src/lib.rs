@@ -9,7 +9,8 @@
 //! fairness between tenants: the claim's turns and a tenant's cap ([`fairness`]), the drain
 //! model: a channel's admitted rate, the time of each turn at it and the drain floor
 //! ([`drain`]), and the patient's time: IANA zones from a compiled-in database, local times
-//! and how a reminder's times become instants ([`zone`]). Every other crate asks these questions here instead of
+//! and how a reminder's times become instants ([`zone`]), and consent: whether a destination may
+//! be reached and what a patient's reply means ([`consent`]). Every other crate asks these questions here instead of
 //! answering them again.
 //!
 //! It must never do I/O: no clock reads inside the rules (time is a parameter), no network, no
@@ -20,6 +21,7 @@ pub mod admission;
 pub mod answer;
 pub mod change;
 pub mod classify;
+pub mod consent;
 pub mod decide;
 pub mod drain;
 pub mod fairness;
@@ -47,6 +49,7 @@ pub use change::{CancelChange, ChannelChange, Found, InvalidRevision, Revision, 
 pub use classify::{
     IdempotencySupport, OutcomeClass, SendOutcome, classify, classify_verdict, response_class,
 };
+pub use consent::{ConsentSource, ConsentState, Keyword, keyword_as_received};
 pub use decide::{
     AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide, is_account_fault,
 };

@@ -44,7 +44,9 @@ use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 use tracing::{info, warn};
 
-use crate::handlers::{operations, receipts as receipt_routes, reminders, series, subscribers};
+use crate::handlers::{
+    inbound, operations, receipts as receipt_routes, reminders, series, subscribers,
+};
 
 pub use config::{IntakeConfig, IntakeSection};
 pub use metrics::IntakeMetrics;
@@ -84,6 +86,7 @@ pub fn router(state: AppState, body_limit: usize, request_timeout: Duration) -> 
             delete(subscribers::erase_subscriber),
         )
         .route("/receipts/twilio/{account}", post(receipt_routes::twilio))
+        .route("/inbound/twilio/{account}", post(inbound::twilio))
         .route(
             "/receipts/sendgrid/{account}",
             post(receipt_routes::sendgrid),

@@ -9,7 +9,7 @@ use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
-use crate::handlers::{operations, receipts, reminders, series, subscribers};
+use crate::handlers::{inbound, operations, receipts, reminders, series, subscribers};
 
 /// The OpenAPI document, generated from the handlers of [`crate::handlers`] and the types
 /// they name.
@@ -39,6 +39,7 @@ use crate::handlers::{operations, receipts, reminders, series, subscribers};
         subscribers::erase_subscriber,
         receipts::twilio,
         receipts::sendgrid,
+        inbound::twilio,
         operations::healthz,
         operations::readyz,
         openapi,
@@ -48,7 +49,7 @@ use crate::handlers::{operations, receipts, reminders, series, subscribers};
         (name = "reminders", description = "Post, read and cancel reminders"),
         (name = "series", description = "Recurring reminders: post, read and cancel"),
         (name = "subscribers", description = "Destinations and erasure"),
-        (name = "receipts", description = "Providers' delivery receipts, signed by the provider"),
+        (name = "receipts", description = "Providers' delivery receipts and patients' replies (STOP, START), signed by the provider"),
         (name = "operations", description = "Health, readiness and this document"),
     )
 )]

@@ -6,7 +6,8 @@
 //! and only if that delivery went through the same provider account; then, for the newly
 //! inserted only, a delivery held `ambiguous` is settled `delivered` or `dead_lettered` by what
 //! the receipt shows, and a bounce or opt-out flags the contact while it still holds the
-//! destination that delivery was sent to. A receipt never moves a
+//! destination that delivery was sent to; an opt-out is also the destination's own
+//! (`destination_consent`, decision 0505), kept whatever the contact holds later. A receipt never moves a
 //! delivery in any other state: one already delivered stays delivered, one being retried is
 //! left to its own send.
 
@@ -108,6 +109,23 @@ const RECORD: &str = "WITH input AS (
           -- Only while the contact holds the destination the send used (stamped by its
           -- fence): a late bounce or STOP for an old number never flags the one stored since.
           AND c.destination_digest IS NOT DISTINCT FROM d.destination_digest
+        RETURNING 1),
+    -- An unsubscribe is the destination's opt-out (decision 0505), kept by the digest the
+    -- send used; its history entry is the trigger's.
+    opted_out AS (
+        INSERT INTO destination_consent (tenant_id, channel, destination_digest, state, source,
+                                         actor, changed_at)
+        SELECT DISTINCT ON (d.tenant_id, d.channel, d.destination_digest)
+               d.tenant_id, d.channel, d.destination_digest, 'opted_out', 'provider_stop',
+               'provider:' || e.provider_account, COALESCE($11, now())
+        FROM inserted e JOIN deliveries d ON d.id = e.delivery_id
+        WHERE e.contact_flag = 'opted_out' AND d.destination_digest IS NOT NULL
+        ORDER BY d.tenant_id, d.channel, d.destination_digest
+        ON CONFLICT (tenant_id, channel, destination_digest) DO UPDATE
+        SET state = EXCLUDED.state, source = EXCLUDED.source, actor = EXCLUDED.actor,
+            keyword = NULL, correlation_id = NULL, provider_event = NULL,
+            changed_at = EXCLUDED.changed_at
+        WHERE destination_consent.state <> 'opted_out'
         RETURNING 1)
     SELECT e.provider_account, e.event_key, e.delivery_id IS NOT NULL AS matched,
            EXISTS (SELECT 1 FROM settled s WHERE s.id = e.delivery_id) AS settled

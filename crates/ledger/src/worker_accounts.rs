@@ -119,6 +119,35 @@ impl Ledger {
         Ok(())
     }
 
+    /// Marks `account` as this sender's default for `channel` (`default_announced_at`): an
+    /// inbound STOP to it then reaches every tenant without an account of its own on the
+    /// channel (decision 0505). Never cleared: an account once a default keeps counting as
+    /// one, the safe side for an opt-out.
+    pub async fn announce_default_account(
+        &self,
+        channel: Channel,
+        account: &ProviderAccount,
+        at: LedgerTime,
+    ) -> Result<(), LedgerError> {
+        sqlx::query(
+            "INSERT INTO worker_accounts
+                 (owner, channel, provider_account, held_until, announced_at,
+                  default_announced_at)
+             VALUES ($1, $2, $3, COALESCE($5, now()) + $4 * interval '1 millisecond',
+                     COALESCE($5, now()), COALESCE($5, now()))
+             ON CONFLICT (owner, channel, provider_account) DO UPDATE
+             SET default_announced_at = EXCLUDED.default_announced_at",
+        )
+        .bind(&*self.sender)
+        .bind(channel.as_str())
+        .bind(account.as_str())
+        .bind(crate::deliveries::millis(HOLD_FOR))
+        .bind(at.bind())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     /// Every account ever announced, live or lapsed, by sender, channel and account.
     pub async fn announced_accounts(
         &self,

@@ -162,6 +162,11 @@ pub async fn build(
         .announce_accounts(channel, &accounts, nudge_ledger::LedgerTime::Database)
         .await
         .context("failed to announce the provider accounts")?;
+    // An inbound STOP to the default account reaches the tenants without one of their own.
+    ledger
+        .announce_default_account(channel, &default, nudge_ledger::LedgerTime::Database)
+        .await
+        .context("failed to announce the default provider account")?;
     let clock = Arc::new(LedgerClock::new(Arc::new(chrono::Utc::now)));
     let admission = config.admission.settings();
     let recorder = Recorder::spawn(ledger.clone(), admission.max_pause);

@@ -683,6 +683,13 @@ impl Worker {
                     info!("cancelled while waiting for its slot: settled as cancelled, not sent");
                     return ControlFlow::Break(Processed::Cancelled);
                 }
+                Ok(Err(FenceRefused::OptedOut)) => {
+                    info!(
+                        "its destination opted out while it waited for its slot: settled as \
+                         cancelled, not sent"
+                    );
+                    return ControlFlow::Break(Processed::Cancelled);
+                }
                 Ok(Err(FenceRefused::BucketClosedUntil(until))) => {
                     return ControlFlow::Break(
                         self.give_back(lease, Some(until), "bucket_closed_while_waiting")

@@ -21,7 +21,7 @@ use crate::error::error_body;
 use crate::receipts::{MAX_EVENTS, SendgridEvent, plain, sendgrid_meaning, twilio_meaning};
 use crate::state::AppState;
 
-fn refused(status: StatusCode) -> Response {
+pub(crate) fn refused(status: StatusCode) -> Response {
     match status {
         StatusCode::UNAUTHORIZED => error_body(
             status,
@@ -69,40 +69,10 @@ pub async fn twilio(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let receipts = state.receipts();
-    let Some(signature) = headers
-        .get("x-twilio-signature")
-        .and_then(|v| v.to_str().ok())
-    else {
-        return refused(StatusCode::UNAUTHORIZED);
+    let params = match twilio_verified(&state, &account, &uri, &headers, &body) {
+        Ok(params) => params,
+        Err(status) => return refused(status),
     };
-    let (Some(token), Some(base)) = (receipts.twilio_token(&account), receipts.public_base())
-    else {
-        return refused(StatusCode::FORBIDDEN);
-    };
-    let params: Vec<(String, String)> = url::form_urlencoded::parse(&body).into_owned().collect();
-    let url = format!(
-        "{}{}",
-        base.as_str().trim_end_matches('/'),
-        uri.path_and_query().map_or("", |p| p.as_str())
-    );
-    let mut sorted: Vec<&(String, String)> = params.iter().collect();
-    sorted.sort();
-    let mut signed = url;
-    for (k, v) in sorted {
-        signed.push_str(k);
-        signed.push_str(v);
-    }
-    let Ok(mut mac) = <Hmac<sha1::Sha1> as Mac>::new_from_slice(token.expose().as_bytes()) else {
-        return refused(StatusCode::FORBIDDEN);
-    };
-    mac.update(signed.as_bytes());
-    let given = base64::engine::general_purpose::STANDARD
-        .decode(signature)
-        .unwrap_or_default();
-    if mac.verify_slice(&given).is_err() {
-        return refused(StatusCode::FORBIDDEN);
-    }
 
     let get = |name: &str| {
         params
@@ -243,6 +213,55 @@ pub async fn sendgrid(
         });
     }
     record(&state, batch).await
+}
+
+/// The form parameters of a Twilio request to `account`, once `X-Twilio-Signature` verifies:
+/// base64 HMAC-SHA1, keyed by the account's auth token, of the URL Twilio called (the
+/// configured public base and the request's path and query) followed by each form
+/// parameter's name and value, sorted by name. Otherwise the status to refuse it with (see
+/// [`refused`]): 401 without the header, 403 for an account that takes none or a signature
+/// that does not verify.
+pub(crate) fn twilio_verified(
+    state: &AppState,
+    account: &str,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Vec<(String, String)>, StatusCode> {
+    let receipts = state.receipts();
+    let Some(signature) = headers
+        .get("x-twilio-signature")
+        .and_then(|v| v.to_str().ok())
+    else {
+        return Err(StatusCode::UNAUTHORIZED);
+    };
+    let (Some(token), Some(base)) = (receipts.twilio_token(account), receipts.public_base()) else {
+        return Err(StatusCode::FORBIDDEN);
+    };
+    let params: Vec<(String, String)> = url::form_urlencoded::parse(body).into_owned().collect();
+    let url = format!(
+        "{}{}",
+        base.as_str().trim_end_matches('/'),
+        uri.path_and_query().map_or("", |p| p.as_str())
+    );
+    let mut sorted: Vec<&(String, String)> = params.iter().collect();
+    sorted.sort();
+    let mut signed = url;
+    for (k, v) in sorted {
+        signed.push_str(k);
+        signed.push_str(v);
+    }
+    let Ok(mut mac) = <Hmac<sha1::Sha1> as Mac>::new_from_slice(token.expose().as_bytes()) else {
+        return Err(StatusCode::FORBIDDEN);
+    };
+    mac.update(signed.as_bytes());
+    let given = base64::engine::general_purpose::STANDARD
+        .decode(signature)
+        .unwrap_or_default();
+    if mac.verify_slice(&given).is_err() {
+        return Err(StatusCode::FORBIDDEN);
+    }
+    Ok(params)
 }
 
 async fn record(state: &AppState, batch: Vec<Receipt>) -> Response {

@@ -25,9 +25,9 @@ use sqlx::PgPool;
 use tower::ServiceExt;
 
 const BASE: &str = "https://intake.example.org";
-const TOKEN: &str = "twilio-token";
+pub(crate) const TOKEN: &str = "twilio-token";
 
-fn cipher() -> DestinationCipher {
+pub(crate) fn cipher() -> DestinationCipher {
     DestinationCipher::new(&[7; 32]).with_subscriber_key(SubscriberKey::new(&[9; 32]))
 }
 
@@ -46,7 +46,7 @@ fn spki_der(key: &p256::ecdsa::VerifyingKey) -> Vec<u8> {
     der
 }
 
-fn app(ledger: &Ledger) -> axum::Router {
+pub(crate) fn app(ledger: &Ledger) -> axum::Router {
     let public = spki_der(&p256::ecdsa::VerifyingKey::from(&signing_key()));
     let receipts = ReceiptsSection {
         public_base_url: Some(BASE.into()),
@@ -181,7 +181,7 @@ async fn ambiguous(ledger: &Ledger, account: &str, channel: Channel) -> LeasedDe
     lease
 }
 
-fn twilio_request(
+pub(crate) fn twilio_request(
     target: &str,
     params: &[(&str, &str)],
     signature: Option<String>,
@@ -197,7 +197,7 @@ fn twilio_request(
     r.body(Body::from(form.finish())).unwrap()
 }
 
-fn twilio_signed(target: &str, params: &[(&str, &str)], token: &str) -> Request<Body> {
+pub(crate) fn twilio_signed(target: &str, params: &[(&str, &str)], token: &str) -> Request<Body> {
     let owned: Vec<(String, String)> = params
         .iter()
         .map(|(k, v)| ((*k).into(), (*v).into()))

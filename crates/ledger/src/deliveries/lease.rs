@@ -156,6 +156,9 @@ pub struct LeaseResult {
 /// The reason recorded on a delivery given back or expired for its quiet hours.
 pub const QUIET_HOURS: &str = "quiet_hours";
 
+/// The reason of a delivery settled without a send because its destination opted out.
+pub const CONTACT_OPTED_OUT: &str = "contact_opted_out";
+
 /// Why [`Ledger::fence`] refused a send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FenceRefused {
@@ -165,6 +168,9 @@ pub enum FenceRefused {
     Expired,
     /// Its reminder was cancelled while it waited: settled `cancelled`.
     Cancelled,
+    /// Its destination opted out while it waited: settled `cancelled`, reason
+    /// [`CONTACT_OPTED_OUT`].
+    OptedOut,
     /// The bucket was closed or paused while it waited: give the lease back until then.
     BucketClosedUntil(DateTime<Utc>),
     /// A 429 slowed the bucket after the slot was reserved: reserve again.
@@ -389,6 +395,7 @@ struct FenceRow {
     lease_expires_at: Option<DateTime<Utc>>,
     expires_at: DateTime<Utc>,
     cancelled: bool,
+    opted_out: bool,
     rate_per_second: Option<f64>,
     effective_rate: Option<f64>,
     paused_until: Option<DateTime<Utc>>,
@@ -450,7 +457,13 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
     LEFT JOIN LATERAL (
         SELECT c0.destination_ciphertext, c0.destination_digest,
                c0.invalid_at IS NOT NULL AS invalid,
-               c0.opted_out_at IS NOT NULL AS opted_out,
+               -- The destination opted out (0505); a contact flagged before its digest was
+               -- kept counts by its flag.
+               EXISTS (SELECT 1 FROM destination_consent k
+                       WHERE k.tenant_id = c0.tenant_id AND k.channel = c0.channel
+                         AND k.destination_digest = c0.destination_digest
+                         AND k.state = 'opted_out')
+               OR (c0.opted_out_at IS NOT NULL AND c0.destination_digest IS NULL) AS opted_out,
                c0.time_zone
         FROM contacts c0
         WHERE c0.tenant_id = d.tenant_id AND c0.subscriber_ref = r.subscriber_ref
@@ -608,6 +621,9 @@ const STAMP_AND_RELEASE: &str = "WITH started AS (
           AND d.expires_at > COALESCE($7, clock_timestamp())
           AND COALESCE($7, clock_timestamp()) < COALESCE(s.quiet_from, 'infinity'::timestamptz)
           AND r.id = d.reminder_id AND r.cancelled_at IS NULL
+          AND NOT EXISTS (SELECT 1 FROM destination_consent k
+                          WHERE k.tenant_id = d.tenant_id AND k.channel = d.channel
+                            AND k.destination_digest = s.digest AND k.state = 'opted_out')
         RETURNING d.id, d.lease_expires_at),
     released AS (
         UPDATE deliveries d
@@ -636,6 +652,9 @@ const FENCE: &str = "UPDATE deliveries d
       AND d.expires_at > COALESCE($6, clock_timestamp())
       AND COALESCE($6, clock_timestamp()) < COALESCE($8::timestamptz, 'infinity'::timestamptz)
       AND r.id = d.reminder_id AND r.cancelled_at IS NULL
+      AND NOT EXISTS (SELECT 1 FROM destination_consent k
+                      WHERE k.tenant_id = d.tenant_id AND k.channel = d.channel
+                        AND k.destination_digest = $7 AND k.state = 'opted_out')
       AND NOT EXISTS (
           SELECT 1 FROM rate_buckets b
           WHERE b.provider_account = d.provider_account AND b.channel = d.channel
@@ -975,6 +994,10 @@ impl Ledger {
             "SELECT d.state, d.lease_owner, d.generation, d.lease_expires_at, d.expires_at,
                     r.cancelled_at IS NOT NULL AS cancelled, b.rate_per_second, b.effective_rate,
                     b.paused_until, b.last_decrease_at,
+                    EXISTS (SELECT 1 FROM destination_consent k
+                            WHERE k.tenant_id = d.tenant_id AND k.channel = d.channel
+                              AND k.destination_digest = $3 AND k.state = 'opted_out')
+                        AS opted_out,
                     COALESCE($2, clock_timestamp()) AS db_now
              FROM deliveries d JOIN reminders r ON r.id = d.reminder_id
              LEFT JOIN rate_buckets b
@@ -983,6 +1006,12 @@ impl Ledger {
         )
         .bind(lease.id.as_uuid())
         .bind(at.bind())
+        .bind(
+            lease
+                .destination_digest
+                .as_ref()
+                .map(DestinationDigest::as_bytes),
+        )
         .fetch_optional(&self.pool)
         .await?;
         let Some(row) = row else {
@@ -1007,6 +1036,12 @@ impl Ledger {
                 DeliveryState::Cancelled,
                 "cancelled_by_client",
                 FenceRefused::Cancelled,
+            ))
+        } else if row.opted_out {
+            Some((
+                DeliveryState::Cancelled,
+                CONTACT_OPTED_OUT,
+                FenceRefused::OptedOut,
             ))
         } else if let Some(rule) = lease.quiet.filter(|q| now >= q.next_start) {
             match quiet_verdict(rule.hours, rule.zone, now, row.expires_at) {

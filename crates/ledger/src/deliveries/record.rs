@@ -144,7 +144,8 @@ const APPLY: &str = "WITH input AS (
         -- looking each outcome's delivery up by its key.
         WHERE d.id = i.id AND d.lease_owner = i.owner AND d.lease_expires_at IS NOT NULL
           AND d.generation = i.generation
-        RETURNING d.id, d.provider_account, d.reminder_id, d.channel, d.destination_digest,
+        RETURNING d.id, d.provider_account, d.reminder_id, d.tenant_id, d.channel,
+            d.destination_digest,
             -- A redriven delivery's attempts carry its redrive's incident; any other attempt
             -- made while its channel drains, the drain's.
             COALESCE(
@@ -171,6 +172,24 @@ const APPLY: &str = "WITH input AS (
         WHERE i.contact_flag IS NOT NULL AND c.tenant_id = r.tenant_id
           AND c.subscriber_ref = r.subscriber_ref AND c.channel = a.channel
           AND c.destination_digest IS NOT DISTINCT FROM a.destination_digest
+        RETURNING 1),
+    -- An opt-out is the destination's (decision 0505): kept by the digest the send used, for
+    -- every later post of that destination in the tenant; its history entry is the trigger's.
+    opted_out AS (
+        INSERT INTO destination_consent (tenant_id, channel, destination_digest, state, source,
+                                         actor, correlation_id, changed_at)
+        SELECT DISTINCT ON (a.tenant_id, a.channel, a.destination_digest)
+               a.tenant_id, a.channel, a.destination_digest, 'opted_out', 'provider_stop',
+               'provider:' || a.provider_account, i.correlation_id, COALESCE($20, now())
+        FROM input i JOIN applied a ON a.id = i.id
+        WHERE i.contact_flag = 'opted_out' AND a.destination_digest IS NOT NULL
+          AND a.provider_account IS NOT NULL
+        ORDER BY a.tenant_id, a.channel, a.destination_digest
+        ON CONFLICT (tenant_id, channel, destination_digest) DO UPDATE
+        SET state = EXCLUDED.state, source = EXCLUDED.source, actor = EXCLUDED.actor,
+            keyword = NULL, correlation_id = EXCLUDED.correlation_id, provider_event = NULL,
+            changed_at = EXCLUDED.changed_at
+        WHERE destination_consent.state <> 'opted_out'
         RETURNING 1)
     INSERT INTO attempts (delivery_id, attempt_number, generation, lane, started_at,
         finished_at, outcome_class, http_status, retry_after_seen, retry_after_valid,

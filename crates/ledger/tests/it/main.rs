@@ -3,6 +3,7 @@
 
 mod audit;
 mod buckets;
+mod consent;
 mod deliveries;
 mod estimate;
 mod fail_closed;
