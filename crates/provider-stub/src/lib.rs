@@ -21,6 +21,7 @@
 //! | `POST /accounts/{account}/3/device/{token}`, `GET /stats/apns` | shape `apns`, over TLS and HTTP/2 with an authority written to `--tls-ca-out`: ES256 provider tokens checked with `--apns-public-key`, APNs's headers and reasons ([`apns`]) |
 //! | `PUT /admin/accounts/{account}` | set the account's [`Script`] (JSON); `GET` reads it back |
 //! | `POST /admin/reset` | forget every script, key and counter |
+//! | `POST /admin/inbound` | shape `twilio`: send a patient's reply `{"url", "from", "to", "body", "message_sid"?}` to an incoming-message webhook (loopback), signed with `X-Twilio-Signature`; answers the webhook's `{"status", "body", "message_sid"}` |
 //! | `GET /stats` | [`Stats`] |
 //! | `GET /stats/keys` | [`KeysReport`] |
 //! | `GET /healthz` | `ok` |

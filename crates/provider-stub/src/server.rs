@@ -85,6 +85,7 @@ fn router(app: App) -> Router {
     crate::shape::provider_routes(app.stub.shape().shape)
         .route("/admin/accounts/{account}", put(put_script).get(get_script))
         .route("/admin/reset", post(reset))
+        .route("/admin/inbound", post(crate::twilio::send_inbound))
         .route("/stats", get(stats))
         .route("/stats/keys", get(keys))
         .route("/healthz", get(healthz))

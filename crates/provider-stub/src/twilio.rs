@@ -1,4 +1,5 @@
-//! The Twilio shape: the Messages resource's answers and signed status callbacks.
+//! The Twilio shape: the Messages resource's answers, signed status callbacks, and a patient's
+//! reply sent, signed, to an incoming-message webhook on request (`POST /admin/inbound`).
 
 use axum::Json;
 use axum::body::Bytes;
@@ -188,5 +189,88 @@ mod tests {
             ),
             "0/KCTR6DLpKmkAf8muzZqo1nDgQ="
         );
+    }
+}
+
+/// A patient's reply for the stub to send to an incoming-message webhook, as Twilio would.
+#[derive(Debug, serde::Deserialize)]
+pub(crate) struct InboundRequest {
+    /// The webhook's URL (loopback only).
+    url: String,
+    /// The patient's number.
+    from: String,
+    /// The number the patient replied to.
+    to: String,
+    body: String,
+    /// The message's sid; a fresh one when absent (the same one again is a replay).
+    message_sid: Option<String>,
+}
+
+/// `POST /admin/inbound`: sends `request` as Twilio's incoming-message webhook, signed with the
+/// auth token, and answers what the webhook answered (`{"status", "body", "message_sid"}`).
+/// 409 when the stub has no auth token, 400 for a URL that is not loopback.
+pub(crate) async fn send_inbound(
+    State(app): State<App>,
+    Json(request): Json<InboundRequest>,
+) -> Response {
+    let Some(token) = app.stub.shape().twilio_auth_token.clone() else {
+        return crate::server::error(
+            StatusCode::CONFLICT,
+            "the stub has no --twilio-auth-token to sign with",
+        );
+    };
+    let url = match url::Url::parse(&request.url) {
+        Ok(u) if matches!(u.host_str(), Some("127.0.0.1" | "localhost" | "[::1]")) => u,
+        _ => return crate::server::error(StatusCode::BAD_REQUEST, "url must be a loopback URL"),
+    };
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let sid = request.message_sid.unwrap_or_else(|| {
+        format!(
+            "SM{:032x}",
+            (1u64 << 40) + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        )
+    });
+    let params = vec![
+        (
+            "AccountSid".to_owned(),
+            "AC00000000000000000000000000000000".to_owned(),
+        ),
+        ("ApiVersion".to_owned(), "2010-04-01".to_owned()),
+        ("Body".to_owned(), request.body),
+        ("From".to_owned(), request.from),
+        ("MessageSid".to_owned(), sid.clone()),
+        ("NumMedia".to_owned(), "0".to_owned()),
+        ("To".to_owned(), request.to),
+    ];
+    let form = {
+        let mut form = url::form_urlencoded::Serializer::new(String::new());
+        for (k, v) in &params {
+            form.append_pair(k, v);
+        }
+        form.finish()
+    };
+    let sent = app
+        .receipts
+        .post(url.clone())
+        .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+        .header(
+            "X-Twilio-Signature",
+            twilio_signature(&token, url.as_str(), &params),
+        )
+        .body(form)
+        .send()
+        .await;
+    match sent {
+        Ok(answer) => {
+            let status = answer.status().as_u16();
+            let body = answer.text().await.unwrap_or_default();
+            tracing::info!(status, "inbound message sent");
+            Json(serde_json::json!({"status": status, "body": body, "message_sid": sid}))
+                .into_response()
+        }
+        Err(e) => crate::server::error(
+            StatusCode::BAD_GATEWAY,
+            format!("the webhook did not answer: {}", e.without_url()),
+        ),
     }
 }

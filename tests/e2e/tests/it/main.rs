@@ -8,6 +8,7 @@
 //! their bounds were set); each says why at its top.
 
 mod config_example;
+mod consent;
 mod deploy_configs;
 mod fail_closed;
 mod intake;
