@@ -71,7 +71,8 @@ pub fn after_restore(
         | DeliveryState::DeadLettered
         | DeliveryState::Expired
         | DeliveryState::Ambiguous
-        | DeliveryState::Cancelled => AfterRestore::Keep(KeepReason::NotOwed),
+        | DeliveryState::Cancelled
+        | DeliveryState::Suppressed => AfterRestore::Keep(KeepReason::NotOwed),
     }
 }
 

@@ -28,10 +28,13 @@ pub enum DeliveryState {
     /// The provider may or may not have sent it and cannot dedup a resend: held for review.
     Ambiguous,
     Cancelled,
+    /// Never sent because its destination opted out (or its category was switched off): settled
+    /// by the lease or the fence without a request.
+    Suppressed,
 }
 
 impl DeliveryState {
-    pub const ALL: [DeliveryState; 9] = [
+    pub const ALL: [DeliveryState; 10] = [
         DeliveryState::Scheduled,
         DeliveryState::Queued,
         DeliveryState::Sending,
@@ -41,6 +44,7 @@ impl DeliveryState {
         DeliveryState::Expired,
         DeliveryState::Ambiguous,
         DeliveryState::Cancelled,
+        DeliveryState::Suppressed,
     ];
 
     /// The name stored in the ledger.
@@ -55,6 +59,7 @@ impl DeliveryState {
             DeliveryState::Expired => "expired",
             DeliveryState::Ambiguous => "ambiguous",
             DeliveryState::Cancelled => "cancelled",
+            DeliveryState::Suppressed => "suppressed",
         }
     }
 
@@ -66,6 +71,7 @@ impl DeliveryState {
                 | DeliveryState::DeadLettered
                 | DeliveryState::Expired
                 | DeliveryState::Cancelled
+                | DeliveryState::Suppressed
         )
     }
 
@@ -96,6 +102,7 @@ impl DeliveryState {
                 | DeliveryState::DeadLettered
                 | DeliveryState::Expired
                 | DeliveryState::Cancelled
+                | DeliveryState::Suppressed
         )
     }
 
@@ -108,8 +115,9 @@ impl DeliveryState {
                 // process it and the broker's delivery limit dead-lettered it). Back to
                 // `scheduled`: a reschedule moved it (its message is stale by generation).
                 | (Queued, Scheduled | Sending | RetryWait | DeadLettered | Expired | Cancelled)
-                // Cancelled, expired or rescheduled from `sending` only before the send
-                // started: the fence saw it, or lost to the change, and nothing was sent.
+                // Cancelled, expired, suppressed or rescheduled from `sending` only before the
+                // send started: the lease or the fence saw it (suppressed: its destination
+                // opted out), or lost to the change, and nothing was sent.
                 | (
                     Sending,
                     Scheduled
@@ -119,6 +127,7 @@ impl DeliveryState {
                         | Expired
                         | Ambiguous
                         | Cancelled
+                        | Suppressed
                 )
                 | (RetryWait, Queued | Expired | Cancelled)
                 // Redrive: fed back due in the `redrive` lane, or republished directly.
@@ -254,7 +263,8 @@ mod tests {
                 "dead_lettered",
                 "expired",
                 "ambiguous",
-                "cancelled"
+                "cancelled",
+                "suppressed"
             ]
         );
         for s in DeliveryState::ALL {

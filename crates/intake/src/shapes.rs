@@ -273,8 +273,9 @@ pub enum PostAnswer {
 }
 
 /// One channel of a reminder. `state` is a delivery state (`scheduled`, `queued`, `sending`,
-/// `retry_wait`, `delivered`, `dead_lettered`, `expired`, `cancelled`, `ambiguous`) or
-/// `pending` while no delivery exists yet (not due yet, or held).
+/// `retry_wait`, `delivered`, `dead_lettered`, `expired`, `cancelled`, `suppressed`: not sent
+/// because the destination opted out, `ambiguous`) or `pending` while no delivery exists yet
+/// (not due yet, or held).
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ChannelState {
     pub channel: ChannelName,
@@ -300,7 +301,7 @@ pub struct ReminderState {
 /// What a cancellation did to one channel: `cancelled` (no request will ever be made for
 /// it), `too_late` with `state` (`sending`: its send started and finishes, never retried;
 /// `delivered`; `ambiguous`: maybe sent), or `already_settled` with `state` (`cancelled`,
-/// `expired`, `dead_lettered`).
+/// `suppressed`, `expired`, `dead_lettered`).
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ChannelCancelled {
     pub channel: ChannelName,

@@ -57,9 +57,9 @@ pub use contacts::{FallbackZones, SubscriberConversion};
 pub use crypto::{Destination, DestinationCipher, DestinationDigest, SealedWith, SubscriberKey};
 pub use dead_letters::{DeadLetter, DeadLetterAction};
 pub use deliveries::{
-    Attempt, AttemptRecord, DeliveryRecord, DueDelivery, FenceRefused, LeaseBatch, LeaseOutcome,
-    LeaseResult, LeasedDelivery, LedgerTime, Material, MessagePointer, OutcomeToRecord, QuietRule,
-    Reaped, Recorded, RenewedLease, SendSlot, Slotted, WorkerRoutes,
+    Attempt, AttemptRecord, CONTACT_OPTED_OUT, DeliveryRecord, DueDelivery, FenceRefused,
+    LeaseBatch, LeaseOutcome, LeaseResult, LeasedDelivery, LedgerTime, Material, MessagePointer,
+    OutcomeToRecord, QuietRule, Reaped, Recorded, RenewedLease, SendSlot, Slotted, WorkerRoutes,
 };
 pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
 pub use error::{LedgerError, is_unavailable};

@@ -1057,7 +1057,7 @@ async fn canary_verdict(conn: &mut PgConnection, row: &RedriveRow) -> Result<Can
     let (total, settled, delivered, failed): (i64, i64, i64, i64) = sqlx::query_as(
         "SELECT count(*),
                 count(*) FILTER (WHERE d.state IN ('delivered', 'dead_lettered', 'expired',
-                                                   'cancelled', 'ambiguous')),
+                                                   'cancelled', 'suppressed', 'ambiguous')),
                 count(*) FILTER (WHERE d.state = 'delivered'),
                 count(*) FILTER (WHERE EXISTS (
                     SELECT 1 FROM attempts a

@@ -86,6 +86,8 @@ fn provider_buckets() -> impl Iterator<Item = f64> {
 ///   tenant's `--max-share`; `quiet_hours`: inside the subscriber's quiet hours, 0502).
 /// - `nudge_quiet_hours_expired_total{channel}`: deliveries settled `expired` with the reason
 ///   `quiet_hours`: their subscriber's quiet hours outlasted them (0502).
+/// - `nudge_deliveries_suppressed_total{channel}`: deliveries settled `suppressed` without a
+///   request because their destination opted out, at the lease or the fence (0505).
 /// - `nudge_scheduled_to_delivered_seconds{channel}`: from the reminder's time to the 2xx.
 /// - `nudge_provider_request_duration_seconds{provider_account, channel}`: provider calls.
 /// - `nudge_provider_alerts_total{provider_account, channel, reason}`: provider answers an
@@ -106,6 +108,7 @@ pub struct WorkerMetrics {
     provider_latency: Family<BucketLabels, Histogram>,
     alerts: Family<ReasonLabels, Counter>,
     quiet_hours_expired: Family<ChannelLabels, Counter>,
+    suppressed: Family<ChannelLabels, Counter>,
 }
 
 impl Default for WorkerMetrics {
@@ -196,6 +199,12 @@ impl WorkerMetrics {
             "Deliveries settled expired because their subscriber's quiet hours outlasted them",
             quiet_hours_expired.clone(),
         );
+        let suppressed = Family::<ChannelLabels, Counter>::default();
+        registry.register(
+            "nudge_deliveries_suppressed",
+            "Deliveries settled suppressed without a request: their destination opted out",
+            suppressed.clone(),
+        );
         registry.register(
             "nudge_provider_alerts",
             "Provider answers an operator must act on (credentials refused, a fault of ours)",
@@ -214,7 +223,17 @@ impl WorkerMetrics {
             provider_latency,
             alerts,
             quiet_hours_expired,
+            suppressed,
         }
+    }
+
+    /// Counts a delivery settled `suppressed` (its destination opted out).
+    pub fn suppressed(&self, channel: Channel) {
+        self.suppressed
+            .get_or_create(&ChannelLabels {
+                channel: channel.as_str(),
+            })
+            .inc();
     }
 
     /// Counts a delivery settled `expired` because its quiet hours outlasted it.

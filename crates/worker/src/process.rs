@@ -59,6 +59,9 @@ pub enum Processed {
     Expired,
     /// Its reminder was cancelled: settled `cancelled`, nothing sent.
     Cancelled,
+    /// Its destination opted out while it waited for its slot: settled `suppressed`, nothing
+    /// sent.
+    Suppressed,
     /// A duplicate or old message: the ledger says the delivery moved on.
     Stale,
     /// The lease was lost before the outcome could be applied (reaped while the worker was
@@ -562,8 +565,9 @@ impl Worker {
     }
 
     /// Opens what the request will carry: the destination, and the content (as JSON, when it
-    /// parses). A delivery with nothing to send to is settled here without a send: a contact
-    /// its provider flagged (opted out: cancelled; invalid: dead-lettered), no destination on
+    /// parses). A delivery with nothing to send to is settled here without a send: a
+    /// destination that opted out (suppressed), a contact its provider flagged invalid
+    /// (dead-lettered), no destination on
     /// file for the channel, or material that did not open (dead-lettered).
     async fn open_material(
         &self,
@@ -579,12 +583,15 @@ impl Worker {
                 // A provider said this destination cannot (or must not) receive: no send.
                 let (state, reason) = match flag {
                     nudge_domain::ContactFlag::OptedOut => {
-                        (DeliveryState::Cancelled, "contact_opted_out")
+                        (DeliveryState::Suppressed, nudge_ledger::CONTACT_OPTED_OUT)
                     }
                     nudge_domain::ContactFlag::Invalid => {
                         (DeliveryState::DeadLettered, "contact_invalid")
                     }
                 };
+                if state == DeliveryState::Suppressed {
+                    self.metrics.suppressed(self.channel);
+                }
                 info!(
                     contact_flag = flag.as_str(),
                     "contact flagged by its provider: settled without a send"
@@ -684,11 +691,12 @@ impl Worker {
                     return ControlFlow::Break(Processed::Cancelled);
                 }
                 Ok(Err(FenceRefused::OptedOut)) => {
+                    self.metrics.suppressed(self.channel);
                     info!(
                         "its destination opted out while it waited for its slot: settled as \
-                         cancelled, not sent"
+                         suppressed, not sent"
                     );
-                    return ControlFlow::Break(Processed::Cancelled);
+                    return ControlFlow::Break(Processed::Suppressed);
                 }
                 Ok(Err(FenceRefused::BucketClosedUntil(until))) => {
                     return ControlFlow::Break(

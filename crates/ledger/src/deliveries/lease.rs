@@ -156,7 +156,7 @@ pub struct LeaseResult {
 /// The reason recorded on a delivery given back or expired for its quiet hours.
 pub const QUIET_HOURS: &str = "quiet_hours";
 
-/// The reason of a delivery settled without a send because its destination opted out.
+/// The reason of a delivery settled `suppressed` because its destination opted out.
 pub const CONTACT_OPTED_OUT: &str = "contact_opted_out";
 
 /// Why [`Ledger::fence`] refused a send.
@@ -168,7 +168,7 @@ pub enum FenceRefused {
     Expired,
     /// Its reminder was cancelled while it waited: settled `cancelled`.
     Cancelled,
-    /// Its destination opted out while it waited: settled `cancelled`, reason
+    /// Its destination opted out while it waited: settled `suppressed`, reason
     /// [`CONTACT_OPTED_OUT`].
     OptedOut,
     /// The bucket was closed or paused while it waited: give the lease back until then.
@@ -1039,7 +1039,7 @@ impl Ledger {
             ))
         } else if row.opted_out {
             Some((
-                DeliveryState::Cancelled,
+                DeliveryState::Suppressed,
                 CONTACT_OPTED_OUT,
                 FenceRefused::OptedOut,
             ))

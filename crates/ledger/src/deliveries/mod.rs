@@ -44,7 +44,8 @@ use nudge_domain::{
 use crate::{Ledger, LedgerError};
 
 pub use lease::{
-    FenceRefused, LeaseBatch, LeaseOutcome, LeaseResult, Material, SendSlot, Slotted, WorkerRoutes,
+    CONTACT_OPTED_OUT, FenceRefused, LeaseBatch, LeaseOutcome, LeaseResult, Material, SendSlot,
+    Slotted, WorkerRoutes,
 };
 pub use record::{OutcomeToRecord, Recorded};
 pub use renew::RenewedLease;

@@ -134,7 +134,7 @@ const APPLY: &str = "WITH input AS (
             lane = CASE WHEN i.next_state = 'retry_wait' AND d.lane = 'new' THEN 'retry'
                         ELSE d.lane END,
             settled_at = CASE WHEN i.next_state IN ('delivered', 'dead_lettered', 'expired',
-                                                    'cancelled', 'ambiguous')
+                                                    'cancelled', 'suppressed', 'ambiguous')
                               THEN COALESCE($20, now()) END,
             updated_at = COALESCE($20, now())
         FROM input i

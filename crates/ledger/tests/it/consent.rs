@@ -398,7 +398,7 @@ async fn an_opt_out_while_fifty_sends_wait_for_their_slots_stops_all_fifty(pool:
             .unwrap();
         assert_eq!(fenced, Err(FenceRefused::OptedOut));
         let record = ledger.delivery(lease.id).await.unwrap().unwrap();
-        assert_eq!(record.state, DeliveryState::Cancelled);
+        assert_eq!(record.state, DeliveryState::Suppressed);
         assert_eq!(
             record.last_error_reason.as_deref(),
             Some("contact_opted_out")

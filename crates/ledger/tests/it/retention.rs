@@ -30,7 +30,11 @@ fn policy() -> RetentionPolicy {
 
 fn boundary_days(state: DeliveryState) -> Option<i64> {
     match state {
-        DeliveryState::Delivered | DeliveryState::Expired | DeliveryState::Cancelled => Some(30),
+        // A suppressed delivery is kept as long as a cancelled one.
+        DeliveryState::Delivered
+        | DeliveryState::Expired
+        | DeliveryState::Cancelled
+        | DeliveryState::Suppressed => Some(30),
         DeliveryState::DeadLettered => Some(90),
         _ => None,
     }
@@ -93,6 +97,7 @@ async fn delivery(
             | DeliveryState::DeadLettered
             | DeliveryState::Expired
             | DeliveryState::Cancelled
+            | DeliveryState::Suppressed
             | DeliveryState::Ambiguous
     );
     let scheduled_at = if settled {

@@ -116,10 +116,13 @@ async fn record(ledger: &Ledger, d: &DueDelivery) -> nudge_ledger::DeliveryRecor
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
-async fn an_opted_out_answer_cancels_later_reminders_to_that_contact_without_a_send(pool: PgPool) {
+async fn an_opted_out_answer_suppresses_later_reminders_to_that_number_without_a_send(
+    pool: PgPool,
+) {
     let ledger = Ledger::from_pool(pool);
     contact(&ledger, "patient-1").await;
-    contact(&ledger, "patient-2").await;
+    // Another number: the opt-out is the number's (0505), not the subscriber's.
+    test_support::contact(&ledger, "patient-2", Channel::Sms, "+15550199").await;
     let (worker, provider) = worker(&ledger, vec![answered(Verdict::ContactOptedOut, 400)]);
 
     let first = due(&ledger, "first", "patient-1").await;
@@ -130,7 +133,7 @@ async fn an_opted_out_answer_cancels_later_reminders_to_that_contact_without_a_s
     let second = due(&ledger, "second", "patient-1").await;
     assert_eq!(
         worker.process_one(&envelope(&second)).await,
-        Processed::Attempted(DeliveryState::Cancelled)
+        Processed::Attempted(DeliveryState::Suppressed)
     );
     let other = due(&ledger, "other", "patient-2").await;
     assert_eq!(

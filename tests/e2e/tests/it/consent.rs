@@ -1,6 +1,6 @@
 //! A patient's STOP end to end (decision 0505): the provider stub, speaking Twilio, sends the
 //! patient's reply, signed, to the real intake's incoming-message webhook; the real producer
-//! and SMS worker then settle every later reminder to that number `cancelled`
+//! and SMS worker then settle every later reminder to that number `suppressed`
 //! (`contact_opted_out`) without a request, whichever subscriber it was posted for, while
 //! another number is sent to; START restores sending, HELP changes nothing, and the same
 //! message sent again is refused.
@@ -202,7 +202,7 @@ async fn a_patients_stop_stops_every_later_reminder_to_the_number_and_start_rest
     assert!(
         settled
             .iter()
-            .all(|(s, r)| *s == DeliveryState::Cancelled
+            .all(|(s, r)| *s == DeliveryState::Suppressed
                 && r.as_deref() == Some("contact_opted_out")),
         "{settled:?}"
     );
