@@ -4,10 +4,11 @@
 -- (`contact_opted_out`), and retention deletes it after the `cancelled` boundary, as it
 -- deletes a cancelled delivery: both are "not sent, by a decision".
 --
--- The CHECKs are widened without a long exclusive lock: each new one is added NOT VALID (only
--- new rows are checked, a brief lock) and then validated (a scan that lets reads and writes go
--- on), before the old one is dropped. The retention index gains the state under a new name
--- before the old one goes, so retention never runs without one.
+-- The migration runs in one transaction: it holds `deliveries` and `attempts` exclusively while
+-- it checks every row against the widened CHECKs and builds the new retention index (a scan of
+-- each). On a large ledger, apply it when the intake is paused and the channels are drained,
+-- or in a quiet hour; nothing is lost meanwhile, the binaries wait for the lock (their
+-- statement timeouts apply) and retry.
 
 ALTER TABLE deliveries ADD CONSTRAINT deliveries_state_known CHECK (state IN (
     'scheduled', 'queued', 'sending', 'retry_wait', 'delivered', 'dead_lettered', 'expired',

@@ -8,7 +8,8 @@
 use std::fmt;
 
 /// Whether a destination may be reached on its channel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ConsentState {
     OptedIn,
     OptedOut,
@@ -39,7 +40,8 @@ impl fmt::Display for ConsentState {
 }
 
 /// Where a change of consent came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ConsentSource {
     /// The clinic, through the preferences API.
     Api,
@@ -171,6 +173,22 @@ mod tests {
     fn a_keyword_as_received_is_trimmed_and_bounded() {
         assert_eq!(keyword_as_received("  Stop \r\n"), "Stop");
         assert_eq!(keyword_as_received(&"x".repeat(200)).chars().count(), 64);
+    }
+
+    #[test]
+    fn states_and_sources_serialise_as_the_ledger_spells_them() {
+        for state in [ConsentState::OptedIn, ConsentState::OptedOut] {
+            assert_eq!(
+                serde_json::to_value(state).unwrap(),
+                serde_json::json!(state.as_str())
+            );
+        }
+        for source in ConsentSource::ALL {
+            assert_eq!(
+                serde_json::to_value(source).unwrap(),
+                serde_json::json!(source.as_str())
+            );
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The retention policy: how long settled history is kept before it may be deleted.
 //!
-//! A boundary per terminal state (`delivered`, `expired`, `cancelled`, `dead_lettered`; a
+//! A boundary per terminal state (`delivered`, `expired`, `cancelled`, which `suppressed`
+//! shares, `dead_lettered`; a
 //! delivery's attempts, dead-letter records and finished redrive items go with it), one for
 //! reminders and one for contacts that no delivery or reminder needs any more, and one for the
 //! audit log, which is evidence of what operators did and is kept longest: at least as long as

@@ -112,6 +112,8 @@ pub enum ApiError {
     Unauthorized(Refusal),
     NotFound,
     SeriesNotFound,
+    /// The subscriber holds no destination (never posted, or erased).
+    SubscriberNotFound,
     EventConflict(String),
     /// The series id is used for another series (409).
     SeriesConflict(String),
@@ -197,6 +199,11 @@ impl IntoResponse for ApiError {
                 StatusCode::NOT_FOUND,
                 "not_found",
                 "no series with this id for this tenant",
+            ),
+            Self::SubscriberNotFound => error_body(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "this subscriber holds no destination in this tenant",
             ),
             Self::SeriesConflict(series_id) => (
                 StatusCode::CONFLICT,

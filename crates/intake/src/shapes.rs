@@ -388,6 +388,46 @@ pub struct ErasureAnswer {
     pub series_erased: u64,
 }
 
+/// The consent of one of the subscriber's destinations as it stands: its last change.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ConsentNow {
+    pub channel: ChannelName,
+    /// `opted_in` or `opted_out`.
+    pub state: String,
+    /// Where the change came from: `api`, `inbound_keyword`, `provider_stop`,
+    /// `provider_bounce`, `operator` or `import`.
+    pub source: String,
+    pub changed_at: DateTime<Utc>,
+}
+
+/// One change of a destination's consent. No destination.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ConsentHistoryEntry {
+    /// The entry's id: give the last one seen as `after` for the next page.
+    pub id: i64,
+    pub channel: ChannelName,
+    pub state: String,
+    pub source: String,
+    /// Who: `inbound:<account>` (the patient's reply), `provider:<account>`, an operator.
+    pub actor: String,
+    /// The keyword as the patient sent it (trimmed), for a reply.
+    pub keyword: Option<String>,
+    pub correlation_id: Option<String>,
+    /// The database's time of the change.
+    pub recorded_at: DateTime<Utc>,
+}
+
+/// A subscriber's consent: each of their destinations' as it stands, and one page of those
+/// destinations' history, oldest first. The history is the destinations': it holds what was
+/// recorded for a number before this subscriber was posted with it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ConsentHistoryAnswer {
+    pub current: Vec<ConsentNow>,
+    pub entries: Vec<ConsentHistoryEntry>,
+    /// Present when there are more entries: ask again with `after` set to it.
+    pub next_after: Option<i64>,
+}
+
 /// A recurring reminder: the reminder's fields, a zone, a start in the patient's local time
 /// and an RFC 5545 RRULE. Each occurrence becomes its own reminder, event id
 /// `{series_id}/{local date-time the rule gave}` (`med-42/2027-03-14T08:00:00`), created

@@ -176,6 +176,21 @@ impl Ledger {
             }
             Err(e) => return Err(e.into()),
         }
+        if keyword.state == ConsentState::OptedIn {
+            // A provider's flag on a contact holding this destination is an opt-out too (the
+            // lease reads both): the patient's START clears it with the destination's.
+            sqlx::query(
+                "UPDATE contacts c SET opted_out_at = NULL
+                 FROM unnest($1::uuid[], $2::bytea[]) AS x(tenant_id, digest)
+                 WHERE c.tenant_id = x.tenant_id AND c.channel = $3
+                   AND c.destination_digest = x.digest AND c.opted_out_at IS NOT NULL",
+            )
+            .bind(&tenants)
+            .bind(&digests)
+            .bind(keyword.channel.as_str())
+            .execute(&mut *tx)
+            .await?;
+        }
         tx.commit().await?;
         Ok(InboundRecorded::Recorded {
             tenants: tenants.len(),
@@ -243,6 +258,210 @@ impl Ledger {
                     keyword: r.keyword,
                     correlation_id: r.correlation_id,
                     recorded_at: r.at,
+                })
+            })
+            .collect()
+    }
+}
+
+/// A subscriber's consent: that of each destination they hold now, and the history of those
+/// destinations (one page of it, oldest first). No destination in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubscriberConsent {
+    /// Per channel the subscriber has a destination on whose consent ever changed.
+    pub current: Vec<(Channel, DestinationConsent)>,
+    /// History entries after the page's start, at most the page's size, by id.
+    pub entries: Vec<(i64, Channel, ConsentEntry)>,
+    /// The id to ask the next page after, when there are more entries.
+    pub next_after: Option<i64>,
+}
+
+#[derive(sqlx::FromRow)]
+struct HistoryRow {
+    id: i64,
+    channel: String,
+    #[sqlx(flatten)]
+    row: ConsentRow,
+}
+
+/// The most entries one page of a subscriber's consent history holds.
+pub const CONSENT_PAGE_MAX: u32 = 500;
+
+impl Ledger {
+    /// The consent of the destinations `subscriber_ref` holds now in `tenant`, with one page
+    /// of their history after `after` (an entry id; none: from the start) of at most `limit`
+    /// entries ([`CONSENT_PAGE_MAX`] at most). The history is the destinations', so it holds
+    /// what was recorded for a number before this subscriber was posted with it. `None` when
+    /// the subscriber holds no destination (never posted, or erased).
+    pub async fn subscriber_consent(
+        &self,
+        cipher: &DestinationCipher,
+        tenant: TenantId,
+        subscriber_ref: &nudge_domain::SubscriberRef,
+        after: Option<i64>,
+        limit: u32,
+    ) -> Result<Option<SubscriberConsent>, LedgerError> {
+        let stored_ref = cipher.stored_ref(tenant, subscriber_ref)?;
+        let limit = limit.clamp(1, CONSENT_PAGE_MAX);
+        let mut tx = self.pool.begin().await?;
+        let held: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM contacts WHERE tenant_id = $1 AND subscriber_ref = $2)",
+        )
+        .bind(tenant.as_uuid())
+        .bind(&stored_ref)
+        .fetch_one(&mut *tx)
+        .await?;
+        if !held {
+            return Ok(None);
+        }
+        let current: Vec<(String, ConsentRow)> = sqlx::query_as::<_, HistoryRow>(
+            "SELECT 0::bigint AS id, k.channel, k.state, k.source, k.actor, k.keyword,
+                    k.correlation_id, k.changed_at AS at
+             FROM contacts c
+             JOIN destination_consent k ON k.tenant_id = c.tenant_id AND k.channel = c.channel
+                                       AND k.destination_digest = c.destination_digest
+             WHERE c.tenant_id = $1 AND c.subscriber_ref = $2
+             ORDER BY k.channel",
+        )
+        .bind(tenant.as_uuid())
+        .bind(&stored_ref)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|r| (r.channel, r.row))
+        .collect();
+        let rows: Vec<HistoryRow> = sqlx::query_as(
+            "SELECT h.id, h.channel, h.state, h.source, h.actor, h.keyword, h.correlation_id,
+                    h.recorded_at AS at
+             FROM contacts c
+             JOIN consent_history h ON h.tenant_id = c.tenant_id AND h.channel = c.channel
+                                   AND h.destination_digest = c.destination_digest
+             WHERE c.tenant_id = $1 AND c.subscriber_ref = $2 AND h.id > $3
+             ORDER BY h.id
+             LIMIT $4",
+        )
+        .bind(tenant.as_uuid())
+        .bind(&stored_ref)
+        .bind(after.unwrap_or(0))
+        .bind(i64::from(limit) + 1)
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let channel = |text: &str| {
+            text.parse::<Channel>()
+                .map_err(|e| LedgerError::corrupt("consent_history", e))
+        };
+        let more = rows.len() > limit as usize;
+        let mut entries = Vec::with_capacity(rows.len().min(limit as usize));
+        for r in rows.into_iter().take(limit as usize) {
+            let (state, source) = r.row.parse()?;
+            entries.push((
+                r.id,
+                channel(&r.channel)?,
+                ConsentEntry {
+                    state,
+                    source,
+                    actor: r.row.actor,
+                    keyword: r.row.keyword,
+                    correlation_id: r.row.correlation_id,
+                    recorded_at: r.row.at,
+                },
+            ));
+        }
+        let next_after = if more {
+            entries.last().map(|(id, _, _)| *id)
+        } else {
+            None
+        };
+        let current = current
+            .into_iter()
+            .map(|(c, row)| {
+                let (state, source) = row.parse()?;
+                Ok((
+                    channel(&c)?,
+                    DestinationConsent {
+                        state,
+                        source,
+                        actor: row.actor,
+                        changed_at: row.at,
+                    },
+                ))
+            })
+            .collect::<Result<Vec<_>, LedgerError>>()?;
+        Ok(Some(SubscriberConsent {
+            current,
+            entries,
+            next_after,
+        }))
+    }
+}
+
+/// One entry of a tenant's consent history as exported: the destination only as its keyed
+/// digest (hex), which groups a destination's entries and names nothing without the key.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ExportedConsent {
+    pub id: i64,
+    pub channel: Channel,
+    pub destination_digest: String,
+    pub state: ConsentState,
+    pub source: ConsentSource,
+    pub actor: String,
+    pub keyword: Option<String>,
+    pub correlation_id: Option<String>,
+    pub recorded_at: DateTime<Utc>,
+}
+
+#[derive(sqlx::FromRow)]
+struct ExportRow {
+    id: i64,
+    channel: String,
+    destination_digest: Vec<u8>,
+    #[sqlx(flatten)]
+    row: ConsentRow,
+}
+
+impl Ledger {
+    /// A page of `tenant`'s whole consent history after entry `after`, at most `limit`
+    /// entries ([`CONSENT_PAGE_MAX`] at most), by id.
+    pub async fn consent_history_page(
+        &self,
+        tenant: TenantId,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<ExportedConsent>, LedgerError> {
+        let rows: Vec<ExportRow> = sqlx::query_as(
+            "SELECT id, channel, destination_digest, state, source, actor, keyword,
+                    correlation_id, recorded_at AS at
+             FROM consent_history
+             WHERE tenant_id = $1 AND id > $2
+             ORDER BY id
+             LIMIT $3",
+        )
+        .bind(tenant.as_uuid())
+        .bind(after)
+        .bind(i64::from(limit.clamp(1, CONSENT_PAGE_MAX)))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|r| {
+                let (state, source) = r.row.parse()?;
+                Ok(ExportedConsent {
+                    id: r.id,
+                    channel: r
+                        .channel
+                        .parse()
+                        .map_err(|e| LedgerError::corrupt("consent_history", e))?,
+                    destination_digest: r
+                        .destination_digest
+                        .iter()
+                        .map(|b| format!("{b:02x}"))
+                        .collect(),
+                    state,
+                    source,
+                    actor: r.row.actor,
+                    keyword: r.row.keyword,
+                    correlation_id: r.row.correlation_id,
+                    recorded_at: r.row.at,
                 })
             })
             .collect()

@@ -145,7 +145,7 @@ impl Ledger {
         .await?;
         let awaiting: Vec<AwaitingOperatorRow> = sqlx::query_as(
             // One subquery per state, so each reads its partial index (`ambiguous_idx`,
-            // `settled_idx`); an `IN` over both states made PostgreSQL scan the whole table.
+            // `settled_by_state_idx`); an `IN` over both states made PostgreSQL scan the whole table.
             "SELECT ch.channel,
                     (SELECT count(*) FROM deliveries d
                      WHERE d.state = 'ambiguous' AND d.channel = ch.channel) AS ambiguous,

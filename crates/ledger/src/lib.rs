@@ -52,7 +52,10 @@ pub use age::AgeBand;
 pub use audit::{AuditEntry, Operator};
 pub use buckets::{BucketReading, Feedback, FeedbackApplied, RateBucket};
 pub use channels::{ChannelControl, DrainChange, OwnerChange, ProducerAck};
-pub use consent::{ConsentEntry, DestinationConsent, InboundKeyword, InboundRecorded};
+pub use consent::{
+    CONSENT_PAGE_MAX, ConsentEntry, DestinationConsent, ExportedConsent, InboundKeyword,
+    InboundRecorded, SubscriberConsent,
+};
 pub use contacts::{FallbackZones, SubscriberConversion};
 pub use crypto::{Destination, DestinationCipher, DestinationDigest, SealedWith, SubscriberKey};
 pub use dead_letters::{DeadLetter, DeadLetterAction};

@@ -569,7 +569,7 @@ impl Ledger {
                     movable.push(delivery.id);
                 } else if !matches!(
                     found.state,
-                    DeliveryState::Cancelled | DeliveryState::Expired
+                    DeliveryState::Cancelled | DeliveryState::Expired | DeliveryState::Suppressed
                 ) {
                     started = true;
                 }

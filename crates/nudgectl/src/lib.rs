@@ -9,6 +9,7 @@
 
 mod change;
 mod config;
+mod consent;
 mod dlq;
 mod estimate;
 mod load;
@@ -87,6 +88,10 @@ pub enum Command {
     /// A tenant's recurring reminders (series): list, show, cancel.
     #[command(subcommand, long_about = series::HELP)]
     Series(SeriesCommand),
+    /// Consent: a subscriber's destinations as they stand and their history; a tenant's
+    /// history as JSON Lines.
+    #[command(subcommand, long_about = consent::HELP)]
+    Consent(ConsentCommand),
     /// Set when the producer materialises a tenant's reminders.
     #[command(subcommand)]
     Schedule(ScheduleCommand),
@@ -599,6 +604,24 @@ Needs crypto.destination_key (NUDGE_CRYPTO__DESTINATION_KEY), the key the worker
 for --dry-run, so that a clean dry run means the load can run.";
 
 #[derive(Debug, Subcommand)]
+pub enum ConsentCommand {
+    /// Each of a subscriber's destinations as it stands (opted in or out, from where, since
+    /// when) and their history, oldest first. Needs crypto.subscriber_key.
+    Show {
+        /// Tenant name.
+        tenant: String,
+        /// The client's reference of the subscriber.
+        subscriber_ref: String,
+    },
+    /// The tenant's whole consent history as JSON Lines, oldest first; each destination as its
+    /// keyed digest, never the destination.
+    Export {
+        /// Tenant name.
+        tenant: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum SeriesCommand {
     /// A tenant's series, newest first.
     List {
@@ -1087,6 +1110,22 @@ pub async fn execute(
                 out,
             )
             .await?;
+        }
+        Command::Consent(ConsentCommand::Show {
+            tenant,
+            subscriber_ref,
+        }) => {
+            let Some(cipher) = cipher.filter(|c| c.has_subscriber_key()) else {
+                bail!(
+                    "consent show needs crypto.destination_key and crypto.subscriber_key \
+                     (NUDGE_CRYPTO__DESTINATION_KEY, NUDGE_CRYPTO__SUBSCRIBER_KEY): subscriber \
+                     references are stored as a keyed hash"
+                );
+            };
+            consent::show(ledger, cipher, &tenant, &subscriber_ref, out).await?;
+        }
+        Command::Consent(ConsentCommand::Export { tenant }) => {
+            consent::export(ledger, &tenant, out).await?;
         }
         Command::Series(SeriesCommand::List { tenant, limit }) => {
             series::list(ledger, &tenant, limit, out).await?;

@@ -33,7 +33,7 @@ and why. Read-only: nothing is recorded or deleted (the janitor's runs do that, 
 rule, which the database's retention functions apply).
 
 The policy is the configuration's [retention] section, the one the janitor reads: a boundary \
-per terminal state (delivered, expired, cancelled, dead_lettered; attempts, dead-letter records \
+per terminal state (delivered, expired, cancelled (suppressed too), dead_lettered; attempts, dead-letter records \
 and finished redrive items go with their delivery), reminders with no delivery left, contacts \
 no remaining reminder names, and the audit log on its own.
 

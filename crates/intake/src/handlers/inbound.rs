@@ -46,7 +46,7 @@ fn bad_request(message: &'static str) -> Response {
 /// YES or UNSTOP opts it back in; HELP and anything else change nothing. Each change is kept
 /// in the consent history with the keyword as received. A message (its `MessageSid`) is
 /// recorded once: sent again, it is refused (403) and changes nothing.
-#[utoipa::path(post, path = "/inbound/twilio/{account}", tag = "receipts",
+#[utoipa::path(post, path = "/inbound/twilio/{account}", tag = "receipts", operation_id = "inbound_twilio",
     params(
         ("account" = String, Path, description = "the provider account the patient's message reached"),
         ("X-Twilio-Signature" = String, Header, description = "Twilio's signature of the request"),

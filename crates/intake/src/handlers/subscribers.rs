@@ -1,4 +1,5 @@
-//! The subscribers of the `/v1` API: store their destinations, erase them.
+//! The subscribers of the `/v1` API: store their destinations, read their consent and its
+//! history, erase them.
 //!
 //! Every handler is authenticated by its [`SignedTenant`] (its tenant as the ledger has it
 //! now) before its body is parsed. Must never answer, log or quote a destination or
@@ -7,6 +8,7 @@
 
 use axum::Json;
 use axum::extract::State;
+use axum::http::Uri;
 use axum::response::{IntoResponse, Response};
 use nudge_domain::{Channel, QuietHours, SubscriberRef, Zone};
 use nudge_ledger::input;
@@ -16,7 +18,10 @@ use serde_json::Value;
 use crate::auth::SignedTenant;
 use crate::error::{ApiError, ErrorBody, InvalidRequest, Problem, Unauthorized};
 use crate::extract::{ApiPath, JsonContent};
-use crate::shapes::{ContactsAnswer, ContactsBody, ErasureAnswer, channel_name};
+use crate::shapes::{
+    ConsentHistoryAnswer, ConsentHistoryEntry, ConsentNow, ContactsAnswer, ContactsBody,
+    ErasureAnswer, channel_name,
+};
 use crate::state::AppState;
 
 fn subscriber_ref(text: &str) -> Result<SubscriberRef, ApiError> {
@@ -229,6 +234,115 @@ pub async fn erase_subscriber(
         reminders_erased: erasure.reminders_erased,
         series_erased: erasure.series_erased,
         deliveries_cancelled: erasure.deliveries_cancelled,
+    })
+    .into_response())
+}
+
+/// How many history entries one page holds unless `limit` says fewer.
+const CONSENT_PAGE: u32 = 100;
+
+/// `after` and `limit` of a consent-history query: anything else, or a value that is not a
+/// whole number in range, is a 400 naming the parameter.
+fn consent_page(uri: &Uri) -> Result<(Option<i64>, u32), ApiError> {
+    let mut after = None;
+    let mut limit = CONSENT_PAGE;
+    for (key, value) in url::form_urlencoded::parse(uri.query().unwrap_or("").as_bytes()) {
+        match key.as_ref() {
+            "after" => {
+                after = Some(
+                    value
+                        .parse::<i64>()
+                        .ok()
+                        .filter(|v| *v >= 0)
+                        .ok_or_else(|| {
+                            ApiError::invalid("after", "must be an entry id (a whole number)")
+                        })?,
+                );
+            }
+            "limit" => {
+                limit = value
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|v| (1..=nudge_ledger::CONSENT_PAGE_MAX).contains(v))
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "limit",
+                            format!("must be 1 to {}", nudge_ledger::CONSENT_PAGE_MAX),
+                        )
+                    })?;
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "",
+                    "the query takes only `after` and `limit`",
+                ));
+            }
+        }
+    }
+    Ok((after, limit))
+}
+
+/// A subscriber's consent: each of their destinations' as it stands (a patient's STOP or
+/// START, a provider's opt-out), and one page of those destinations' history, oldest first,
+/// with who changed it, when and from what. No destination in it.
+#[utoipa::path(get, path = "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/consent-history", tag = "subscribers",
+    params(
+        ("tenant" = String, Path, description = "the tenant's name"),
+        ("subscriber_ref" = String, Path, description = "the client's reference of the subscriber", min_length = 1, max_length = 128, pattern = "^[!-~]+$"),
+        ("after" = Option<i64>, Query, description = "the last entry id of the previous page (`next_after`)", minimum = 0),
+        ("limit" = Option<u32>, Query, description = "entries per page, 1 to 500 (default 100)", minimum = 1, maximum = 500),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path with its query and the (empty) body"),
+    ),
+    responses(
+        (status = 200, description = "the subscriber's consent", body = ConsentHistoryAnswer),
+        (status = 400, description = "invalid reference or query", body = InvalidRequest),
+        (status = 401, description = "not authenticated", body = Unauthorized),
+        (status = 404, description = "the subscriber holds no destination (never posted, or erased)", body = ErrorBody),
+        (status = 500, description = "unexpected", body = ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
+    ),
+    security(("signature" = [])))]
+pub async fn get_consent_history(
+    State(state): State<AppState>,
+    ApiPath((_, subscriber)): ApiPath<(String, String)>,
+    uri: Uri,
+    SignedTenant { tenant, .. }: SignedTenant,
+) -> Result<Response, ApiError> {
+    let subscriber = subscriber_ref(&subscriber)?;
+    let (after, limit) = consent_page(&uri)?;
+    let consent = state
+        .ledger()
+        .subscriber_consent(state.cipher(), tenant.id, &subscriber, after, limit)
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or(ApiError::SubscriberNotFound)?;
+    Ok(Json(ConsentHistoryAnswer {
+        current: consent
+            .current
+            .into_iter()
+            .map(|(channel, now)| ConsentNow {
+                channel: channel_name(channel),
+                state: now.state.as_str().to_owned(),
+                source: now.source.as_str().to_owned(),
+                changed_at: now.changed_at,
+            })
+            .collect(),
+        entries: consent
+            .entries
+            .into_iter()
+            .map(|(id, channel, e)| ConsentHistoryEntry {
+                id,
+                channel: channel_name(channel),
+                state: e.state.as_str().to_owned(),
+                source: e.source.as_str().to_owned(),
+                actor: e.actor,
+                keyword: e.keyword,
+                correlation_id: e.correlation_id,
+                recorded_at: e.recorded_at,
+            })
+            .collect(),
+        next_after: consent.next_after,
     })
     .into_response())
 }

@@ -4,6 +4,7 @@
 mod api;
 mod away;
 mod commit;
+mod consent;
 mod inbound;
 mod quiet_hours;
 mod receipts;

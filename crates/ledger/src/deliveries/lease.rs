@@ -457,13 +457,14 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
     LEFT JOIN LATERAL (
         SELECT c0.destination_ciphertext, c0.destination_digest,
                c0.invalid_at IS NOT NULL AS invalid,
-               -- The destination opted out (0505); a contact flagged before its digest was
-               -- kept counts by its flag.
-               EXISTS (SELECT 1 FROM destination_consent k
-                       WHERE k.tenant_id = c0.tenant_id AND k.channel = c0.channel
-                         AND k.destination_digest = c0.destination_digest
-                         AND k.state = 'opted_out')
-               OR (c0.opted_out_at IS NOT NULL AND c0.destination_digest IS NULL) AS opted_out,
+               -- The destination opted out (0505), or the contact carries a provider's flag
+               -- (set before consent was kept by the destination, or by a binary of the
+               -- version before during a rolling deploy; a START clears it).
+               c0.opted_out_at IS NOT NULL
+               OR EXISTS (SELECT 1 FROM destination_consent k
+                          WHERE k.tenant_id = c0.tenant_id AND k.channel = c0.channel
+                            AND k.destination_digest = c0.destination_digest
+                            AND k.state = 'opted_out') AS opted_out,
                c0.time_zone
         FROM contacts c0
         WHERE c0.tenant_id = d.tenant_id AND c0.subscriber_ref = r.subscriber_ref
@@ -498,8 +499,9 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
 /// fenced only before its next quiet window starts (`quiet_from`), else leased unstamped for
 /// the fence to give back. The candidates were found with the
 /// transaction's clock, before the waits for the buckets' locks: a `now` delivery whose expiry
-/// has come by this statement's clock is leased unstamped (`started` false), and the fence
-/// that must then come before its send settles it expired. The fence stamps the digest of the
+/// has come by this statement's clock, or whose destination opted out meanwhile (a STOP that
+/// committed during those waits), is leased unstamped (`started` false), and the fence that
+/// must then come before its send settles it expired or suppressed. The fence stamps the digest of the
 /// destination the send will use. A delivery that waited for its account
 /// (`account_unavailable`) no longer does: the reason is cleared.
 const APPLY_LEASES: &str = "WITH plan AS (
@@ -534,11 +536,22 @@ const APPLY_LEASES: &str = "WITH plan AS (
                                     AND d.expires_at > COALESCE($7, clock_timestamp())
                                     AND COALESCE($7, clock_timestamp())
                                         < COALESCE(p.quiet_from, 'infinity'::timestamptz)
+                                    AND NOT EXISTS (
+                                        SELECT 1 FROM destination_consent k
+                                        WHERE k.tenant_id = d.tenant_id AND k.channel = d.channel
+                                          AND k.destination_digest = p.digest
+                                          AND k.state = 'opted_out')
                                THEN COALESCE($7, clock_timestamp()) END,
         destination_digest = CASE WHEN p.action = 'now'
                                        AND d.expires_at > COALESCE($7, clock_timestamp())
                                        AND COALESCE($7, clock_timestamp())
                                            < COALESCE(p.quiet_from, 'infinity'::timestamptz)
+                                       AND NOT EXISTS (
+                                           SELECT 1 FROM destination_consent k
+                                           WHERE k.tenant_id = d.tenant_id
+                                             AND k.channel = d.channel
+                                             AND k.destination_digest = p.digest
+                                             AND k.state = 'opted_out')
                                   THEN p.digest ELSE d.destination_digest END,
         updated_at = COALESCE($7, clock_timestamp())
     FROM plan p
@@ -864,8 +877,9 @@ impl Ledger {
                         material: row.material(batch.cipher),
                         slot: SendSlot::Now,
                     },
-                    // Expired, or its quiet hours began, while the lease waited for its buckets'
-                    // locks: leased unstamped, so the fence settles it and nothing is sent.
+                    // Expired, its quiet hours began or its destination opted out while the
+                    // lease waited for its buckets' locks: leased unstamped, so the fence
+                    // settles it and nothing is sent.
                     Plan::Now => {
                         let decided_at = leased_at.unwrap_or(row.db_now);
                         LeaseOutcome::Leased {

@@ -511,3 +511,124 @@ async fn consent_is_never_removed_and_its_history_never_rewritten(pool: PgPool) 
         .unwrap();
     assert_eq!(state, "opted_out");
 }
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_contact_flagged_before_digests_stays_opted_out_until_a_start(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let clinic = tenant(&ledger).await;
+    ledger
+        .announce_default_account(Channel::Sms, &account("main"), at(t0()))
+        .await
+        .unwrap();
+    contact_of(&ledger, clinic.id, "patient-0001", NUMBER).await;
+    // As a provider's flag was kept before consent was the destination's: on the contact,
+    // and the contact without its digest.
+    sqlx::query("UPDATE contacts SET opted_out_at = $1, destination_digest = NULL")
+        .bind(t0())
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        next_flag(&ledger, clinic.id, "e1", "patient-0001", t0() + secs(1)).await,
+        Some(ContactFlag::OptedOut)
+    );
+    // Posted again with the same number: it gets its digest and keeps its flag.
+    contact_of(&ledger, clinic.id, "patient-0001", NUMBER).await;
+    assert_eq!(
+        next_flag(&ledger, clinic.id, "e2", "patient-0001", t0() + secs(2)).await,
+        Some(ContactFlag::OptedOut)
+    );
+    // The patient's START clears it with the destination's consent.
+    keyword(
+        &ledger,
+        "main",
+        NUMBER,
+        ConsentState::OptedIn,
+        "START",
+        "SM1",
+    )
+    .await;
+    assert_eq!(
+        next_flag(&ledger, clinic.id, "e3", "patient-0001", t0() + secs(3)).await,
+        None
+    );
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_stop_committed_while_the_lease_waits_for_its_bucket_leaves_the_send_unstamped(
+    pool: PgPool,
+) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let clinic = tenant(&ledger).await;
+    ledger
+        .announce_default_account(Channel::Sms, &account("main"), at(t0()))
+        .await
+        .unwrap();
+    ledger
+        .ensure_bucket(&account("main"), Channel::Sms, 100.0, 10, t0())
+        .await
+        .unwrap();
+    contact_of(&ledger, clinic.id, "patient-0001", NUMBER).await;
+    owed(&ledger, clinic.id, "e1", &[Channel::Sms], t0()).await;
+    let due = claim_all(&ledger, t0()).await.remove(0);
+
+    // Another transaction holds the bucket: the lease finds its candidate, then waits.
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM rate_buckets FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let leasing = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move { lease(&ledger, &due, t0() + secs(1)).await })
+    };
+    let waited = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            if waiting > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "the lease never waited for the bucket");
+    keyword(
+        &ledger,
+        "main",
+        NUMBER,
+        ConsentState::OptedOut,
+        "STOP",
+        "SM1",
+    )
+    .await;
+    holder.commit().await.unwrap();
+
+    let (lease, reserved_at) = match leasing.await.unwrap() {
+        LeaseOutcome::Leased {
+            lease,
+            slot: SendSlot::At { reserved_at, .. },
+            ..
+        } => (lease, reserved_at),
+        other => panic!("expected an unstamped lease, got {other:?}"),
+    };
+    let fenced = ledger
+        .fence(
+            &lease,
+            reserved_at,
+            LEASE,
+            Duration::from_secs(10),
+            at(t0() + secs(1)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(fenced, Err(FenceRefused::OptedOut));
+    let record = ledger.delivery(lease.id).await.unwrap().unwrap();
+    assert_eq!(record.state, DeliveryState::Suppressed);
+}

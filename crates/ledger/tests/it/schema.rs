@@ -28,7 +28,7 @@ async fn insert_in_state(
     .await?;
     let settled = matches!(
         state,
-        "delivered" | "dead_lettered" | "expired" | "cancelled" | "ambiguous"
+        "delivered" | "dead_lettered" | "expired" | "cancelled" | "suppressed" | "ambiguous"
     );
     let leased = state == "sending";
     sqlx::query_scalar(

@@ -1,6 +1,7 @@
 //! nudgectl's integration tests, one binary: its commands against a fresh database each.
 
 mod commands;
+mod consent;
 mod ledger_away;
 mod rates;
 mod reminders_change;
