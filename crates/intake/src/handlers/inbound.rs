@@ -5,7 +5,7 @@
 //! and dropped.
 //!
 //! Outside `/v1`: signed by the provider, verified exactly as its status callbacks are
-//! ([`super::receipts::twilio_verified`]) before anything of it is read. Never keeps or logs
+//! (`receipts::twilio_verified`) before anything of it is read. Never keeps or logs
 //! the number or the body: the number is kept only as its keyed digest per tenant, the body
 //! only when it is a keyword (trimmed, at most 64 characters).
 
