@@ -23,17 +23,6 @@ it was posted for, with an append-only history (docs/decisions/0505).
 `show` needs crypto.destination_key and crypto.subscriber_key (subscriber references are
 stored as a keyed hash); `export` needs neither.";
 
-async fn tenant_id(ledger: &Ledger, tenant: &str) -> anyhow::Result<nudge_domain::TenantId> {
-    match ledger
-        .tenant_by_name(tenant)
-        .await
-        .context("failed to read the tenant")?
-    {
-        Some(t) => Ok(t.id),
-        None => bail!("no tenant named {tenant:?}"),
-    }
-}
-
 fn time(t: chrono::DateTime<chrono::Utc>) -> String {
     t.format("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
@@ -46,7 +35,7 @@ pub async fn show(
     subscriber: &str,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
-    let id = tenant_id(ledger, tenant).await?;
+    let id = crate::find_tenant(ledger, tenant).await?.id;
     let subscriber =
         SubscriberRef::parse(subscriber).map_err(|e| anyhow::anyhow!("SUBSCRIBER_REF: {e}"))?;
     let mut after = None;
@@ -133,7 +122,7 @@ pub async fn show(
 
 /// `consent export TENANT`: one JSON object per line, page by page.
 pub async fn export(ledger: &Ledger, tenant: &str, out: &mut impl Write) -> anyhow::Result<()> {
-    let id = tenant_id(ledger, tenant).await?;
+    let id = crate::find_tenant(ledger, tenant).await?.id;
     let mut after = 0;
     loop {
         let page = ledger

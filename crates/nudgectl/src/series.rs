@@ -20,17 +20,6 @@ producer's window reaches it; `reminders`, `trace TENANT/EVENT_ID` and `status` 
                                   no occurrence is created any more; those created and not
                                   sent are cancelled with their deliveries (audited)";
 
-async fn tenant_id(ledger: &Ledger, tenant: &str) -> anyhow::Result<nudge_domain::TenantId> {
-    match ledger
-        .tenant_by_name(tenant)
-        .await
-        .context("failed to read the tenant")?
-    {
-        Some(t) => Ok(t.id),
-        None => bail!("no tenant named {tenant:?}"),
-    }
-}
-
 fn time(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
     t.map_or_else(
         || "-".to_owned(),
@@ -45,7 +34,7 @@ pub async fn list(
     limit: u32,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
-    let id = tenant_id(ledger, tenant).await?;
+    let id = crate::find_tenant(ledger, tenant).await?.id;
     let all = ledger
         .list_series(id, limit)
         .await
@@ -90,7 +79,7 @@ pub async fn show(
     series_id: &str,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
-    let id = tenant_id(ledger, tenant).await?;
+    let id = crate::find_tenant(ledger, tenant).await?.id;
     let now = crate::database_now(ledger).await?;
     let Some(s) = ledger
         .series_status(id, series_id, now)
@@ -170,7 +159,7 @@ pub async fn cancel(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     crate::require_reason(reason)?;
-    let id = tenant_id(ledger, tenant).await?;
+    let id = crate::find_tenant(ledger, tenant).await?.id;
     let by = crate::operator(ledger, actor, Some(reason)).await?;
     let Some(done) = ledger
         .cancel_series(id, series_id, Some(&by), LedgerTime::Database)
