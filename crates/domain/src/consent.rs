@@ -202,3 +202,85 @@ mod tests {
         assert_eq!(ConsentSource::parse("nope"), None);
     }
 }
+
+/// What a reminder is about, as its tenant names it (`appointment`, `billing`): a patient may
+/// switch a category off per channel, unless the tenant made it `required`. Every tenant has
+/// [`Category::GENERAL`], never required, which a reminder without a category belongs to.
+/// 1 to 64 characters: lower-case ASCII letters, digits, `_` and `-`, starting with a letter
+/// or a digit.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(transparent)]
+pub struct Category(String);
+
+/// Why a category name is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "a category is 1 to 64 characters: lower-case letters, digits, '_' and '-', starting with a letter or a digit"
+)]
+pub struct CategoryError;
+
+impl Category {
+    /// The category every tenant has, and a reminder without one belongs to.
+    pub const GENERAL: &'static str = "general";
+
+    pub fn parse(name: &str) -> Result<Self, CategoryError> {
+        let mut bytes = name.bytes();
+        let first_ok = bytes
+            .next()
+            .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+        let rest_ok =
+            bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+        if !first_ok || !rest_ok || name.len() > 64 {
+            return Err(CategoryError);
+        }
+        Ok(Self(name.to_owned()))
+    }
+
+    pub fn general() -> Self {
+        Self(Self::GENERAL.to_owned())
+    }
+
+    pub fn is_general(&self) -> bool {
+        self.0 == Self::GENERAL
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Default for Category {
+    fn default() -> Self {
+        Self::general()
+    }
+}
+
+impl fmt::Display for Category {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod category_tests {
+    use super::*;
+
+    #[test]
+    fn a_category_name_is_checked() {
+        for good in ["general", "appointment", "billing-2", "a", "9lives", "x_y"] {
+            assert_eq!(
+                Category::parse(good).map(|c| c.to_string()),
+                Ok(good.to_owned())
+            );
+        }
+        let long = "a".repeat(65);
+        for bad in ["", "Appointment", "-x", "_x", "a b", "café", long.as_str()] {
+            assert_eq!(Category::parse(bad), Err(CategoryError), "{bad:?}");
+        }
+        assert_eq!(
+            Category::parse(&"a".repeat(64)).map(|c| c.as_str().len()),
+            Ok(64)
+        );
+        assert!(Category::default().is_general());
+    }
+}

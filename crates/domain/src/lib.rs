@@ -49,7 +49,9 @@ pub use change::{CancelChange, ChannelChange, Found, InvalidRevision, Revision, 
 pub use classify::{
     IdempotencySupport, OutcomeClass, SendOutcome, classify, classify_verdict, response_class,
 };
-pub use consent::{ConsentSource, ConsentState, Keyword, keyword_as_received};
+pub use consent::{
+    Category, CategoryError, ConsentSource, ConsentState, Keyword, keyword_as_received,
+};
 pub use decide::{
     AttemptContext, AttemptFacts, Decision, RETRY_AFTER_SEEN_MAX_CHARS, decide, is_account_fault,
 };

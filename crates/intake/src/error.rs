@@ -103,6 +103,9 @@ pub struct ErrorBody {
     /// The reminder's current revision (409 `revision_conflict` only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub current_revision: Option<i64>,
+    /// The category concerned (409 `category_required` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub category: Option<String>,
 }
 
 /// Every answer of the API that is not a success.
@@ -112,8 +115,10 @@ pub enum ApiError {
     Unauthorized(Refusal),
     NotFound,
     SeriesNotFound,
-    /// The subscriber holds no destination (never posted, or erased).
+    /// The subscriber holds no destination and has no preference (never posted, or erased).
     SubscriberNotFound,
+    /// A required category cannot be switched off (409 naming it).
+    CategoryRequired(String),
     EventConflict(String),
     /// The series id is used for another series (409).
     SeriesConflict(String),
@@ -166,6 +171,7 @@ pub fn error_body(status: StatusCode, error: &'static str, message: impl Into<St
             event_id: None,
             series_id: None,
             current_revision: None,
+            category: None,
         }),
     )
         .into_response()
@@ -203,8 +209,23 @@ impl IntoResponse for ApiError {
             Self::SubscriberNotFound => error_body(
                 StatusCode::NOT_FOUND,
                 "not_found",
-                "this subscriber holds no destination in this tenant",
+                "this subscriber holds no destination and has no preference in this tenant",
             ),
+            Self::CategoryRequired(category) => (
+                StatusCode::CONFLICT,
+                Json(ErrorBody {
+                    error: "category_required",
+                    message: format!(
+                        "the category {category:?} is required: it cannot be switched off \
+                         (a STOP from the destination still stops it)"
+                    ),
+                    event_id: None,
+                    series_id: None,
+                    current_revision: None,
+                    category: Some(category),
+                }),
+            )
+                .into_response(),
             Self::SeriesConflict(series_id) => (
                 StatusCode::CONFLICT,
                 Json(ErrorBody {
@@ -215,6 +236,7 @@ impl IntoResponse for ApiError {
                     event_id: None,
                     series_id: Some(series_id),
                     current_revision: None,
+                    category: None,
                 }),
             )
                 .into_response(),
@@ -228,6 +250,7 @@ impl IntoResponse for ApiError {
                     event_id: Some(event_id),
                     series_id: None,
                     current_revision: None,
+                    category: None,
                 }),
             )
                 .into_response(),
@@ -244,6 +267,7 @@ impl IntoResponse for ApiError {
                     event_id: Some(event_id),
                     series_id: None,
                     current_revision,
+                    category: None,
                 }),
             )
                 .into_response(),

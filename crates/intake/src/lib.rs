@@ -89,6 +89,10 @@ pub fn router(state: AppState, body_limit: usize, request_timeout: Duration) -> 
             "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/consent-history",
             get(subscribers::get_consent_history),
         )
+        .route(
+            "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/preferences",
+            get(subscribers::get_preferences).put(subscribers::put_preferences),
+        )
         .route("/receipts/twilio/{account}", post(receipt_routes::twilio))
         .route("/inbound/twilio/{account}", post(inbound::twilio))
         .route(

@@ -38,6 +38,8 @@ use crate::handlers::{inbound, operations, receipts, reminders, series, subscrib
         subscribers::put_contacts,
         subscribers::erase_subscriber,
         subscribers::get_consent_history,
+        subscribers::get_preferences,
+        subscribers::put_preferences,
         receipts::twilio,
         receipts::sendgrid,
         inbound::twilio,
@@ -49,7 +51,7 @@ use crate::handlers::{inbound, operations, receipts, reminders, series, subscrib
     tags(
         (name = "reminders", description = "Post, read and cancel reminders"),
         (name = "series", description = "Recurring reminders: post, read and cancel"),
-        (name = "subscribers", description = "Destinations, consent and erasure"),
+        (name = "subscribers", description = "Destinations, preferences, consent and erasure"),
         (name = "receipts", description = "Providers' delivery receipts and patients' replies (STOP, START), signed by the provider"),
         (name = "operations", description = "Health, readiness and this document"),
     )

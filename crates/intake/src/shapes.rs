@@ -81,6 +81,16 @@ pub struct ReminderBody {
     #[schema(minimum = 0)]
     pub revision: Option<i64>,
     pub quiet_hours: Option<QuietHoursMode>,
+    /// What the reminder is about: `general` when absent, else one of the tenant's categories
+    /// (`nudgectl category create`); another is a 400 at `/category`. A subscriber may switch
+    /// a category off per channel (`PUT .../preferences`) unless it is required.
+    #[schema(
+        min_length = 1,
+        max_length = 64,
+        pattern = "^[a-z0-9][a-z0-9_-]*$",
+        example = "appointment"
+    )]
+    pub category: Option<String>,
 }
 
 /// `respect` (the default): not sent inside the subscriber's quiet hours; `ignore`: sent
@@ -132,6 +142,14 @@ pub struct RescheduleBody {
     pub content: Option<Value>,
     /// As in a post; absent: `respect`.
     pub quiet_hours: Option<QuietHoursMode>,
+    /// As in a post; absent: `general`.
+    #[schema(
+        min_length = 1,
+        max_length = 64,
+        pattern = "^[a-z0-9][a-z0-9_-]*$",
+        example = "appointment"
+    )]
+    pub category: Option<String>,
 }
 
 /// What a reschedule did to one channel: `moved` (to the new time; its delivery keeps its
@@ -386,6 +404,8 @@ pub struct ErasureAnswer {
     pub deliveries_cancelled: u64,
     /// The subscriber's series, cancelled and erased like their reminders.
     pub series_erased: u64,
+    /// Their preferences, deleted (a destination's opt-out stays: it is the destination's).
+    pub preferences_deleted: u64,
 }
 
 /// The consent of one of the subscriber's destinations as it stands: its last change.
@@ -400,12 +420,15 @@ pub struct ConsentNow {
     pub changed_at: DateTime<Utc>,
 }
 
-/// One change of a destination's consent. No destination.
+/// One change of a destination's consent (no category) or of one of the subscriber's
+/// preferences (its category). No destination.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ConsentHistoryEntry {
     /// The entry's id: give the last one seen as `after` for the next page.
     pub id: i64,
     pub channel: ChannelName,
+    /// The preference's category; null for a destination's change.
+    pub category: Option<String>,
     pub state: String,
     pub source: String,
     /// Who: `inbound:<account>` (the patient's reply), `provider:<account>`, an operator.
@@ -417,9 +440,10 @@ pub struct ConsentHistoryEntry {
     pub recorded_at: DateTime<Utc>,
 }
 
-/// A subscriber's consent: each of their destinations' as it stands, and one page of those
-/// destinations' history, oldest first. The history is the destinations': it holds what was
-/// recorded for a number before this subscriber was posted with it.
+/// A subscriber's consent: each of their destinations' as it stands, and one page of the
+/// history of those destinations and of the subscriber's preferences, oldest first. A
+/// destination's history is the destination's: it holds what was recorded for a number
+/// before this subscriber was posted with it.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ConsentHistoryAnswer {
     pub current: Vec<ConsentNow>,
@@ -467,6 +491,14 @@ pub struct SeriesBody {
     #[schema(value_type = Option<Object>)]
     pub content: Option<Value>,
     pub quiet_hours: Option<QuietHoursMode>,
+    /// Every occurrence's category, as a reminder's: `general` when absent.
+    #[schema(
+        min_length = 1,
+        max_length = 64,
+        pattern = "^[a-z0-9][a-z0-9_-]*$",
+        example = "medication"
+    )]
+    pub category: Option<String>,
 }
 
 /// One occurrence: its event id, the wall-clock time the rule gave, and when it is due.
@@ -534,4 +566,62 @@ pub fn channel_name(c: Channel) -> ChannelName {
         Channel::Email => ChannelName::Email,
         Channel::Sms => ChannelName::Sms,
     }
+}
+
+/// One preference of a subscriber: a channel and a category, whether they want it, and its
+/// last change (`source`, `changed_at` null: never changed, opted in).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PreferenceShape {
+    pub channel: ChannelName,
+    pub category: String,
+    /// Required by the tenant: cannot be switched off here.
+    pub required: bool,
+    /// `opted_in` or `opted_out`.
+    pub state: String,
+    /// `api`, `operator`, ...; null when never changed.
+    pub source: Option<String>,
+    pub changed_at: Option<DateTime<Utc>>,
+}
+
+/// A subscriber's preferences: every channel with every category of the tenant, and the
+/// consent of the destinations they hold (a destination opted out, by a STOP say, is not sent
+/// to whatever its preferences say).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PreferencesAnswer {
+    pub preferences: Vec<PreferenceShape>,
+    pub destinations: Vec<ConsentNow>,
+}
+
+/// One change of a preference.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PreferenceChangeBody {
+    pub channel: ChannelName,
+    /// `general` or one of the tenant's categories.
+    #[schema(
+        min_length = 1,
+        max_length = 64,
+        pattern = "^[a-z0-9][a-z0-9_-]*$",
+        example = "billing"
+    )]
+    pub category: String,
+    pub state: ConsentStateName,
+}
+
+/// `opted_in` or `opted_out`.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ConsentStateName {
+    OptedIn,
+    OptedOut,
+}
+
+/// The body of `PUT .../preferences`: the changes, applied together or not at all (at most
+/// 300; the last one for a channel and category wins). Channels and categories not listed
+/// keep theirs.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PreferencesBody {
+    #[schema(min_items = 1, max_items = 300)]
+    pub preferences: Vec<PreferenceChangeBody>,
 }

@@ -49,11 +49,14 @@ pub struct DestinationConsent {
     pub changed_at: DateTime<Utc>,
 }
 
-/// One entry of a destination's consent history. Holds no destination.
+/// One entry of a consent history: a destination's (no category) or a preference's (its
+/// category). Holds no destination.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConsentEntry {
     pub state: ConsentState,
     pub source: ConsentSource,
+    /// The category of a preference's entry; none for a destination's.
+    pub category: Option<String>,
     pub actor: String,
     pub keyword: Option<String>,
     pub correlation_id: Option<String>,
@@ -254,6 +257,7 @@ impl Ledger {
                 Ok(ConsentEntry {
                     state,
                     source,
+                    category: None,
                     actor: r.actor,
                     keyword: r.keyword,
                     correlation_id: r.correlation_id,
@@ -280,8 +284,49 @@ pub struct SubscriberConsent {
 struct HistoryRow {
     id: i64,
     channel: String,
+    category: Option<String>,
     #[sqlx(flatten)]
     row: ConsentRow,
+}
+
+/// The consent of each destination `stored_ref` holds in `tenant`, per channel, where it ever
+/// changed.
+pub(crate) async fn destinations_of(
+    conn: &mut sqlx::PgConnection,
+    tenant: TenantId,
+    stored_ref: &str,
+) -> Result<Vec<(Channel, DestinationConsent)>, LedgerError> {
+    let rows: Vec<(String, ConsentRow)> = sqlx::query_as::<_, HistoryRow>(
+        "SELECT 0::bigint AS id, k.channel, NULL::text AS category, k.state, k.source, k.actor,
+                k.keyword, k.correlation_id, k.changed_at AS at
+         FROM contacts c
+         JOIN destination_consent k ON k.tenant_id = c.tenant_id AND k.channel = c.channel
+                                   AND k.destination_digest = c.destination_digest
+         WHERE c.tenant_id = $1 AND c.subscriber_ref = $2
+         ORDER BY k.channel",
+    )
+    .bind(tenant.as_uuid())
+    .bind(stored_ref)
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .map(|r| (r.channel, r.row))
+    .collect();
+    rows.into_iter()
+        .map(|(c, row)| {
+            let (state, source) = row.parse()?;
+            Ok((
+                c.parse::<Channel>()
+                    .map_err(|e| LedgerError::corrupt("destination_consent", e))?,
+                DestinationConsent {
+                    state,
+                    source,
+                    actor: row.actor,
+                    changed_at: row.at,
+                },
+            ))
+        })
+        .collect()
 }
 
 /// The most entries one page of a subscriber's consent history holds.
@@ -305,7 +350,9 @@ impl Ledger {
         let limit = limit.clamp(1, CONSENT_PAGE_MAX);
         let mut tx = self.pool.begin().await?;
         let held: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM contacts WHERE tenant_id = $1 AND subscriber_ref = $2)",
+            "SELECT EXISTS (SELECT 1 FROM contacts WHERE tenant_id = $1 AND subscriber_ref = $2)
+                 OR EXISTS (SELECT 1 FROM subscriber_preferences
+                            WHERE tenant_id = $1 AND subscriber_ref = $2)",
         )
         .bind(tenant.as_uuid())
         .bind(&stored_ref)
@@ -314,29 +361,20 @@ impl Ledger {
         if !held {
             return Ok(None);
         }
-        let current: Vec<(String, ConsentRow)> = sqlx::query_as::<_, HistoryRow>(
-            "SELECT 0::bigint AS id, k.channel, k.state, k.source, k.actor, k.keyword,
-                    k.correlation_id, k.changed_at AS at
-             FROM contacts c
-             JOIN destination_consent k ON k.tenant_id = c.tenant_id AND k.channel = c.channel
-                                       AND k.destination_digest = c.destination_digest
-             WHERE c.tenant_id = $1 AND c.subscriber_ref = $2
-             ORDER BY k.channel",
-        )
-        .bind(tenant.as_uuid())
-        .bind(&stored_ref)
-        .fetch_all(&mut *tx)
-        .await?
-        .into_iter()
-        .map(|r| (r.channel, r.row))
-        .collect();
+        let current = destinations_of(&mut tx, tenant, &stored_ref).await?;
+        // The history of the destinations the subscriber holds, and of their preferences (by
+        // the subjects of their preferences' rows).
         let rows: Vec<HistoryRow> = sqlx::query_as(
-            "SELECT h.id, h.channel, h.state, h.source, h.actor, h.keyword, h.correlation_id,
-                    h.recorded_at AS at
-             FROM contacts c
-             JOIN consent_history h ON h.tenant_id = c.tenant_id AND h.channel = c.channel
-                                   AND h.destination_digest = c.destination_digest
-             WHERE c.tenant_id = $1 AND c.subscriber_ref = $2 AND h.id > $3
+            "SELECT h.id, h.channel, h.category, h.state, h.source, h.actor, h.keyword,
+                    h.correlation_id, h.recorded_at AS at
+             FROM (SELECT h.* FROM contacts c
+                   JOIN consent_history h ON h.tenant_id = c.tenant_id AND h.channel = c.channel
+                                         AND h.destination_digest = c.destination_digest
+                   WHERE c.tenant_id = $1 AND c.subscriber_ref = $2 AND h.id > $3
+                   UNION ALL
+                   SELECT h.* FROM subscriber_preferences p
+                   JOIN consent_history h ON h.subject = p.subject
+                   WHERE p.tenant_id = $1 AND p.subscriber_ref = $2 AND h.id > $3) h
              ORDER BY h.id
              LIMIT $4",
         )
@@ -361,6 +399,7 @@ impl Ledger {
                 ConsentEntry {
                     state,
                     source,
+                    category: r.category,
                     actor: r.row.actor,
                     keyword: r.row.keyword,
                     correlation_id: r.row.correlation_id,
@@ -373,21 +412,6 @@ impl Ledger {
         } else {
             None
         };
-        let current = current
-            .into_iter()
-            .map(|(c, row)| {
-                let (state, source) = row.parse()?;
-                Ok((
-                    channel(&c)?,
-                    DestinationConsent {
-                        state,
-                        source,
-                        actor: row.actor,
-                        changed_at: row.at,
-                    },
-                ))
-            })
-            .collect::<Result<Vec<_>, LedgerError>>()?;
         Ok(Some(SubscriberConsent {
             current,
             entries,
@@ -396,13 +420,19 @@ impl Ledger {
     }
 }
 
-/// One entry of a tenant's consent history as exported: the destination only as its keyed
-/// digest (hex), which groups a destination's entries and names nothing without the key.
+/// One entry of a tenant's consent history as exported: a destination only as its keyed
+/// digest (hex), which groups a destination's entries and names nothing without the key; a
+/// preference by its subject, which names no one once the subscriber is erased.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ExportedConsent {
     pub id: i64,
     pub channel: Channel,
-    pub destination_digest: String,
+    /// A destination's entry: its keyed digest (hex).
+    pub destination_digest: Option<String>,
+    /// A preference's entry: its subject (the same for every change of one preference) and
+    /// category.
+    pub subject: Option<uuid::Uuid>,
+    pub category: Option<String>,
     pub state: ConsentState,
     pub source: ConsentSource,
     pub actor: String,
@@ -415,7 +445,9 @@ pub struct ExportedConsent {
 struct ExportRow {
     id: i64,
     channel: String,
-    destination_digest: Vec<u8>,
+    destination_digest: Option<Vec<u8>>,
+    subject: Option<uuid::Uuid>,
+    category: Option<String>,
     #[sqlx(flatten)]
     row: ConsentRow,
 }
@@ -430,8 +462,8 @@ impl Ledger {
         limit: u32,
     ) -> Result<Vec<ExportedConsent>, LedgerError> {
         let rows: Vec<ExportRow> = sqlx::query_as(
-            "SELECT id, channel, destination_digest, state, source, actor, keyword,
-                    correlation_id, recorded_at AS at
+            "SELECT id, channel, destination_digest, subject, category, state, source, actor,
+                    keyword, correlation_id, recorded_at AS at
              FROM consent_history
              WHERE tenant_id = $1 AND id > $2
              ORDER BY id
@@ -453,9 +485,9 @@ impl Ledger {
                         .map_err(|e| LedgerError::corrupt("consent_history", e))?,
                     destination_digest: r
                         .destination_digest
-                        .iter()
-                        .map(|b| format!("{b:02x}"))
-                        .collect(),
+                        .map(|d| d.iter().map(|b| format!("{b:02x}")).collect()),
+                    subject: r.subject,
+                    category: r.category,
                     state,
                     source,
                     actor: r.row.actor,

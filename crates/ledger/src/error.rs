@@ -29,6 +29,15 @@ pub enum LedgerError {
     #[error("unknown tenant {0}")]
     UnknownTenant(uuid::Uuid),
 
+    /// A reminder or a series names a category its tenant does not have.
+    #[error("the tenant has no category {0:?}: create it first (nudgectl category create)")]
+    UnknownCategory(String),
+
+    /// A required category cannot be switched off through the preferences (a destination's
+    /// opt-out still stops it).
+    #[error("the category {0:?} is required: it cannot be switched off")]
+    CategoryRequired(String),
+
     /// A channel has at most one redrive running or paused at a time.
     #[error("redrive {id} is already active on {channel}: resume, wait for or cancel it first")]
     RedriveActive {

@@ -102,6 +102,8 @@ pub enum InputError {
     UnknownDestinationChannel,
     #[error("quiet_hours must be \"respect\" (the default) or \"ignore\"")]
     QuietHours,
+    #[error("category: {0}")]
+    BadCategory(nudge_domain::CategoryError),
     #[error("revision must be an integer from 0 to 9223372036854775807")]
     Revision,
     #[error("refused by the ledger: {0}")]
@@ -193,6 +195,8 @@ struct RawLine {
     revision: Option<Value>,
     #[serde(default)]
     quiet_hours: Option<Value>,
+    #[serde(default)]
+    category: Option<Value>,
 }
 
 /// One reminder, checked: every listed channel has a non-empty destination and no other channel
@@ -217,6 +221,8 @@ pub struct ReminderInput {
     /// `"quiet_hours": "ignore"` (urgent: sent inside quiet hours, where the tenant allows
     /// it); absent or `"respect"`: not.
     pub ignore_quiet_hours: bool,
+    /// What it is about (`general` when absent); that its tenant has it is the ledger's check.
+    pub category: nudge_domain::Category,
 }
 
 /// Whether the reminder names its tenant: a `reminders load` line does, an HTTP body does
@@ -239,6 +245,7 @@ impl fmt::Debug for ReminderInput {
             .field("content", &self.content.as_ref().map(|_| "<redacted>"))
             .field("revision", &self.revision)
             .field("ignore_quiet_hours", &self.ignore_quiet_hours)
+            .field("category", &self.category)
             .finish()
     }
 }
@@ -325,6 +332,7 @@ impl ReminderInput {
             Some(Value::String(text)) if text == "ignore" => true,
             Some(_) => return Err(InputError::QuietHours),
         };
+        let category = category(raw.category.as_ref())?;
         Ok(Self {
             tenant,
             event_id,
@@ -335,6 +343,7 @@ impl ReminderInput {
             content,
             revision,
             ignore_quiet_hours,
+            category,
         })
     }
 
@@ -352,6 +361,17 @@ impl ReminderInput {
         tenant: Option<Zone>,
     ) -> Result<ResolvedTimes, InputError> {
         Ok(self.times.resolve(subscriber, tenant)?)
+    }
+}
+
+/// A reminder's or a series' `category`: absent or null is `general`.
+pub(crate) fn category(value: Option<&Value>) -> Result<nudge_domain::Category, InputError> {
+    match value {
+        None | Some(Value::Null) => Ok(nudge_domain::Category::general()),
+        Some(Value::String(name)) => {
+            nudge_domain::Category::parse(name).map_err(InputError::BadCategory)
+        }
+        Some(_) => Err(InputError::wrong_type("category", "a string")),
     }
 }
 
@@ -496,6 +516,7 @@ impl InputError {
             Self::ContentTooLong => "/content".to_owned(),
             Self::Revision => "/revision".to_owned(),
             Self::QuietHours => "/quiet_hours".to_owned(),
+            Self::BadCategory(_) => "/category".to_owned(),
             Self::Syntax { .. }
             | Self::NotAnObject
             | Self::Refused(_)
@@ -562,7 +583,9 @@ impl ReminderInput {
         if let Some(revision) = self.revision {
             reminder = reminder.with_revision(revision);
         }
-        reminder = reminder.ignoring_quiet_hours(self.ignore_quiet_hours);
+        reminder = reminder
+            .ignoring_quiet_hours(self.ignore_quiet_hours)
+            .with_category(self.category);
         Ok(ImportReminder {
             reminder,
             contacts: self.destinations,

@@ -114,6 +114,10 @@ pub struct Erasure {
     /// Series of the subscriber: cancelled, their subscriber reference replaced and their
     /// content dropped, as their reminders'.
     pub series_erased: u64,
+    /// Their preferences (per channel and category), deleted: the consent history keeps
+    /// their entries under subjects that no longer name anyone. A destination's opt-out is
+    /// the destination's, not theirs: it stays.
+    pub preferences_deleted: u64,
 }
 
 /// Locks the tenant's row for a change to its secrets (two rotations never race), or says
@@ -511,7 +515,8 @@ impl Ledger {
     }
 
     /// Erases a subscriber of a tenant, in one transaction: deletes their destinations (the
-    /// rows, so the ciphertext with them), settles their owed deliveries `cancelled` (a lease
+    /// rows, so the ciphertext with them) and their preferences (a destination's opt-out, kept
+    /// by its keyed digest, stays), settles their owed deliveries `cancelled` (a lease
     /// waiting for its slot too; one whose send started finishes), and strips their reminders
     /// to the audit fields: the reference is replaced by a random value unrelated to the
     /// subscriber, content and request digest are dropped, `erased_at` is set. An audit row
@@ -539,6 +544,14 @@ impl Ledger {
         .bind(tenant_id.as_uuid())
         .bind(&stored_ref)
         .bind(subscriber_ref.as_str())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let preferences_deleted = sqlx::query(
+            "DELETE FROM subscriber_preferences WHERE tenant_id = $1 AND subscriber_ref = $2",
+        )
+        .bind(tenant_id.as_uuid())
+        .bind(&stored_ref)
         .execute(&mut *tx)
         .await?
         .rows_affected();
@@ -614,6 +627,7 @@ impl Ledger {
             reminders_erased,
             deliveries_cancelled,
             series_erased,
+            preferences_deleted,
         };
         let mut entry = by.entry(
             "subscriber_erase",
@@ -623,6 +637,7 @@ impl Ledger {
                 "reminders_erased": reminders_erased,
                 "deliveries_cancelled": deliveries_cancelled,
                 "series_erased": series_erased,
+                "preferences_deleted": preferences_deleted,
             }),
         );
         entry.at = now;

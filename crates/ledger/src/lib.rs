@@ -31,6 +31,7 @@ mod failover;
 mod gauges;
 pub mod input;
 mod intake;
+mod preferences;
 mod quiet;
 mod receipts;
 mod redrive;
@@ -72,6 +73,10 @@ pub use gauges::{AwaitingOperator, BucketGauge, DrainFlag, LedgerGauges, TenantC
 pub use intake::{
     Cancellation, Erasure, IntakeTenant, MAX_ACTIVE_SECRETS, ReminderChannelState, ReminderStatus,
     SigningSecret,
+};
+pub use preferences::{
+    CategoryCreated, CategoryInfo, MAX_PREFERENCE_CHANGES, Preference, PreferenceAuthor,
+    PreferenceChange, Preferences,
 };
 pub use quiet::SubscriberQuietHours;
 pub use receipts::{Receipt, ReceiptOutcome, ReceiptRecorded};

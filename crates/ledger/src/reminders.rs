@@ -46,6 +46,8 @@ pub struct NewReminder {
     time_zone: Option<nudge_domain::Zone>,
     /// `"quiet_hours": "ignore"`: sent inside quiet hours where its tenant allows it.
     ignore_quiet_hours: bool,
+    /// What it is about: `general` unless given; one of its tenant's categories.
+    category: nudge_domain::Category,
 }
 
 /// The longest correlation id stored with a reminder (printable ASCII, as on the envelope).
@@ -106,6 +108,7 @@ impl NewReminder {
             revision: nudge_domain::Revision::FIRST,
             time_zone: None,
             ignore_quiet_hours: false,
+            category: nudge_domain::Category::general(),
         })
     }
 
@@ -173,6 +176,17 @@ impl NewReminder {
         self.ignore_quiet_hours
     }
 
+    /// Its category (`general` unless given): the import refuses one its tenant does not
+    /// have ([`ImportOutcome::UnknownCategory`]).
+    pub fn with_category(mut self, category: nudge_domain::Category) -> Self {
+        self.category = category;
+        self
+    }
+
+    pub fn category(&self) -> &nudge_domain::Category {
+        &self.category
+    }
+
     pub fn event_id(&self) -> &EventId {
         &self.event_id
     }
@@ -213,6 +227,8 @@ pub enum ImportOutcome {
     /// The event id is already used for a different reminder: nothing of this one is written.
     EventConflict,
     UnknownTenant,
+    /// Its tenant has no such category: nothing of this one is written.
+    UnknownCategory,
 }
 
 /// The answer to a create: the same event posted twice gets the same id, `created: false`.
@@ -343,6 +359,9 @@ impl Ledger {
             Some(ImportOutcome::EventConflict) => Err(LedgerError::EventConflict {
                 tenant_id: reminder.tenant_id.as_uuid(),
             }),
+            Some(ImportOutcome::UnknownCategory) => Err(LedgerError::UnknownCategory(
+                reminder.category.as_str().to_owned(),
+            )),
             Some(ImportOutcome::UnknownTenant) | None => {
                 Err(LedgerError::UnknownTenant(reminder.tenant_id.as_uuid()))
             }
@@ -606,19 +625,28 @@ async fn import_in(
         .collect();
     tenant_ids.sort_unstable();
     tenant_ids.dedup();
-    let known: HashSet<uuid::Uuid> =
-        sqlx::query_scalar("SELECT id FROM tenants WHERE id = ANY($1) ORDER BY id FOR SHARE")
-            .bind(&tenant_ids)
-            .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .collect();
+    // With each tenant, its categories (never deleted: one seen here stays).
+    let known: HashMap<uuid::Uuid, Vec<String>> = sqlx::query_as::<_, (uuid::Uuid, Vec<String>)>(
+        "SELECT t.id, ARRAY(SELECT c.name FROM categories c WHERE c.tenant_id = t.id)
+         FROM tenants t WHERE t.id = ANY($1) ORDER BY t.id FOR SHARE OF t",
+    )
+    .bind(&tenant_ids)
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .collect();
 
-    let mut prepared: Vec<Option<Prepared<'_>>> = Vec::with_capacity(items.len());
+    let mut prepared: Vec<Result<Prepared<'_>, ImportOutcome>> = Vec::with_capacity(items.len());
     for item in items {
         let reminder = &item.reminder;
-        if !known.contains(&reminder.tenant_id.as_uuid()) {
-            prepared.push(None);
+        let Some(categories) = known.get(&reminder.tenant_id.as_uuid()) else {
+            prepared.push(Err(ImportOutcome::UnknownTenant));
+            continue;
+        };
+        if !reminder.category.is_general()
+            && !categories.iter().any(|c| c == reminder.category.as_str())
+        {
+            prepared.push(Err(ImportOutcome::UnknownCategory));
             continue;
         }
         let id = ReminderId::new();
@@ -628,7 +656,7 @@ async fn import_in(
             .map(|c| cipher.seal(c, &crate::crypto::content_aad(reminder.tenant_id, id)))
             .transpose()?;
         let channels: Vec<&str> = reminder.channels.iter().map(|c| c.as_str()).collect();
-        prepared.push(Some(Prepared {
+        prepared.push(Ok(Prepared {
             item,
             id,
             stored_ref: cipher.stored_ref(reminder.tenant_id, &reminder.subscriber_ref)?,
@@ -636,23 +664,25 @@ async fn import_in(
             content,
         }));
     }
-    let rows: Vec<&Prepared<'_>> = prepared.iter().flatten().collect();
+    let rows: Vec<&Prepared<'_>> = prepared.iter().filter_map(|p| p.as_ref().ok()).collect();
 
     // Inserted in (tenant, event) order, the first occurrence in the batch first, so that
     // concurrent imports of overlapping batches take the unique index in one order.
     let created: HashSet<uuid::Uuid> = sqlx::query_scalar(
         "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, subscriber_ref_keyed,
                                 channels, content_ciphertext, scheduled_at, expires_at, created_at,
-                                correlation_id, request_digest, revision, ignore_quiet_hours)
+                                correlation_id, request_digest, revision, ignore_quiet_hours,
+                                category)
          SELECT r.id, r.tenant_id, r.event_id, r.subscriber_ref, true,
                 string_to_array(r.channels, ','), r.content, r.scheduled_at, r.expires_at, $9,
-                r.correlation_id, r.request_digest, r.revision, r.ignore_quiet_hours
+                r.correlation_id, r.request_digest, r.revision, r.ignore_quiet_hours,
+                r.category
          FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bytea[],
                      $7::timestamptz[], $8::timestamptz[], $10::text[], $11::bytea[],
-                     $12::bigint[], $13::boolean[])
+                     $12::bigint[], $13::boolean[], $14::text[])
               WITH ORDINALITY AS r(id, tenant_id, event_id, subscriber_ref, channels, content,
                                    scheduled_at, expires_at, correlation_id, request_digest,
-                                   revision, ignore_quiet_hours, ord)
+                                   revision, ignore_quiet_hours, category, ord)
          ORDER BY r.tenant_id, r.event_id, r.ord
          ON CONFLICT (tenant_id, event_id) DO NOTHING
          RETURNING id",
@@ -710,6 +740,11 @@ async fn import_in(
             .map(|r| r.item.reminder.ignore_quiet_hours)
             .collect::<Vec<_>>(),
     )
+    .bind(
+        rows.iter()
+            .map(|r| r.item.reminder.category.as_str())
+            .collect::<Vec<_>>(),
+    )
     .fetch_all(&mut *tx)
     .await?
     .into_iter()
@@ -756,9 +791,12 @@ async fn import_in(
     let mut zones: BTreeMap<(uuid::Uuid, String), nudge_domain::Zone> = BTreeMap::new();
     let mut materialise: Vec<&Prepared<'_>> = Vec::new();
     for row in &prepared {
-        let Some(row) = row else {
-            outcomes.push(ImportOutcome::UnknownTenant);
-            continue;
+        let row = match row {
+            Ok(row) => row,
+            Err(refused) => {
+                outcomes.push(*refused);
+                continue;
+            }
         };
         let reminder = &row.item.reminder;
         let outcome = if created.contains(&row.id.as_uuid()) {
@@ -1040,17 +1078,45 @@ async fn inserted_deliveries(
     }
     // One statement: the channels' control rows are joined and locked `FOR SHARE` by the
     // insert itself (a draining channel's row drops out of the join, and a drain turned on
-    // meanwhile is seen once its lock is released).
+    // meanwhile is seen once its lock is released). A delivery due now (by `now`) whose
+    // destination opted out, or whose category its subscriber switched off on the channel, is
+    // created settled `suppressed` at the database's time (0505, 0506): never claimed, never
+    // sent. One due later is created `scheduled` whatever its consent says now: an opt-in
+    // before its time must still send it, so its consent is the lease's and the fence's to
+    // read, as is any change committed after this.
     let done: Vec<uuid::Uuid> = sqlx::query_scalar(
         "INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
                                  scheduled_at, expires_at, next_attempt_at, created_at, updated_at,
-                                 owner)
-         SELECT d.id, d.reminder_id, $1, d.channel, 'scheduled', d.key,
-                d.scheduled_at, d.expires_at, d.scheduled_at, $2, $2, cc.owner
+                                 owner, settled_at, last_error_reason)
+         SELECT d.id, d.reminder_id, $1, d.channel,
+                CASE WHEN x.opted_out THEN 'suppressed' ELSE 'scheduled' END, d.key,
+                d.scheduled_at, d.expires_at,
+                CASE WHEN x.opted_out THEN NULL ELSE d.scheduled_at END, $2, $2, cc.owner,
+                CASE WHEN x.opted_out THEN now() END,
+                CASE WHEN x.opted_out THEN 'contact_opted_out' END
          FROM UNNEST($3::uuid[], $4::uuid[], $5::text[], $6::text[], $7::timestamptz[],
                      $8::timestamptz[])
               AS d(id, reminder_id, channel, key, scheduled_at, expires_at)
          JOIN channel_controls cc ON cc.channel = d.channel AND NOT cc.draining
+         CROSS JOIN LATERAL (
+             SELECT d.scheduled_at <= $2 AND (
+                        EXISTS (SELECT 1 FROM contacts c
+                                WHERE c.tenant_id = r.tenant_id
+                                  AND c.subscriber_ref = r.subscriber_ref
+                                  AND c.channel = d.channel
+                                  AND (c.opted_out_at IS NOT NULL
+                                       OR EXISTS (SELECT 1 FROM destination_consent k
+                                                  WHERE k.tenant_id = c.tenant_id
+                                                    AND k.channel = c.channel
+                                                    AND k.destination_digest
+                                                        = c.destination_digest
+                                                    AND k.state = 'opted_out')))
+                        OR EXISTS (SELECT 1 FROM subscriber_preferences sp
+                                   WHERE sp.tenant_id = r.tenant_id
+                                     AND sp.subscriber_ref = r.subscriber_ref
+                                     AND sp.channel = d.channel AND sp.category = r.category
+                                     AND sp.state = 'opted_out')) AS opted_out
+             FROM reminders r WHERE r.id = d.reminder_id) x
          FOR SHARE OF cc
          ON CONFLICT (reminder_id, channel) DO NOTHING
          RETURNING reminder_id",

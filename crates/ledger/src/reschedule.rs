@@ -66,6 +66,8 @@ struct Target<'a> {
     time_zone: Option<nudge_domain::Zone>,
     /// Whether it ignores quiet hours, when the replacement says (a whole new body does).
     ignore_quiet_hours: Option<bool>,
+    /// Its category, when the replacement says (a whole new body does).
+    category: Option<&'a nudge_domain::Category>,
 }
 
 /// What a replacement did.
@@ -224,6 +226,7 @@ impl Ledger {
             contacts: &replacement.item.contacts,
             time_zone: reminder.time_zone(),
             ignore_quiet_hours: Some(reminder.ignores_quiet_hours()),
+            category: Some(reminder.category()),
         };
         self.replace(&target, cipher, by, at).await
     }
@@ -265,6 +268,7 @@ impl Ledger {
             contacts: &[],
             time_zone: None,
             ignore_quiet_hours: None,
+            category: None,
         };
         self.replace(&target, cipher, &ReplacedBy::Operator(by.clone()), at)
             .await
@@ -281,14 +285,27 @@ impl Ledger {
         let mut tx = self.pool.begin().await?;
         // Shared with creations, exclusive with a window (see `reminders`): a reminder moved
         // into a window being run is either read by it or sees its run intent here.
-        let paused: Option<bool> =
-            sqlx::query_scalar("SELECT intake_paused FROM tenants WHERE id = $1 FOR SHARE")
-                .bind(tenant_id.as_uuid())
-                .fetch_optional(&mut *tx)
-                .await?;
-        let Some(paused) = paused else {
+        let tenant: Option<(bool, bool)> = sqlx::query_as(
+            "SELECT t.intake_paused,
+                    $2::text IS NULL OR $2 = 'general'
+                    OR EXISTS (SELECT 1 FROM categories c WHERE c.tenant_id = t.id AND c.name = $2)
+             FROM tenants t WHERE t.id = $1 FOR SHARE OF t",
+        )
+        .bind(tenant_id.as_uuid())
+        .bind(target.category.map(nudge_domain::Category::as_str))
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((paused, category_known)) = tenant else {
             return Ok(RescheduleOutcome::NotFound);
         };
+        if !category_known {
+            return Err(LedgerError::UnknownCategory(
+                target
+                    .category
+                    .map(|c| c.as_str().to_owned())
+                    .unwrap_or_default(),
+            ));
+        }
         // NO KEY UPDATE: a window inserting deliveries takes KEY SHARE on the reminder.
         let current: Option<CurrentRow> = sqlx::query_as(
             "SELECT id, subscriber_ref, subscriber_ref_keyed, channels, scheduled_at, expires_at,
@@ -399,7 +416,8 @@ impl Ledger {
                  content_ciphertext = CASE WHEN $8 THEN $5 ELSE content_ciphertext END,
                  content_from_series = CASE WHEN $8 THEN false ELSE content_from_series END,
                  revision = $6, revision_digest = $7,
-                 ignore_quiet_hours = COALESCE($9, ignore_quiet_hours)
+                 ignore_quiet_hours = COALESCE($9, ignore_quiet_hours),
+                 category = COALESCE($10, category)
              WHERE id = $1",
         )
         .bind(current.id)
@@ -411,6 +429,7 @@ impl Ledger {
         .bind(target.digest)
         .bind(content.is_some())
         .bind(target.ignore_quiet_hours)
+        .bind(target.category.map(nudge_domain::Category::as_str))
         .execute(&mut *tx)
         .await?;
 

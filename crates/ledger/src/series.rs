@@ -59,6 +59,7 @@ pub struct NewSeries {
     expires_after: ExpiresAfter,
     content: Option<Vec<u8>>,
     ignore_quiet_hours: bool,
+    category: nudge_domain::Category,
     correlation_id: Option<String>,
     request_digest: Option<Vec<u8>>,
 }
@@ -96,6 +97,7 @@ impl NewSeries {
             expires_after,
             content: None,
             ignore_quiet_hours: false,
+            category: nudge_domain::Category::general(),
             correlation_id: None,
             request_digest: None,
         })
@@ -123,6 +125,17 @@ impl NewSeries {
     pub fn ignoring_quiet_hours(mut self, ignore: bool) -> Self {
         self.ignore_quiet_hours = ignore;
         self
+    }
+
+    /// Its occurrences' category (`general` unless given): refused when its tenant does not
+    /// have it ([`SeriesOutcome::UnknownCategory`]).
+    pub fn with_category(mut self, category: nudge_domain::Category) -> Self {
+        self.category = category;
+        self
+    }
+
+    pub fn category(&self) -> &nudge_domain::Category {
+        &self.category
     }
 
     pub fn with_correlation_id(mut self, id: &str) -> Result<Self, LedgerError> {
@@ -208,6 +221,8 @@ pub enum SeriesOutcome {
     /// The series id is used for a different series: nothing written.
     Conflict,
     UnknownTenant,
+    /// Its tenant has no such category: nothing written.
+    UnknownCategory,
 }
 
 /// A series as `GET .../series/{series_id}` and `nudgectl series show` read it: no subscriber,
@@ -270,6 +285,7 @@ struct StoredSeries {
     rrule: String,
     expires_after_s: i32,
     ignore_quiet_hours: bool,
+    category: String,
     correlation_id: Option<String>,
     next_at: Option<DateTime<Utc>>,
     next_local: Option<NaiveDateTime>,
@@ -287,8 +303,8 @@ impl StoredSeries {
 }
 
 const STORED_COLUMNS: &str = "id, series_id, subscriber_ref, channels, time_zone, start_local, \
-                              rrule, expires_after_s, ignore_quiet_hours, correlation_id, next_at, \
-                              next_local";
+                              rrule, expires_after_s, ignore_quiet_hours, category, correlation_id, \
+                              next_at, next_local";
 
 impl Ledger {
     /// Records a series, idempotently on `(tenant, series_id)`, with the subscriber's
@@ -305,14 +321,22 @@ impl Ledger {
     ) -> Result<SeriesOutcome, LedgerError> {
         let mut tx = self.pool.begin().await?;
         // Shared with reminder creations, exclusive with the tenant's window (0403).
-        let paused: Option<bool> =
-            sqlx::query_scalar("SELECT intake_paused FROM tenants WHERE id = $1 FOR SHARE")
-                .bind(new.tenant_id.as_uuid())
-                .fetch_optional(&mut *tx)
-                .await?;
-        let Some(paused) = paused else {
+        let tenant: Option<(bool, bool)> = sqlx::query_as(
+            "SELECT t.intake_paused,
+                    $2 = 'general' OR EXISTS (SELECT 1 FROM categories c
+                                             WHERE c.tenant_id = t.id AND c.name = $2)
+             FROM tenants t WHERE t.id = $1 FOR SHARE OF t",
+        )
+        .bind(new.tenant_id.as_uuid())
+        .bind(new.category.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((paused, category_known)) = tenant else {
             return Ok(SeriesOutcome::UnknownTenant);
         };
+        if !category_known {
+            return Ok(SeriesOutcome::UnknownCategory);
+        }
         let key = uuid::Uuid::now_v7();
         let stored_ref = cipher.stored_ref(new.tenant_id, &new.subscriber_ref)?;
         let content = new
@@ -325,8 +349,8 @@ impl Ledger {
             "INSERT INTO series (id, tenant_id, series_id, subscriber_ref, channels,
                                  content_ciphertext, time_zone, start_local, rrule,
                                  expires_after_s, ignore_quiet_hours, correlation_id,
-                                 request_digest, created_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+                                 request_digest, created_at, category)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
              ON CONFLICT (tenant_id, series_id) DO NOTHING
              RETURNING id",
         )
@@ -344,6 +368,7 @@ impl Ledger {
         .bind(new.correlation_id.as_deref())
         .bind(new.request_digest.as_deref())
         .bind(now)
+        .bind(new.category.as_str())
         .fetch_optional(&mut *tx)
         .await?;
         if inserted.is_none() {
@@ -408,6 +433,7 @@ impl Ledger {
             rrule: new.rule.clone(),
             expires_after_s: i32::try_from(new.expires_after.secs()).unwrap_or(i32::MAX),
             ignore_quiet_hours: new.ignore_quiet_hours,
+            category: new.category.as_str().to_owned(),
             correlation_id: new.correlation_id.clone(),
             next_at: None,
             next_local: None,
@@ -728,9 +754,10 @@ async fn insert_occurrences(
     let created: Vec<WindowReminder> = sqlx::query_as(
         "INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, subscriber_ref_keyed,
                                 channels, scheduled_at, expires_at, created_at, correlation_id,
-                                revision, ignore_quiet_hours, series_key, content_from_series)
+                                revision, ignore_quiet_hours, series_key, content_from_series,
+                                category)
          SELECT o.id, $1, o.event_id, $2, true, $3, o.scheduled_at, o.expires_at, $4, $5, 0,
-                $6, $7, true
+                $6, $7, true, $12
          FROM UNNEST($8::uuid[], $9::text[], $10::timestamptz[], $11::timestamptz[])
               AS o(id, event_id, scheduled_at, expires_at)
          ORDER BY o.event_id
@@ -748,6 +775,7 @@ async fn insert_occurrences(
     .bind(&event_ids)
     .bind(&scheduled)
     .bind(&expires)
+    .bind(&series.category)
     .fetch_all(&mut *tx)
     .await?;
     Ok(created)

@@ -13,12 +13,15 @@ use crate::table::{Align, write_table};
 pub const HELP: &str = "\
 Consent: whether a patient's destination may be reached (a patient's STOP or START to an
 account's number, a provider's opt-out), kept per tenant and destination whatever subscriber
-it was posted for, with an append-only history (docs/decisions/0505).
+it was posted for, and a subscriber's preferences per channel and category (a clinic's
+PUT .../preferences), with one append-only history (docs/decisions/0505, 0506).
 
-  consent show TENANT SUBSCRIBER_REF   each of the subscriber's destinations as it stands, and
-                                       their history: when, from where, who, the keyword
+  consent show TENANT SUBSCRIBER_REF   each of the subscriber's destinations as it stands, the
+                                       preferences they changed (channel and category), and the
+                                       history of both: when, from where, who, the keyword
   consent export TENANT                the tenant's whole history as JSON Lines, oldest first,
-                                       each destination as its keyed digest (never the number)
+                                       each destination as its keyed digest (never the number),
+                                       each preference by its subject (a random id) and category
 
 `show` needs crypto.destination_key and crypto.subscriber_key (subscriber references are
 stored as a keyed hash); `export` needs neither.";
@@ -48,7 +51,8 @@ pub async fn show(
             .context("failed to read the subscriber's consent")?
         else {
             bail!(
-                "this subscriber holds no destination in tenant {tenant} (never posted, or erased)"
+                "this subscriber holds no destination and has no preference in tenant {tenant} \
+                 (never posted, or erased)"
             );
         };
         current.get_or_insert(page.current);
@@ -56,6 +60,7 @@ pub async fn show(
             rows.push(vec![
                 time(e.recorded_at),
                 channel.to_string(),
+                e.category.unwrap_or_else(|| "-".to_owned()),
                 e.state.to_string(),
                 e.source.to_string(),
                 e.actor,
@@ -100,6 +105,49 @@ pub async fn show(
             &now,
         )?;
     }
+    let preferences = ledger
+        .subscriber_preferences(cipher, id, &subscriber)
+        .await
+        .context("failed to read the subscriber's preferences")?
+        .map(|p| p.entries)
+        .unwrap_or_default();
+    let changed: Vec<Vec<String>> = preferences
+        .into_iter()
+        .filter(|p| p.source.is_some())
+        .map(|p| {
+            vec![
+                p.channel.to_string(),
+                p.category.to_string(),
+                if p.required { "yes" } else { "no" }.to_owned(),
+                p.state.to_string(),
+                p.source.map(|s| s.to_string()).unwrap_or_default(),
+                p.actor.unwrap_or_default(),
+                p.changed_at.map(time).unwrap_or_default(),
+            ]
+        })
+        .collect();
+    if changed.is_empty() {
+        writeln!(
+            out,
+            "\nno preference changed: every category is on for every channel"
+        )?;
+    } else {
+        writeln!(out, "\npreferences changed (every other one is on):")?;
+        write_table(
+            out,
+            "",
+            &[
+                ("channel", Align::Left),
+                ("category", Align::Left),
+                ("required", Align::Left),
+                ("state", Align::Left),
+                ("source", Align::Left),
+                ("actor", Align::Left),
+                ("since", Align::Left),
+            ],
+            &changed,
+        )?;
+    }
     if !rows.is_empty() {
         writeln!(out, "\nhistory, oldest first:")?;
         write_table(
@@ -108,6 +156,7 @@ pub async fn show(
             &[
                 ("at", Align::Left),
                 ("channel", Align::Left),
+                ("category", Align::Left),
                 ("state", Align::Left),
                 ("source", Align::Left),
                 ("actor", Align::Left),

@@ -7,6 +7,7 @@
 //! stdout, errors to stderr with their whole chain. It must never print a destination,
 //! subscriber reference or message content.
 
+mod category;
 mod change;
 mod config;
 mod consent;
@@ -92,6 +93,10 @@ pub enum Command {
     /// history as JSON Lines.
     #[command(subcommand, long_about = consent::HELP)]
     Consent(ConsentCommand),
+    /// A tenant's categories (what its reminders are about): create one, required or not;
+    /// list them.
+    #[command(subcommand, long_about = category::HELP)]
+    Category(CategoryCommand),
     /// Set when the producer materialises a tenant's reminders.
     #[command(subcommand)]
     Schedule(ScheduleCommand),
@@ -602,6 +607,30 @@ status is 0 only when no line was rejected. The load is recorded in the audit lo
 
 Needs crypto.destination_key (NUDGE_CRYPTO__DESTINATION_KEY), the key the workers use, also
 for --dry-run, so that a clean dry run means the load can run.";
+
+#[derive(Debug, Subcommand)]
+pub enum CategoryCommand {
+    /// Create a category of a tenant (audited). Creating it again as it is changes nothing.
+    Create {
+        /// Tenant name.
+        tenant: String,
+        /// 1 to 64 of lower-case letters, digits, `_` and `-` (not `general`, which every
+        /// tenant has).
+        name: String,
+        /// Subscribers cannot switch it off through the preferences API (a STOP still stops
+        /// its SMS).
+        #[arg(long)]
+        required: bool,
+        /// Why: recorded in the audit log.
+        #[arg(long)]
+        reason: String,
+    },
+    /// A tenant's categories, `general` first.
+    List {
+        /// Tenant name.
+        tenant: String,
+    },
+}
 
 #[derive(Debug, Subcommand)]
 pub enum ConsentCommand {
@@ -1126,6 +1155,17 @@ pub async fn execute(
         }
         Command::Consent(ConsentCommand::Export { tenant }) => {
             consent::export(ledger, &tenant, out).await?;
+        }
+        Command::Category(CategoryCommand::Create {
+            tenant,
+            name,
+            required,
+            reason,
+        }) => {
+            category::create(ledger, actor, &tenant, &name, required, &reason, out).await?;
+        }
+        Command::Category(CategoryCommand::List { tenant }) => {
+            category::list(ledger, &tenant, out).await?;
         }
         Command::Series(SeriesCommand::List { tenant, limit }) => {
             series::list(ledger, &tenant, limit, out).await?;

@@ -288,7 +288,7 @@ enum Pending {
     Valid,
     Import {
         tenant: String,
-        item: ImportReminder,
+        item: Box<ImportReminder>,
     },
     /// A series line, recorded when it was read (its own transaction).
     Recorded(Loaded),
@@ -470,7 +470,10 @@ impl Loader<'_> {
         if self.dry_run {
             return Ok(Pending::Valid);
         }
-        Ok(Pending::Import { tenant, item })
+        Ok(Pending::Import {
+            tenant,
+            item: Box::new(item),
+        })
     }
 
     /// A series line (`series_id` instead of `event_id`): checked as the intake checks a
@@ -528,6 +531,10 @@ impl Loader<'_> {
                 series_id: new.series_id().to_owned(),
             }),
             SeriesOutcome::UnknownTenant => Pending::Rejected(LineError::UnknownTenant(tenant)),
+            SeriesOutcome::UnknownCategory => Pending::Rejected(LineError::UnknownCategory {
+                tenant,
+                category: new.category().to_string(),
+            }),
         })
     }
 
@@ -541,7 +548,7 @@ impl Loader<'_> {
         let items: Vec<ImportReminder> = lines
             .iter()
             .filter_map(|(_, p)| match p {
-                Pending::Import { item, .. } => Some(item.clone()),
+                Pending::Import { item, .. } => Some((**item).clone()),
                 _ => None,
             })
             .collect();
@@ -656,6 +663,10 @@ impl Loader<'_> {
                         tenant,
                         event_id: item.reminder.event_id().as_str().to_owned(),
                     }),
+                    Some(ImportOutcome::UnknownCategory) => Err(LineError::UnknownCategory {
+                        category: item.reminder.category().to_string(),
+                        tenant,
+                    }),
                     Some(ImportOutcome::UnknownTenant) | None => {
                         Err(LineError::UnknownTenant(tenant))
                     }
@@ -726,6 +737,8 @@ enum LineError {
     Series(String),
     #[error("series_id {series_id:?} of tenant {tenant:?} is already used for a different series")]
     SeriesConflict { tenant: String, series_id: String },
+    #[error("tenant {tenant:?} has no category {category:?} (nudgectl category create)")]
+    UnknownCategory { tenant: String, category: String },
 }
 
 /// A series line's problems, each `field: problem`, in one line.

@@ -278,6 +278,10 @@ fn local_resolution(times: &ResolvedTimes) -> Option<LocalResolution> {
     })
 }
 
+/// The problem of a reminder naming a category its tenant does not have.
+pub(crate) const UNKNOWN_CATEGORY: &str =
+    "is not a category of this tenant (`general`, or one created with nudgectl category create)";
+
 /// What one imported reminder's outcome answers: status and body, or a problem.
 fn answer(
     state: &AppState,
@@ -320,6 +324,10 @@ fn answer(
         ImportOutcome::EventConflict => {
             state.metrics().reminder("conflict");
             Err(ApiError::EventConflict(event_id))
+        }
+        ImportOutcome::UnknownCategory => {
+            state.metrics().reminder("invalid");
+            Err(ApiError::invalid("/category", UNKNOWN_CATEGORY))
         }
         ImportOutcome::UnknownTenant => Err(ApiError::internal(anyhow::anyhow!(
             "the tenant disappeared while its reminder was imported"
@@ -446,6 +454,16 @@ async fn post_batch(
                 reminder: Some(accepted),
                 event_id: Some(event_id),
                 errors: Vec::new(),
+            },
+            Err(ApiError::Invalid(errors)) => BatchItem {
+                index,
+                status: 400,
+                reminder: None,
+                errors: errors
+                    .into_iter()
+                    .map(|p| Problem::new(format!("/reminders/{index}{}", p.path), p.problem))
+                    .collect(),
+                event_id: Some(event_id),
             },
             Err(ApiError::EventConflict(event_id)) => BatchItem {
                 index,
@@ -697,7 +715,12 @@ pub async fn put_reminder(
             LedgerTime::Database,
         )
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(|e| match e {
+            nudge_ledger::LedgerError::UnknownCategory(_) => {
+                ApiError::invalid("/category", UNKNOWN_CATEGORY)
+            }
+            other => ApiError::internal(other),
+        })?;
     let conflict = |error, message: String, current_revision| ApiError::Conflict {
         error,
         message,

@@ -100,6 +100,12 @@ pub async fn post_series(
         SeriesOutcome::Conflict => {
             return Err(ApiError::SeriesConflict(new.series_id().to_owned()));
         }
+        SeriesOutcome::UnknownCategory => {
+            return Err(ApiError::invalid(
+                "/category",
+                crate::handlers::reminders::UNKNOWN_CATEGORY,
+            ));
+        }
         SeriesOutcome::UnknownTenant => {
             return Err(ApiError::internal(anyhow::anyhow!(
                 "the tenant disappeared while its series was recorded"

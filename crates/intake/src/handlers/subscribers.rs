@@ -1,5 +1,5 @@
-//! The subscribers of the `/v1` API: store their destinations, read their consent and its
-//! history, erase them.
+//! The subscribers of the `/v1` API: store their destinations, read and set their
+//! preferences, read their consent and its history, erase them.
 //!
 //! Every handler is authenticated by its [`SignedTenant`] (its tenant as the ledger has it
 //! now) before its body is parsed. Must never answer, log or quote a destination or
@@ -20,7 +20,7 @@ use crate::error::{ApiError, ErrorBody, InvalidRequest, Problem, Unauthorized};
 use crate::extract::{ApiPath, JsonContent};
 use crate::shapes::{
     ConsentHistoryAnswer, ConsentHistoryEntry, ConsentNow, ContactsAnswer, ContactsBody,
-    ErasureAnswer, channel_name,
+    ErasureAnswer, PreferenceShape, PreferencesAnswer, PreferencesBody, channel_name,
 };
 use crate::state::AppState;
 
@@ -234,6 +234,7 @@ pub async fn erase_subscriber(
         reminders_erased: erasure.reminders_erased,
         series_erased: erasure.series_erased,
         deliveries_cancelled: erasure.deliveries_cancelled,
+        preferences_deleted: erasure.preferences_deleted,
     })
     .into_response())
 }
@@ -297,7 +298,7 @@ fn consent_page(uri: &Uri) -> Result<(Option<i64>, u32), ApiError> {
         (status = 200, description = "the subscriber's consent", body = ConsentHistoryAnswer),
         (status = 400, description = "invalid reference or query", body = InvalidRequest),
         (status = 401, description = "not authenticated", body = Unauthorized),
-        (status = 404, description = "the subscriber holds no destination (never posted, or erased)", body = ErrorBody),
+        (status = 404, description = "the subscriber holds no destination and has no preference (never posted, or erased)", body = ErrorBody),
         (status = 500, description = "unexpected", body = ErrorBody),
         (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
             headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
@@ -334,6 +335,7 @@ pub async fn get_consent_history(
             .map(|(id, channel, e)| ConsentHistoryEntry {
                 id,
                 channel: channel_name(channel),
+                category: e.category,
                 state: e.state.as_str().to_owned(),
                 source: e.source.as_str().to_owned(),
                 actor: e.actor,
@@ -345,4 +347,254 @@ pub async fn get_consent_history(
         next_after: consent.next_after,
     })
     .into_response())
+}
+
+fn consent_now(channel: Channel, now: nudge_ledger::DestinationConsent) -> ConsentNow {
+    ConsentNow {
+        channel: channel_name(channel),
+        state: now.state.as_str().to_owned(),
+        source: now.source.as_str().to_owned(),
+        changed_at: now.changed_at,
+    }
+}
+
+/// A subscriber's preferences: every channel with every category of the tenant (`general`
+/// first), whether they want it and its last change, and the consent of the destinations they
+/// hold. A destination opted out (a STOP) is never sent to, whatever its preferences say.
+#[utoipa::path(get, path = "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/preferences", tag = "subscribers",
+    params(
+        ("tenant" = String, Path, description = "the tenant's name"),
+        ("subscriber_ref" = String, Path, description = "the client's reference of the subscriber", min_length = 1, max_length = 128, pattern = "^[!-~]+$"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path and the (empty) body"),
+    ),
+    responses(
+        (status = 200, description = "the subscriber's preferences", body = PreferencesAnswer),
+        (status = 400, description = "invalid reference", body = InvalidRequest),
+        (status = 401, description = "not authenticated", body = Unauthorized),
+        (status = 404, description = "the subscriber holds no destination and has no preference (never posted, or erased)", body = ErrorBody),
+        (status = 500, description = "unexpected", body = ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
+    ),
+    security(("signature" = [])))]
+pub async fn get_preferences(
+    State(state): State<AppState>,
+    ApiPath((_, subscriber)): ApiPath<(String, String)>,
+    SignedTenant { tenant, .. }: SignedTenant,
+) -> Result<Response, ApiError> {
+    let subscriber = subscriber_ref(&subscriber)?;
+    let preferences = state
+        .ledger()
+        .subscriber_preferences(state.cipher(), tenant.id, &subscriber)
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or(ApiError::SubscriberNotFound)?;
+    Ok(Json(preferences_answer(preferences)).into_response())
+}
+
+fn preferences_answer(preferences: nudge_ledger::Preferences) -> PreferencesAnswer {
+    PreferencesAnswer {
+        preferences: preferences
+            .entries
+            .into_iter()
+            .map(|p| PreferenceShape {
+                channel: channel_name(p.channel),
+                category: p.category.to_string(),
+                required: p.required,
+                state: p.state.as_str().to_owned(),
+                source: p.source.map(|s| s.as_str().to_owned()),
+                changed_at: p.changed_at,
+            })
+            .collect(),
+        destinations: preferences
+            .destinations
+            .into_iter()
+            .map(|(channel, now)| consent_now(channel, now))
+            .collect(),
+    }
+}
+
+// An unknown key is the client's text: never repeated.
+const UNKNOWN_PREFERENCES_FIELD: &str = "has a field other than `preferences`; its name is not \
+                                         repeated, as it could be patient data";
+const UNKNOWN_PREFERENCE_FIELD: &str = "has a field other than `channel`, `category` and \
+                                        `state`; its name is not repeated, as it could be \
+                                        patient data";
+
+/// The changes of a preferences body, each checked, every problem named by its path.
+fn preference_changes(body: &[u8]) -> Result<Vec<nudge_ledger::PreferenceChange>, ApiError> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::Invalid(vec![Problem::json(&e)]))?;
+    let Value::Object(mut map) = value else {
+        return Err(ApiError::invalid("", "expected a JSON object"));
+    };
+    if map.keys().any(|k| k != "preferences") {
+        return Err(ApiError::invalid("", UNKNOWN_PREFERENCES_FIELD));
+    }
+    let Some(Value::Array(items)) = map.remove("preferences") else {
+        return Err(ApiError::invalid(
+            "/preferences",
+            "missing, or not an array of {channel, category, state}",
+        ));
+    };
+    if items.is_empty() || items.len() > nudge_ledger::MAX_PREFERENCE_CHANGES {
+        return Err(ApiError::invalid(
+            "/preferences",
+            format!(
+                "must list 1 to {} changes",
+                nudge_ledger::MAX_PREFERENCE_CHANGES
+            ),
+        ));
+    }
+    let mut problems = Vec::new();
+    let mut changes = Vec::with_capacity(items.len());
+    for (index, item) in items.into_iter().enumerate() {
+        let at = |field: &str| format!("/preferences/{index}{field}");
+        let Value::Object(item) = item else {
+            problems.push(Problem::new(at(""), "must be an object"));
+            continue;
+        };
+        if item
+            .keys()
+            .any(|k| k != "channel" && k != "category" && k != "state")
+        {
+            problems.push(Problem::new(at(""), UNKNOWN_PREFERENCE_FIELD));
+            continue;
+        }
+        let channel = match item.get("channel") {
+            Some(Value::String(name)) => name.parse::<Channel>().ok(),
+            _ => None,
+        };
+        if channel.is_none() {
+            problems.push(Problem::new(
+                at("/channel"),
+                "must be one of push, email, sms",
+            ));
+        }
+        let category = match item.get("category") {
+            Some(Value::String(name)) => match nudge_domain::Category::parse(name) {
+                Ok(category) => Some(category),
+                Err(e) => {
+                    problems.push(Problem::new(at("/category"), e.to_string()));
+                    None
+                }
+            },
+            _ => {
+                problems.push(Problem::new(at("/category"), "must be a string"));
+                None
+            }
+        };
+        let wanted = match item.get("state") {
+            Some(Value::String(text)) => nudge_domain::ConsentState::parse(text),
+            _ => None,
+        };
+        if wanted.is_none() {
+            problems.push(Problem::new(at("/state"), "must be opted_in or opted_out"));
+        }
+        if let (Some(channel), Some(category), Some(state)) = (channel, category, wanted) {
+            changes.push(nudge_ledger::PreferenceChange {
+                channel,
+                category,
+                state,
+            });
+        }
+    }
+    if !problems.is_empty() {
+        return Err(ApiError::Invalid(problems));
+    }
+    Ok(changes)
+}
+
+/// Change a subscriber's preferences: all the changes or none. A required category cannot be
+/// switched off (409 `category_required`, naming it); an unknown one is a 400 at its path.
+/// Each change is recorded with its source (`api`), the request's correlation id and the
+/// database's time, in the consent history. Answers the preferences as they now stand.
+#[utoipa::path(put, path = "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/preferences", tag = "subscribers",
+    params(
+        ("tenant" = String, Path, description = "the tenant's name"),
+        ("subscriber_ref" = String, Path, description = "the client's reference of the subscriber", min_length = 1, max_length = 128, pattern = "^[!-~]+$"),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path and the body"),
+        ("X-Correlation-Id" = Option<String>, Header, description = "recorded with each change (1 to 128 printable ASCII characters; one is made when absent)"),
+    ),
+    request_body(content = PreferencesBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "changed; the preferences as they now stand", body = PreferencesAnswer),
+        (status = 400, description = "invalid, or a category the tenant does not have; nothing written", body = InvalidRequest),
+        (status = 401, description = "not authenticated", body = Unauthorized),
+        (status = 408, description = "the body did not arrive in time", body = ErrorBody),
+        (status = 409, description = "a required category would be switched off (`category_required`, naming it); nothing written", body = ErrorBody),
+        (status = 413, description = "the body is over the limit", body = ErrorBody),
+        (status = 415, description = "the body is not JSON", body = ErrorBody),
+        (status = 500, description = "unexpected", body = ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
+    ),
+    security(("signature" = [])))]
+pub async fn put_preferences(
+    State(state): State<AppState>,
+    ApiPath((tenant_name, subscriber)): ApiPath<(String, String)>,
+    _: JsonContent,
+    SignedTenant {
+        tenant,
+        body,
+        headers,
+        ..
+    }: SignedTenant,
+) -> Result<Response, ApiError> {
+    let subscriber = subscriber_ref(&subscriber)?;
+    let changes = preference_changes(&body)?;
+    let correlation = crate::handlers::reminders::correlation_id(&headers);
+    // The actor is at most 200 characters: a tenant's name may be as long, its id never is.
+    let actor = if tenant_name.chars().count() <= 196 {
+        format!("api:{tenant_name}")
+    } else {
+        format!("api:{}", tenant.id)
+    };
+    let author = nudge_ledger::PreferenceAuthor {
+        source: nudge_domain::ConsentSource::Api,
+        actor: &actor,
+        correlation_id: Some(&correlation),
+    };
+    state
+        .ledger()
+        .set_preferences(
+            state.cipher(),
+            tenant.id,
+            &subscriber,
+            &changes,
+            &author,
+            LedgerTime::Database,
+        )
+        .await
+        .map_err(|e| match e {
+            nudge_ledger::LedgerError::CategoryRequired(category) => {
+                ApiError::CategoryRequired(category)
+            }
+            nudge_ledger::LedgerError::UnknownCategory(category) => {
+                let index = changes
+                    .iter()
+                    .position(|c| c.category.as_str() == category)
+                    .unwrap_or(0);
+                ApiError::invalid(
+                    format!("/preferences/{index}/category"),
+                    crate::handlers::reminders::UNKNOWN_CATEGORY,
+                )
+            }
+            other => ApiError::internal(other),
+        })?;
+    let preferences = state
+        .ledger()
+        .subscriber_preferences(state.cipher(), tenant.id, &subscriber)
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or_else(|| {
+            ApiError::internal(anyhow::anyhow!("the preferences just written are gone"))
+        })?;
+    let mut response = Json(preferences_answer(preferences)).into_response();
+    if let Ok(value) = axum::http::HeaderValue::from_str(&correlation) {
+        response
+            .headers_mut()
+            .insert(crate::shapes::CORRELATION_HEADER, value);
+    }
+    Ok(response)
 }

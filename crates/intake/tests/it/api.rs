@@ -178,6 +178,35 @@ impl Intake {
         self.send(request).await
     }
 
+    /// [`Intake::call`] with extra headers (signed as the request is: headers are not).
+    pub(crate) async fn call_with_headers(
+        &self,
+        method: &str,
+        uri: &str,
+        body: &Value,
+        headers: &[(&str, &str)],
+    ) -> Answer {
+        let bytes = if body.is_null() {
+            Vec::new()
+        } else {
+            serde_json::to_vec(body).unwrap()
+        };
+        let mut request = self.signed(
+            method,
+            uri,
+            &bytes,
+            (self.clock)().timestamp(),
+            &[&self.secret],
+        );
+        for (name, value) in headers {
+            request.headers_mut().insert(
+                axum::http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                axum::http::HeaderValue::from_str(value).unwrap(),
+            );
+        }
+        self.send(request).await
+    }
+
     pub(crate) async fn count(&self, table: &str) -> i64 {
         sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
             .fetch_one(self.ledger.pool())

@@ -6,6 +6,7 @@ mod away;
 mod commit;
 mod consent;
 mod inbound;
+mod preferences;
 mod quiet_hours;
 mod receipts;
 mod series;

@@ -156,7 +156,8 @@ pub struct LeaseResult {
 /// The reason recorded on a delivery given back or expired for its quiet hours.
 pub const QUIET_HOURS: &str = "quiet_hours";
 
-/// The reason of a delivery settled `suppressed` because its destination opted out.
+/// The reason of a delivery settled `suppressed` because its destination opted out, or its
+/// subscriber switched its category off on its channel.
 pub const CONTACT_OPTED_OUT: &str = "contact_opted_out";
 
 /// Why [`Ledger::fence`] refused a send.
@@ -168,8 +169,8 @@ pub enum FenceRefused {
     Expired,
     /// Its reminder was cancelled while it waited: settled `cancelled`.
     Cancelled,
-    /// Its destination opted out while it waited: settled `suppressed`, reason
-    /// [`CONTACT_OPTED_OUT`].
+    /// Its destination opted out (or its category was switched off) while it waited: settled
+    /// `suppressed`, reason [`CONTACT_OPTED_OUT`].
     OptedOut,
     /// The bucket was closed or paused while it waited: give the lease back until then.
     BucketClosedUntil(DateTime<Utc>),
@@ -433,7 +434,13 @@ const CANDIDATES: &str = "WITH input AS MATERIALIZED (
            CASE WHEN r.content_from_series THEN r.series_key END AS content_series,
            c.destination_ciphertext, c.destination_digest,
            COALESCE(c.invalid, false) AS contact_invalid,
-           COALESCE(c.opted_out, false) AS contact_opted_out,
+           -- Its destination opted out, or its subscriber switched its category off on the
+           -- channel (0506).
+           COALESCE(c.opted_out, false)
+               OR EXISTS (SELECT 1 FROM subscriber_preferences sp
+                          WHERE sp.tenant_id = d.tenant_id AND sp.subscriber_ref = r.subscriber_ref
+                            AND sp.channel = d.channel AND sp.category = r.category
+                            AND sp.state = 'opted_out') AS contact_opted_out,
            (SELECT t.max_share FROM tenants t WHERE t.id = d.tenant_id) AS max_share,
            c.time_zone AS contact_zone,
            (SELECT t.time_zone FROM tenants t WHERE t.id = d.tenant_id) AS tenant_zone,
@@ -541,6 +548,14 @@ const APPLY_LEASES: &str = "WITH plan AS (
                                         WHERE k.tenant_id = d.tenant_id AND k.channel = d.channel
                                           AND k.destination_digest = p.digest
                                           AND k.state = 'opted_out')
+                                    AND NOT EXISTS (
+                                        SELECT 1 FROM reminders r, subscriber_preferences sp
+                                        WHERE r.id = d.reminder_id
+                                          AND sp.tenant_id = d.tenant_id
+                                          AND sp.subscriber_ref = r.subscriber_ref
+                                          AND sp.channel = d.channel
+                                          AND sp.category = r.category
+                                          AND sp.state = 'opted_out')
                                THEN COALESCE($7, clock_timestamp()) END,
         destination_digest = CASE WHEN p.action = 'now'
                                        AND d.expires_at > COALESCE($7, clock_timestamp())
@@ -552,6 +567,14 @@ const APPLY_LEASES: &str = "WITH plan AS (
                                              AND k.channel = d.channel
                                              AND k.destination_digest = p.digest
                                              AND k.state = 'opted_out')
+                                       AND NOT EXISTS (
+                                           SELECT 1 FROM reminders r, subscriber_preferences sp
+                                           WHERE r.id = d.reminder_id
+                                             AND sp.tenant_id = d.tenant_id
+                                             AND sp.subscriber_ref = r.subscriber_ref
+                                             AND sp.channel = d.channel
+                                             AND sp.category = r.category
+                                             AND sp.state = 'opted_out')
                                   THEN p.digest ELSE d.destination_digest END,
         updated_at = COALESCE($7, clock_timestamp())
     FROM plan p
@@ -637,6 +660,10 @@ const STAMP_AND_RELEASE: &str = "WITH started AS (
           AND NOT EXISTS (SELECT 1 FROM destination_consent k
                           WHERE k.tenant_id = d.tenant_id AND k.channel = d.channel
                             AND k.destination_digest = s.digest AND k.state = 'opted_out')
+          AND NOT EXISTS (SELECT 1 FROM subscriber_preferences sp
+                          WHERE sp.tenant_id = d.tenant_id AND sp.subscriber_ref = r.subscriber_ref
+                            AND sp.channel = d.channel AND sp.category = r.category
+                            AND sp.state = 'opted_out')
         RETURNING d.id, d.lease_expires_at),
     released AS (
         UPDATE deliveries d
@@ -668,6 +695,10 @@ const FENCE: &str = "UPDATE deliveries d
       AND NOT EXISTS (SELECT 1 FROM destination_consent k
                       WHERE k.tenant_id = d.tenant_id AND k.channel = d.channel
                         AND k.destination_digest = $7 AND k.state = 'opted_out')
+      AND NOT EXISTS (SELECT 1 FROM subscriber_preferences sp
+                  WHERE sp.tenant_id = d.tenant_id AND sp.subscriber_ref = r.subscriber_ref
+                    AND sp.channel = d.channel AND sp.category = r.category
+                    AND sp.state = 'opted_out')
       AND NOT EXISTS (
           SELECT 1 FROM rate_buckets b
           WHERE b.provider_account = d.provider_account AND b.channel = d.channel
@@ -1011,6 +1042,11 @@ impl Ledger {
                     EXISTS (SELECT 1 FROM destination_consent k
                             WHERE k.tenant_id = d.tenant_id AND k.channel = d.channel
                               AND k.destination_digest = $3 AND k.state = 'opted_out')
+                    OR EXISTS (SELECT 1 FROM subscriber_preferences sp
+                               WHERE sp.tenant_id = d.tenant_id
+                                 AND sp.subscriber_ref = r.subscriber_ref
+                                 AND sp.channel = d.channel AND sp.category = r.category
+                                 AND sp.state = 'opted_out')
                         AS opted_out,
                     COALESCE($2, clock_timestamp()) AS db_now
              FROM deliveries d JOIN reminders r ON r.id = d.reminder_id

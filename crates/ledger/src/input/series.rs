@@ -25,6 +25,7 @@ pub const FIELDS: &[&str] = &[
     "destinations",
     "content",
     "quiet_hours",
+    "category",
 ];
 
 /// A series' destinations, one per channel.
@@ -74,6 +75,8 @@ pub struct SeriesInput {
     pub destinations: Vec<(Channel, Destination)>,
     pub content: Option<Vec<u8>>,
     pub ignore_quiet_hours: bool,
+    /// Its occurrences' category (`general` when absent); the ledger checks the tenant has it.
+    pub category: nudge_domain::Category,
 }
 
 impl std::fmt::Debug for SeriesInput {
@@ -225,6 +228,17 @@ impl SeriesInput {
                 false
             }
         };
+        let category = match crate::input::category(map.get("category")) {
+            Ok(category) => category,
+            Err(e) => {
+                let message = e.to_string();
+                problems.push(SeriesProblem::new(
+                    "/category",
+                    message.strip_prefix("category: ").unwrap_or(&message),
+                ));
+                nudge_domain::Category::general()
+            }
+        };
         match (
             series_id,
             subscriber_ref,
@@ -256,6 +270,7 @@ impl SeriesInput {
                 destinations,
                 content,
                 ignore_quiet_hours,
+                category,
             }),
             _ => Err(problems),
         }
@@ -292,7 +307,8 @@ impl SeriesInput {
         )
         .and_then(|s| s.with_content(self.content))
         .map_err(refused)?
-        .ignoring_quiet_hours(self.ignore_quiet_hours);
+        .ignoring_quiet_hours(self.ignore_quiet_hours)
+        .with_category(self.category);
         Ok((new, self.destinations))
     }
 }

@@ -56,10 +56,13 @@ pub enum RetentionTable {
     Contacts,
     AuditLog,
     Redrives,
+    /// Entries of the consent history older than the audit log's boundary (a destination's
+    /// current consent is never deleted).
+    ConsentHistory,
 }
 
 impl RetentionTable {
-    pub const ALL: [RetentionTable; 8] = [
+    pub const ALL: [RetentionTable; 9] = [
         RetentionTable::Deliveries,
         RetentionTable::Attempts,
         RetentionTable::DeadLetters,
@@ -68,6 +71,7 @@ impl RetentionTable {
         RetentionTable::Contacts,
         RetentionTable::AuditLog,
         RetentionTable::Redrives,
+        RetentionTable::ConsentHistory,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -80,6 +84,7 @@ impl RetentionTable {
             RetentionTable::Contacts => "contacts",
             RetentionTable::AuditLog => "audit_log",
             RetentionTable::Redrives => "redrives",
+            RetentionTable::ConsentHistory => "consent_history",
         }
     }
 
@@ -123,6 +128,9 @@ pub enum KeepReason {
     /// still be materialised. Named `held_by_operator` in the ledger and the CLI's output.
     #[serde(rename = "held_by_operator")]
     WithheldByOperator,
+    /// A consent history entry a provider's message wrote (a patient's STOP or START, a
+    /// provider's opt-out): the replay guard of that message, never deleted.
+    ReplayGuard,
 }
 
 impl KeepReason {
@@ -137,6 +145,7 @@ impl KeepReason {
             "in_use" => KeepReason::InUse,
             "with_delivery" => KeepReason::WithDelivery,
             "held_by_operator" => KeepReason::WithheldByOperator,
+            "replay_guard" => KeepReason::ReplayGuard,
             other => return Err(LedgerError::corrupt("retention", format!("reason {other}"))),
         })
     }
@@ -152,6 +161,7 @@ impl KeepReason {
             KeepReason::InUse => "in_use",
             KeepReason::WithDelivery => "with_delivery",
             KeepReason::WithheldByOperator => "held_by_operator",
+            KeepReason::ReplayGuard => "replay_guard",
         }
     }
 }
@@ -280,6 +290,12 @@ fn plan_sql() -> String {
                 CASE WHEN a.at > (pp.p).at - make_interval(secs => (pp.p).audit_s)
                      THEN 'too_young' END, count(*)
            FROM audit_log a CROSS JOIN pp GROUP BY 4
+         UNION ALL
+         SELECT 'consent_history', NULL, NULL,
+                CASE WHEN h.provider_event IS NOT NULL THEN 'replay_guard'
+                     WHEN h.recorded_at > (pp.p).at - make_interval(secs => (pp.p).audit_s)
+                     THEN 'too_young' END, count(*)
+           FROM consent_history h CROSS JOIN pp GROUP BY 4
          UNION ALL
          SELECT 'redrives', NULL, NULL,
                 CASE WHEN r.state IN ('running', 'paused') THEN 'awaiting_redrive'

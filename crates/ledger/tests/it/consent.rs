@@ -76,7 +76,8 @@ async fn consent(ledger: &Ledger, tenant: TenantId, destination: &str) -> Option
         .map(|c| c.state)
 }
 
-/// The contact flag the lease of the tenant's next SMS reminder (for `subscriber`) carries.
+/// The contact flag the lease of the tenant's next SMS reminder (for `subscriber`, due at
+/// `now`, materialised before: created owed, its consent read by the lease) carries.
 async fn next_flag(
     ledger: &Ledger,
     tenant: TenantId,

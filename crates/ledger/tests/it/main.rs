@@ -12,6 +12,7 @@ mod fairness;
 mod gauges;
 mod heartbeat;
 mod operations;
+mod preferences;
 mod provider_effects;
 mod quiet_hours;
 mod recovery;

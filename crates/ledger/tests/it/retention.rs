@@ -54,6 +54,7 @@ async fn snapshot(pool: &PgPool) -> BTreeMap<&'static str, BTreeMap<String, Stri
             "tenant_id || ':' || subscriber_ref || ':' || channel",
         ),
         ("audit_log", "id::text"),
+        ("consent_history", "id::text"),
         ("tenants", "id::text"),
     ];
     let mut all = BTreeMap::new();
@@ -304,14 +305,49 @@ async fn seed(ledger: &Ledger, now: DateTime<Utc>) -> Seeded {
     dead_letter(pool, None, now - Duration::days(400)).await;
     dead_letter(pool, None, now - Duration::days(1)).await;
     dead_letter(pool, Some(Uuid::new_v4()), now - Duration::days(100)).await;
-    // Audit rows on both sides of the audit boundary (400 days).
+    // Audit rows, and consent history entries (a destination's and a preference's), on both
+    // sides of the audit boundary (400 days).
     for days in [500, 401, 399, 10] {
         sqlx::query("INSERT INTO audit_log (at, actor, action) VALUES ($1, 'ops', 'test')")
             .bind(now - Duration::days(days))
             .execute(pool)
             .await
             .unwrap();
+        sqlx::query(
+            "INSERT INTO consent_history (tenant_id, channel, destination_digest, state, source,
+                                          actor, recorded_at)
+             VALUES ($1, 'sms', sha256($2::text::bytea), 'opted_out', 'inbound_keyword',
+                     'inbound:main', $3)",
+        )
+        .bind(tenant)
+        .bind(days.to_string())
+        .bind(now - Duration::days(days))
+        .execute(pool)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO consent_history (tenant_id, channel, subject, category, state, source,
+                                          actor, recorded_at)
+             VALUES ($1, 'email', gen_random_uuid(), 'billing', 'opted_out', 'api', 'api:x', $2)",
+        )
+        .bind(tenant)
+        .bind(now - Duration::days(days))
+        .execute(pool)
+        .await
+        .unwrap();
     }
+    // A patient's STOP, 500 days old: the replay guard of its message, kept.
+    sqlx::query(
+        "INSERT INTO consent_history (tenant_id, channel, destination_digest, state, source,
+                                      actor, keyword, provider_event, recorded_at)
+         VALUES ($1, 'sms', sha256('guard'::bytea), 'opted_out', 'inbound_keyword',
+                 'inbound:main', 'STOP', 'twilio:SMold', $2)",
+    )
+    .bind(tenant)
+    .bind(now - Duration::days(500))
+    .execute(pool)
+    .await
+    .unwrap();
     seeded
 }
 
@@ -356,6 +392,11 @@ async fn every_state_at_every_age_the_plan_is_what_is_deleted_and_the_rest_is_un
         plan.tables[&RetentionTable::Deliveries].kept[&KeepReason::OwnershipUncertain],
         1
     );
+    assert_eq!(
+        plan.tables[&RetentionTable::ConsentHistory].kept[&KeepReason::ReplayGuard],
+        1,
+        "a patient's STOP of 500 days ago stays: its message's replay guard"
+    );
 
     let mut exported = Vec::new();
     let mut batches = 0;
@@ -390,6 +431,7 @@ async fn every_state_at_every_age_the_plan_is_what_is_deleted_and_the_rest_is_un
         RetentionTable::Contacts => "contacts",
         RetentionTable::AuditLog => "audit_log",
         RetentionTable::Redrives => "redrives",
+        RetentionTable::ConsentHistory => "consent_history",
     };
     for table in RetentionTable::ALL {
         let name = table_of(table);
@@ -426,6 +468,11 @@ async fn every_state_at_every_age_the_plan_is_what_is_deleted_and_the_rest_is_un
         planned[&RetentionTable::AuditLog],
         2,
         "500 and 401 days old"
+    );
+    assert_eq!(
+        planned[&RetentionTable::ConsentHistory],
+        4,
+        "a destination's and a preference's entry each, 500 and 401 days old"
     );
     assert_eq!(planned[&RetentionTable::Redrives], 1);
     assert_eq!(planned[&RetentionTable::RedriveItems], 1);
@@ -528,6 +575,9 @@ async fn the_janitor_role_cannot_delete_live_or_held_work_by_any_path(pool: PgPo
         "BEGIN; SET LOCAL nudge.retention = 'audit'; SET LOCAL nudge.audit_before = '2999-01-01';
          DELETE FROM audit_log; COMMIT"
             .to_owned(),
+        "BEGIN; SET LOCAL nudge.retention = 'audit'; SET LOCAL nudge.audit_before = '2999-01-01';
+         DELETE FROM consent_history; COMMIT"
+            .to_owned(),
         // Aging live work into retention by rewriting it is refused too.
         format!(
             "UPDATE deliveries SET state = 'delivered', next_attempt_at = NULL,
@@ -579,6 +629,33 @@ async fn the_janitor_role_cannot_delete_live_or_held_work_by_any_path(pool: PgPo
     assert!(
         audit.is_err(),
         "audit rows are outside a delivery retention step"
+    );
+    drop(tx);
+    // Nor an audit step the owner sets up itself: never an entry younger than 365 days.
+    sqlx::query(
+        "INSERT INTO consent_history (tenant_id, channel, destination_digest, state, source,
+                                      actor, recorded_at)
+         VALUES ($1, 'sms', sha256('x'::bytea), 'opted_out', 'operator', 'ops', now())",
+    )
+    .bind(tenant)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL nudge.retention = 'audit'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("SET LOCAL nudge.audit_before = '2999-01-01'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let young = sqlx::query("DELETE FROM consent_history")
+        .execute(&mut *tx)
+        .await;
+    assert!(
+        young.is_err_and(|e| e.to_string().contains("consent is never removed")),
+        "a young consent entry is kept"
     );
 }
 

@@ -131,10 +131,12 @@ async fn requests_for(env: &TestEnv, ids: &[ReminderId]) -> usize {
         .sum()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_patients_stop_stops_every_later_reminder_to_the_number_and_start_restores_it() {
+/// The provider stub speaking Twilio, the real intake (its webhooks verified with the stub's
+/// token), the producer and an SMS worker whose default account the tenant `clinic` sends
+/// through, announced. Returns the environment, the intake's URL and the tenant.
+async fn system(name: &str) -> (TestEnv, String, TenantId) {
     let mut env = TestEnv::start_with_stub(
-        "consent",
+        name,
         &["--shape", "twilio", "--twilio-auth-token", TOKEN].map(str::to_owned),
     )
     .await
@@ -183,7 +185,12 @@ async fn a_patients_stop_stops_every_later_reminder_to_the_number_and_start_rest
         },
     )
     .await;
+    (env, intake, tenant)
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_patients_stop_stops_every_later_reminder_to_the_number_and_start_restores_it() {
+    let (mut env, intake, tenant) = system("consent").await;
     let (status, body) = reply(
         &env,
         &intake,
@@ -246,5 +253,180 @@ async fn a_patients_stop_stops_every_later_reminder_to_the_number_and_start_rest
     );
     eprintln!(
         "consent: 3 reminders to the opted-out number settled with 0 requests; history {history:?}"
+    );
+}
+
+/// A signed call to the intake's `/v1` API: (status, body).
+async fn api(
+    env: &TestEnv,
+    secret: &str,
+    method: reqwest::Method,
+    url: &str,
+    body: &Value,
+) -> (u16, Value) {
+    let bytes = if body.is_null() {
+        Vec::new()
+    } else {
+        serde_json::to_vec(body).unwrap()
+    };
+    let answer = env.signed(method, url, secret, bytes).send().await.unwrap();
+    let status = answer.status().as_u16();
+    (status, answer.json().await.unwrap_or(Value::Null))
+}
+
+/// A reminder of `category` to the patient, due now, posted through the intake: its id.
+async fn post(
+    env: &TestEnv,
+    secret: &str,
+    intake: &str,
+    event: &str,
+    category: &str,
+) -> ReminderId {
+    let now = Utc::now();
+    let (status, body) = api(
+        env,
+        secret,
+        reqwest::Method::POST,
+        &format!("{intake}/v1/tenants/clinic/reminders"),
+        &json!({
+            "event_id": event,
+            "subscriber_ref": "patient-7",
+            "channels": ["sms"],
+            "scheduled_at": now.to_rfc3339(),
+            "expires_at": (now + chrono::Duration::hours(1)).to_rfc3339(),
+            "destinations": {"sms": PATIENT},
+            "content": {"template": "appointment"},
+            "category": category,
+        }),
+    )
+    .await;
+    assert_eq!(status, 202, "{body}");
+    ReminderId::from_uuid(body["reminder_id"].as_str().unwrap().parse().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_required_category_cannot_be_switched_off_but_a_stop_still_stops_its_sms() {
+    let (mut env, intake, tenant) = system("consent-categories").await;
+    for args in [
+        [
+            "category",
+            "create",
+            "clinic",
+            "appointment",
+            "--required",
+            "--reason",
+            "legal notices",
+        ]
+        .as_slice(),
+        [
+            "category", "create", "clinic", "billing", "--reason", "invoices",
+        ]
+        .as_slice(),
+    ] {
+        let (code, out, err) = env.nudgectl(args).unwrap();
+        assert_eq!(code, 0, "{out}{err}");
+    }
+    let (code, listed, err) = env.nudgectl(&["category", "list", "clinic"]).unwrap();
+    assert_eq!(code, 0, "{err}");
+    for name in ["general", "appointment", "billing"] {
+        assert!(listed.contains(name), "{listed}");
+    }
+    let secret = env.rotate_secret("clinic").unwrap();
+    let preferences = format!("{intake}/v1/tenants/clinic/subscribers/patient-7/preferences");
+    // Posted once (a reminder far ahead) so the subscriber exists.
+    let later = Utc::now() + chrono::Duration::days(2);
+    let (status, body) = api(
+        &env,
+        &secret,
+        reqwest::Method::POST,
+        &format!("{intake}/v1/tenants/clinic/reminders"),
+        &json!({
+            "event_id": "later",
+            "subscriber_ref": "patient-7",
+            "channels": ["sms"],
+            "scheduled_at": later.to_rfc3339(),
+            "expires_after_s": 3600,
+            "destinations": {"sms": PATIENT},
+        }),
+    )
+    .await;
+    assert_eq!(status, 202, "{body}");
+
+    let (status, body) = api(
+        &env,
+        &secret,
+        reqwest::Method::PUT,
+        &preferences,
+        &json!({"preferences": [{"channel": "sms", "category": "appointment", "state": "opted_out"}]}),
+    )
+    .await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(body["error"], "category_required");
+    assert_eq!(body["category"], "appointment");
+    let (status, body) = api(
+        &env,
+        &secret,
+        reqwest::Method::PUT,
+        &preferences,
+        &json!({"preferences": [{"channel": "sms", "category": "billing", "state": "opted_out"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+
+    let billing = post(&env, &secret, &intake, "bill-1", "billing").await;
+    let appointment = post(&env, &secret, &intake, "appt-1", "appointment").await;
+    assert_eq!(
+        settle(&mut env, &[billing]).await,
+        [(
+            DeliveryState::Suppressed,
+            Some("contact_opted_out".to_owned())
+        )]
+    );
+    assert_eq!(
+        settle(&mut env, &[appointment]).await,
+        [(DeliveryState::Delivered, None)]
+    );
+    assert_eq!(requests_for(&env, &[billing]).await, 0);
+
+    // The patient texts STOP: the required category's SMS stops too.
+    let (status, body) = reply(&env, &intake, "STOP", None).await;
+    assert_eq!(status, 200, "{body}");
+    let stopped = post(&env, &secret, &intake, "appt-2", "appointment").await;
+    assert_eq!(
+        settle(&mut env, &[stopped]).await,
+        [(
+            DeliveryState::Suppressed,
+            Some("contact_opted_out".to_owned())
+        )]
+    );
+    assert_eq!(requests_for(&env, &[stopped]).await, 0);
+
+    let (code, shown, err) = env
+        .nudgectl(&["consent", "show", "clinic", "patient-7"])
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(shown.contains("billing"), "{shown}");
+    assert!(shown.contains("opted_out"), "{shown}");
+    assert!(!shown.contains(PATIENT), "{shown}");
+    let (status, body) = api(
+        &env,
+        &secret,
+        reqwest::Method::GET,
+        &preferences,
+        &Value::Null,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["destinations"][0]["state"], "opted_out", "{body}");
+    let entries: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM consent_history WHERE tenant_id = $1")
+            .bind(tenant.as_uuid())
+            .fetch_one(env.ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!(entries, 2, "the billing preference and the STOP");
+    eprintln!(
+        "consent categories: 409 for the required category; billing suppressed with 0 requests; \
+         after STOP the required category suppressed with 0 requests"
     );
 }
