@@ -126,11 +126,12 @@ async fn an_opted_out_answer_suppresses_later_reminders_to_that_number_without_a
     let (worker, provider) = worker(&ledger, vec![answered(Verdict::ContactOptedOut, 400)]);
 
     let first = due(&ledger, "first", "patient-1").await;
+    // Made and published before the answer: its lease finds the opt-out.
+    let second = due(&ledger, "second", "patient-1").await;
     assert_eq!(
         worker.process_one(&envelope(&first)).await,
         Processed::Attempted(DeliveryState::DeadLettered)
     );
-    let second = due(&ledger, "second", "patient-1").await;
     assert_eq!(
         worker.process_one(&envelope(&second)).await,
         Processed::Attempted(DeliveryState::Suppressed)
@@ -150,6 +151,30 @@ async fn an_opted_out_answer_suppresses_later_reminders_to_that_number_without_a
         record(&ledger, &second).await.last_error_reason.as_deref(),
         Some("contact_opted_out")
     );
+    // One made due after the answer is created suppressed: nothing to claim, nothing sent.
+    let now = test_support::db_now(&ledger).await;
+    test_support::owed_from(
+        &ledger,
+        now,
+        Channel::Sms,
+        "third",
+        "patient-1",
+        chrono::Duration::seconds(-1),
+        chrono::Duration::hours(1),
+    )
+    .await;
+    let (state, reason): (String, Option<String>) = sqlx::query_as(
+        "SELECT d.state, d.last_error_reason FROM deliveries d
+         JOIN reminders r ON r.id = d.reminder_id WHERE r.event_id = 'third'",
+    )
+    .fetch_one(ledger.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        (state.as_str(), reason.as_deref()),
+        ("suppressed", Some("contact_opted_out"))
+    );
+    assert_eq!(provider.sent.load(Ordering::SeqCst), 2);
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
