@@ -95,6 +95,7 @@ pub fn router(state: AppState, body_limit: usize, request_timeout: Duration) -> 
         )
         .route("/receipts/twilio/{account}", post(receipt_routes::twilio))
         .route("/inbound/twilio/{account}", post(inbound::twilio))
+        .route("/inbound/generic/{account}", post(inbound::generic))
         .route(
             "/receipts/sendgrid/{account}",
             post(receipt_routes::sendgrid),

@@ -43,6 +43,7 @@ use crate::handlers::{inbound, operations, receipts, reminders, series, subscrib
         receipts::twilio,
         receipts::sendgrid,
         inbound::twilio,
+        inbound::generic,
         operations::healthz,
         operations::readyz,
         openapi,

@@ -19,6 +19,7 @@
 //! | `receipts.public_base_url` | unset | `http(s)://host[:port]` the providers call the intake at (Twilio signs the full URL it called); required when `receipts.twilio` has an entry |
 //! | `receipts.twilio` | `[]` | accounts whose callbacks are taken at `POST /receipts/twilio/{account}`: `{ account, auth_token (secret) }` |
 //! | `receipts.sendgrid` | `[]` | accounts whose event batches are taken at `POST /receipts/sendgrid/{account}`: `{ account, verification_key }`, the key as SendGrid shows it (base64 DER SubjectPublicKeyInfo, P-256) |
+//! | `receipts.generic` | `[]` | generic accounts whose patients' replies are taken at `POST /inbound/generic/{account}`: `{ account, secret (secret) }`, the Standard Webhooks secret the provider signs with (`whsec_` and base64) |
 
 use std::collections::HashMap;
 
@@ -35,6 +36,15 @@ pub struct ReceiptsSection {
     pub public_base_url: Option<String>,
     pub twilio: Vec<TwilioReceipts>,
     pub sendgrid: Vec<SendgridReceipts>,
+    pub generic: Vec<GenericReceipts>,
+}
+
+/// A generic account whose patients' replies are taken, signed by Standard Webhooks.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenericReceipts {
+    pub account: String,
+    pub secret: Secret,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -57,6 +67,7 @@ pub struct Receipts {
     public_base: Option<url::Url>,
     twilio: HashMap<String, Secret>,
     sendgrid: HashMap<String, p256::ecdsa::VerifyingKey>,
+    generic: HashMap<String, standardwebhooks::Webhook>,
 }
 
 impl std::fmt::Debug for Receipts {
@@ -64,6 +75,7 @@ impl std::fmt::Debug for Receipts {
         f.debug_struct("Receipts")
             .field("twilio", &self.twilio.keys().collect::<Vec<_>>())
             .field("sendgrid", &self.sendgrid.keys().collect::<Vec<_>>())
+            .field("generic", &self.generic.keys().collect::<Vec<_>>())
             .finish_non_exhaustive()
     }
 }
@@ -82,6 +94,11 @@ impl Receipts {
     /// The verification key of the SendGrid account `account`, if it takes receipts.
     pub(crate) fn sendgrid_key(&self, account: &str) -> Option<&p256::ecdsa::VerifyingKey> {
         self.sendgrid.get(account)
+    }
+
+    /// The Standard Webhooks verifier of the generic account `account`, if it takes replies.
+    pub(crate) fn generic_verifier(&self, account: &str) -> Option<&standardwebhooks::Webhook> {
+        self.generic.get(account)
     }
 }
 
@@ -140,10 +157,32 @@ impl ReceiptsSection {
             })?;
             sendgrid.insert(s.account.clone(), key);
         }
+        let mut generic = HashMap::new();
+        for (i, g) in self.generic.iter().enumerate() {
+            ProviderAccount::parse(&g.account).map_err(|e| {
+                ConfigError::invalid(format!("receipts.generic.{i}.account"), e.to_string())
+            })?;
+            let secret = g.secret.expose();
+            let key = secret.strip_prefix("whsec_").unwrap_or(secret);
+            let long_enough = base64::engine::general_purpose::STANDARD
+                .decode(key)
+                .is_ok_and(|k| k.len() >= 24);
+            let verifier = standardwebhooks::Webhook::new(secret)
+                .ok()
+                .filter(|_| long_enough)
+                .ok_or_else(|| {
+                    ConfigError::invalid(
+                        format!("receipts.generic.{i}.secret"),
+                        "must be a Standard Webhooks secret: whsec_ and the base64 of at least 24 random bytes",
+                    )
+                })?;
+            generic.insert(g.account.clone(), verifier);
+        }
         Ok(Receipts {
             public_base,
             twilio,
             sendgrid,
+            generic,
         })
     }
 }
@@ -229,6 +268,30 @@ pub(crate) fn sendgrid_meaning(e: &SendgridEvent) -> (ReceiptOutcome, Option<Con
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_generic_accounts_secret_must_be_a_standard_webhooks_secret() {
+        let section = |secret: &str| ReceiptsSection {
+            generic: vec![GenericReceipts {
+                account: "sms-generic".into(),
+                secret: Secret::new(secret),
+            }],
+            ..ReceiptsSection::default()
+        };
+        assert!(
+            section("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+                .build()
+                .is_ok_and(|r| r.generic_verifier("sms-generic").is_some())
+        );
+        for bad in ["", "whsec_", "whsec_not base64!", "whsec_c2hvcnQ="] {
+            let err = section(bad).build().unwrap_err().to_string();
+            assert!(err.contains("receipts.generic.0.secret"), "{bad:?}: {err}");
+            // Never the secret itself.
+            if let Some(value) = bad.strip_prefix("whsec_").filter(|v| !v.is_empty()) {
+                assert!(!err.contains(value), "{err}");
+            }
+        }
+    }
 
     #[test]
     fn twilio_statuses_and_codes_map_to_outcomes_and_flags() {

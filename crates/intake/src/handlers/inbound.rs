@@ -1,11 +1,13 @@
-//! The route of patients' replies: Twilio's incoming-message webhook. A reply that is a
+//! The routes of patients' replies: Twilio's incoming-message webhook, and a generic
+//! provider's, signed by Standard Webhooks. A reply that is a
 //! keyword changes the replying number's consent (decision 0505): STOP and its synonyms opt
 //! it out of SMS for every tenant that sends through the account, START and its synonyms opt
 //! it back in, HELP changes nothing. Anything else is not ours to read: it is acknowledged
 //! and dropped.
 //!
-//! Outside `/v1`: signed by the provider, verified exactly as its status callbacks are
-//! (`receipts::twilio_verified`) before anything of it is read. Never keeps or logs
+//! Outside `/v1`: signed by the provider, verified before anything of it is read (Twilio's
+//! exactly as its status callbacks are, `receipts::twilio_verified`; a generic provider's with
+//! the account's Standard Webhooks secret, `receipts.generic`). Never keeps or logs
 //! the number or the body: the number is kept only as its keyed digest per tenant, the body
 //! only when it is a keyword (trimmed, at most 64 characters).
 
@@ -13,7 +15,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use nudge_domain::{Channel, Keyword, ProviderAccount, keyword_as_received};
+use nudge_domain::{Channel, ConsentState, Keyword, ProviderAccount, keyword_as_received};
 use nudge_ledger::{Destination, InboundKeyword, InboundRecorded, LedgerTime};
 
 use super::receipts::{refused, twilio_verified};
@@ -94,29 +96,63 @@ pub async fn twilio(
         return bad_request("MessageSid must be a plain word and From a number");
     }
     let body_text = get("Body").unwrap_or("");
+    match apply_keyword(
+        &state,
+        &account,
+        from,
+        body_text,
+        &format!("twilio:{sid}"),
+        &headers,
+    )
+    .await
+    {
+        Ok(_) => twiml(),
+        Err(response) => response,
+    }
+}
+
+/// What a patient's reply did.
+enum Applied {
+    /// Not a keyword, or HELP: nothing changed.
+    Nothing,
+    /// Recorded as `state` for this many tenants (none when no tenant sends through the
+    /// account).
+    Recorded { state: ConsentState, tenants: usize },
+}
+
+/// Reads a verified reply of `from` to `account`: a keyword changes the number's consent for
+/// every tenant sending through the account, once per `provider_event`. The refusal of a
+/// replay (403 `replayed`) or the ledger's error is the `Err` answer.
+async fn apply_keyword(
+    state: &AppState,
+    account: &ProviderAccount,
+    from: &str,
+    body_text: &str,
+    provider_event: &str,
+    headers: &HeaderMap,
+) -> Result<Applied, Response> {
     let Some(keyword) = Keyword::of_body(body_text) else {
         tracing::info!(%account, "an inbound message that is not a keyword: acknowledged");
-        return twiml();
+        return Ok(Applied::Nothing);
     };
     let Some(consent) = keyword.consent() else {
         tracing::info!(%account, keyword = keyword.as_str(), "an inbound HELP: nothing changed");
-        return twiml();
+        return Ok(Applied::Nothing);
     };
     let received = keyword_as_received(body_text);
-    let correlation = super::reminders::correlation_id(&headers);
-    let provider_event = format!("twilio:{sid}");
+    let correlation = super::reminders::correlation_id(headers);
     let destination = Destination::new(from);
     let recorded = state
         .ledger()
         .record_inbound_keyword(
             state.cipher(),
             &InboundKeyword {
-                account: &account,
+                account,
                 channel: Channel::Sms,
                 destination: &destination,
                 state: consent,
                 keyword: &received,
-                provider_event: &provider_event,
+                provider_event,
                 correlation_id: Some(&correlation),
             },
             LedgerTime::Database,
@@ -131,16 +167,127 @@ pub async fn twilio(
                 tracing::info!(%account, keyword = keyword.as_str(), tenants,
                     consent = consent.as_str(), "an inbound keyword recorded");
             }
-            twiml()
+            Ok(Applied::Recorded {
+                state: consent,
+                tenants,
+            })
         }
         Ok(InboundRecorded::Replay) => {
             tracing::warn!(%account, "an inbound message recorded before: refused");
-            error_body(
+            Err(error_body(
                 StatusCode::FORBIDDEN,
                 "replayed",
                 "this message was recorded before",
-            )
+            ))
         }
-        Err(e) => crate::error::ApiError::internal(e).into_response(),
+        Err(e) => Err(crate::error::ApiError::internal(e).into_response()),
+    }
+}
+
+/// A patient's reply as a generic provider sends it.
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GenericInbound {
+    /// The number the patient sent from (E.164).
+    #[schema(min_length = 1, max_length = 64, example = "+15550100100")]
+    pub from: String,
+    /// The number or sender the message reached.
+    #[schema(max_length = 64)]
+    pub to: Option<String>,
+    /// The message as the patient typed it.
+    #[schema(max_length = 1600)]
+    pub body: String,
+}
+
+/// What a generic provider's reply changed.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct GenericInboundAnswer {
+    /// `opted_out` (STOP and its synonyms), `opted_in` (START, YES, UNSTOP), or null: not a
+    /// keyword, or HELP.
+    pub state: Option<String>,
+    /// The tenants whose consent of the number changed (those sending through the account).
+    pub tenants: u64,
+}
+
+/// A patient's SMS to a number of the generic account `account`.
+///
+/// Signed by the provider with Standard Webhooks under the account's secret
+/// (`receipts.generic`): `webhook-id` is the message's identity (recorded once: the same
+/// message again is refused 403 `replayed`), `webhook-timestamp` within five minutes of now,
+/// `webhook-signature` `v1,<base64 HMAC-SHA256 of id.timestamp.body>`. The keywords are
+/// Twilio's route's: STOP and its synonyms opt `from` out of SMS for every tenant that sends
+/// through the account, START, YES, UNSTOP back in, anything else changes nothing.
+#[utoipa::path(post, path = "/inbound/generic/{account}", tag = "receipts", operation_id = "inbound_generic",
+    params(
+        ("account" = String, Path, description = "the provider account the patient's message reached"),
+        ("webhook-id" = String, Header, description = "the message's identity (1 to 100 of letters, digits, `_`, `-`, `.`)"),
+        ("webhook-timestamp" = i64, Header, description = "unix seconds the message was signed at"),
+        ("webhook-signature" = String, Header, description = "v1,<base64 signature>, space-separated for several"),
+    ),
+    request_body(content = GenericInbound, content_type = "application/json"),
+    responses(
+        (status = 200, description = "recorded (or not a keyword)", body = GenericInboundAnswer),
+        (status = 400, description = "signed, but not a reply; nothing written", body = crate::error::ErrorBody),
+        (status = 401, description = "a signature header is missing; nothing written", body = crate::error::ErrorBody),
+        (status = 403, description = "the signature does not verify or is too old, the account takes no replies, or this message was recorded before; nothing written", body = crate::error::ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = crate::error::ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
+    ))]
+pub async fn generic(
+    State(state): State<AppState>,
+    Path(account): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let signed = ["webhook-id", "webhook-timestamp", "webhook-signature"];
+    if signed.iter().any(|h| !headers.contains_key(*h)) {
+        return refused(StatusCode::UNAUTHORIZED);
+    }
+    let Some(verifier) = state.receipts().generic_verifier(&account) else {
+        return refused(StatusCode::FORBIDDEN);
+    };
+    if verifier.verify(&body, &headers).is_err() {
+        return refused(StatusCode::FORBIDDEN);
+    }
+    let Ok(account) = ProviderAccount::parse(&account) else {
+        return refused(StatusCode::FORBIDDEN);
+    };
+    let id = headers
+        .get("webhook-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    if !crate::receipts::plain(id, 100) {
+        return bad_request("webhook-id must be 1 to 100 of letters, digits, '_', '-', '.'");
+    }
+    let Ok(reply) = serde_json::from_slice::<GenericInbound>(&body) else {
+        return bad_request("the body must be {\"from\", \"to\"?, \"body\"}");
+    };
+    if reply.from.trim().is_empty() || reply.from.len() > 64 || reply.body.len() > 1600 {
+        return bad_request("from must be a number and body at most 1600 bytes");
+    }
+    match apply_keyword(
+        &state,
+        &account,
+        &reply.from,
+        &reply.body,
+        &format!("generic:{id}"),
+        &headers,
+    )
+    .await
+    {
+        Ok(applied) => {
+            let answer = match applied {
+                Applied::Nothing => GenericInboundAnswer {
+                    state: None,
+                    tenants: 0,
+                },
+                Applied::Recorded { state, tenants } => GenericInboundAnswer {
+                    state: Some(state.as_str().to_owned()),
+                    tenants: tenants as u64,
+                },
+            };
+            (StatusCode::OK, axum::Json(answer)).into_response()
+        }
+        Err(response) => response,
     }
 }

@@ -11,7 +11,7 @@ use nudge_ledger::{Destination, Ledger, LedgerTime, Operator};
 use sqlx::PgPool;
 use tower::ServiceExt;
 
-use crate::receipts::{TOKEN, app, cipher, twilio_request, twilio_signed};
+use crate::receipts::{GENERIC_SECRET, TOKEN, app, cipher, twilio_request, twilio_signed};
 
 const ACCOUNT: &str = "sms-twilio";
 const TARGET: &str = "/inbound/twilio/sms-twilio";
@@ -183,4 +183,119 @@ async fn a_forged_unsigned_or_replayed_inbound_message_is_refused_and_writes_not
     let (status, _) = send(&ledger, twilio_signed(TARGET, &[("Body", "STOP")], TOKEN)).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(history(&ledger).await, 2);
+}
+
+const GENERIC: &str = "/inbound/generic/sms-generic";
+
+/// A generic provider's reply, signed with `secret` at `at` (unix seconds) under `id`.
+fn generic_request(
+    id: &str,
+    body: &str,
+    secret: &str,
+    at: i64,
+) -> axum::http::Request<axum::body::Body> {
+    let payload =
+        serde_json::json!({"from": PATIENT, "to": "+15550199999", "body": body}).to_string();
+    let signature = standardwebhooks::Webhook::new(secret)
+        .unwrap()
+        .sign(id, at, payload.as_bytes())
+        .unwrap();
+    axum::http::Request::post(GENERIC)
+        .header("content-type", "application/json")
+        .header("webhook-id", id)
+        .header("webhook-timestamp", at.to_string())
+        .header("webhook-signature", signature)
+        .body(axum::body::Body::from(payload))
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_generic_providers_signed_reply_changes_consent_as_twilios_does(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool);
+    let op = Operator::new("test", Some("test"), Utc::now()).unwrap();
+    let clinic = ledger.create_tenant("clinic", &op).await.unwrap().id;
+    ledger
+        .set_tenant_channel_account(
+            clinic,
+            Channel::Sms,
+            Some(&ProviderAccount::parse("sms-generic").unwrap()),
+            &op,
+        )
+        .await
+        .unwrap();
+    let now = Utc::now().timestamp();
+
+    let (status, body) = send(
+        &ledger,
+        generic_request("msg_1", " STOP", GENERIC_SECRET, now),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["state"], "opted_out");
+    assert_eq!(answer["tenants"], 1);
+    assert_eq!(consent(&ledger, clinic).await, Some(ConsentState::OptedOut));
+
+    // Refused, nothing written: a replay, a wrong secret, an old signature, an account that
+    // takes no replies, a missing header.
+    let before = history(&ledger).await;
+    let replay = send(
+        &ledger,
+        generic_request("msg_1", "START", GENERIC_SECRET, now),
+    )
+    .await;
+    assert_eq!(replay.0, StatusCode::FORBIDDEN, "{}", replay.1);
+    assert!(replay.1.contains("replayed"), "{}", replay.1);
+    let forged = send(
+        &ledger,
+        generic_request(
+            "msg_2",
+            "START",
+            "whsec_AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
+            now,
+        ),
+    )
+    .await;
+    assert_eq!(forged.0, StatusCode::FORBIDDEN);
+    let stale = send(
+        &ledger,
+        generic_request("msg_3", "START", GENERIC_SECRET, now - 600),
+    )
+    .await;
+    assert_eq!(stale.0, StatusCode::FORBIDDEN);
+    let mut elsewhere = generic_request("msg_4", "START", GENERIC_SECRET, now);
+    *elsewhere.uri_mut() = "/inbound/generic/sms-other".parse().unwrap();
+    assert_eq!(send(&ledger, elsewhere).await.0, StatusCode::FORBIDDEN);
+    let mut unsigned = generic_request("msg_5", "START", GENERIC_SECRET, now);
+    unsigned.headers_mut().remove("webhook-signature");
+    assert_eq!(send(&ledger, unsigned).await.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(history(&ledger).await, before, "nothing written");
+    assert_eq!(consent(&ledger, clinic).await, Some(ConsentState::OptedOut));
+
+    let (status, body) = send(
+        &ledger,
+        generic_request("msg_6", "help", GENERIC_SECRET, now),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("\"state\":null"), "{body}");
+    let (status, _) = send(
+        &ledger,
+        generic_request("msg_7", "start", GENERIC_SECRET, now),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(consent(&ledger, clinic).await, Some(ConsentState::OptedIn));
+    let events: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT provider_event FROM consent_history ORDER BY id")
+            .fetch_all(ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        events,
+        [
+            Some("generic:msg_1".to_owned()),
+            Some("generic:msg_7".to_owned())
+        ]
+    );
 }

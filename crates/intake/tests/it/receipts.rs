@@ -15,7 +15,7 @@ use nudge_domain::{
     AttemptContext, Channel, DeliveryState, EventId, FixedJitter, IdempotencySupport,
     ProviderAccount, ProviderAnswer, RetryPolicy, SendOutcome, SubscriberRef, Verdict, decide,
 };
-use nudge_intake::receipts::{ReceiptsSection, SendgridReceipts, TwilioReceipts};
+use nudge_intake::receipts::{GenericReceipts, ReceiptsSection, SendgridReceipts, TwilioReceipts};
 use nudge_intake::{AppState, IntakeMetrics, Limits, router};
 use nudge_ledger::{
     AttemptRecord, Destination, DestinationCipher, LeaseBatch, LeaseOutcome, LeasedDelivery,
@@ -26,6 +26,8 @@ use tower::ServiceExt;
 
 const BASE: &str = "https://intake.example.org";
 pub(crate) const TOKEN: &str = "twilio-token";
+/// The Standard Webhooks secret of the generic account `sms-generic`.
+pub(crate) const GENERIC_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 
 pub(crate) fn cipher() -> DestinationCipher {
     DestinationCipher::new(&[7; 32]).with_subscriber_key(SubscriberKey::new(&[9; 32]))
@@ -57,6 +59,10 @@ pub(crate) fn app(ledger: &Ledger) -> axum::Router {
         sendgrid: vec![SendgridReceipts {
             account: "email-sendgrid".into(),
             verification_key: base64::engine::general_purpose::STANDARD.encode(public),
+        }],
+        generic: vec![GenericReceipts {
+            account: "sms-generic".into(),
+            secret: Secret::new(GENERIC_SECRET),
         }],
     }
     .build()

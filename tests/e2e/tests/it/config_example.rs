@@ -147,7 +147,7 @@ fn the_example_has_every_key_of_the_intake_with_its_default() {
     let checked = check_binary::<IntakeConfig>("nudge-intake", IntakeConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 4 + 3 + 10 + 3,
+        6 + 4 + 3 + 10 + 4,
         "database, telemetry, crypto, intake, receipts"
     );
 }

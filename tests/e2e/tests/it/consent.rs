@@ -152,6 +152,7 @@ async fn system(name: &str) -> (TestEnv, String, TenantId) {
             auth_token: Secret::new(TOKEN),
         }],
         sendgrid: vec![],
+        generic: vec![],
     };
     env.start_intake_with("intake", config).await.unwrap();
     let tenant = env.tenant("clinic", 2).await.unwrap();

@@ -254,6 +254,7 @@ async fn twilio_sends_throttles_flags_suspends_and_settles_by_receipt() {
             auth_token: Secret::new(TOKEN),
         }],
         sendgrid: vec![],
+        generic: vec![],
     };
     env.start_intake_with("intake", config).await.unwrap();
     let tenant = env.tenant("clinic-t", 2).await.unwrap();
@@ -304,6 +305,7 @@ async fn sendgrid_sends_throttles_flags_suspends_and_settles_by_receipt() {
             account: "email-sendgrid".into(),
             verification_key: b64(&spki_der(&SENDGRID_SECRET)),
         }],
+        generic: vec![],
     };
     env.start_intake_with("intake", config).await.unwrap();
     let tenant = env.tenant("clinic-s", 2).await.unwrap();
