@@ -21,6 +21,9 @@ pub struct ChannelStatus {
     /// Settled `expired` because their quiet hours outlasted them (reason `quiet_hours`),
     /// as long as retention keeps them: what the policy cost.
     pub expired_quiet_hours: u64,
+    /// Settled `suppressed` (not sent: the destination opted out, or the category was
+    /// switched off), as long as retention keeps them.
+    pub suppressed: u64,
     /// How long the oldest eligible delivery (due, not yet being sent) has waited, in seconds.
     pub oldest_eligible_age_s: Option<i64>,
     /// Draining: nothing new is scheduled for the channel (see `nudgectl drain`).
@@ -84,6 +87,7 @@ impl Ledger {
                 ambiguous: 0,
                 quiet_hours: 0,
                 expired_quiet_hours: 0,
+                suppressed: 0,
                 oldest_eligible_age_s: None,
                 draining: false,
                 drain_incident: None,
@@ -117,18 +121,23 @@ impl Ledger {
                     row.oldest_eligible.map(|t| (now - t).num_seconds().max(0));
             }
         }
-        let expired: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT channel, count(*) FROM deliveries
-             WHERE state = 'expired' AND last_error_reason = 'quiet_hours' GROUP BY channel",
+        // Settled rows worth an operator's eye, through the index of settled states.
+        let settled: Vec<(String, i64, i64)> = sqlx::query_as(
+            "SELECT channel,
+                    count(*) FILTER (WHERE state = 'expired'
+                                     AND last_error_reason = 'quiet_hours'),
+                    count(*) FILTER (WHERE state = 'suppressed')
+             FROM deliveries WHERE state IN ('expired', 'suppressed') GROUP BY channel",
         )
         .fetch_all(&self.pool)
         .await?;
-        for (channel, n) in expired {
+        for (channel, expired, suppressed) in settled {
             let channel: Channel = channel
                 .parse()
                 .map_err(|e| LedgerError::corrupt("deliveries", e))?;
             if let Some(status) = out.iter_mut().find(|s| s.channel == channel) {
-                status.expired_quiet_hours = count(n);
+                status.expired_quiet_hours = count(expired);
+                status.suppressed = count(suppressed);
             }
         }
         Ok(out)

@@ -234,7 +234,9 @@ What is owed and in flight now, read-only, with the database's clock.
 Per channel: scheduled, due (its time has come), queued (published, waiting for a worker), \
 sending, retry_wait, quiet_hours (of retry_wait: deferred to the end of the subscriber's quiet \
 hours), dead_lettered, ambiguous, expired_quiet (settled expired because their quiet hours \
-outlasted them, as long as retention keeps them), and oldest_due_s (how long the oldest eligible \
+outlasted them, as long as retention keeps them), suppressed (settled without a send because the \
+destination opted out or the category was switched off, as long as retention keeps them), and \
+oldest_due_s (how long the oldest eligible \
 delivery has waited; deferred work is not eligible). Then the rate buckets. Then the tenants with live work, the latest first \
 (by their oldest eligible delivery's age, then by what waits for an account, then by what is \
 due), at most --tenants of them: each tenant's own lateness, not the channel's average, with \
@@ -1528,7 +1530,7 @@ pub(crate) async fn find_tenant(ledger: &Ledger, name: &str) -> anyhow::Result<T
 fn write_status_table(status: &[ChannelStatus], out: &mut impl Write) -> std::io::Result<()> {
     writeln!(
         out,
-        "{:<7} {:>9} {:>7} {:>7} {:>7} {:>10} {:>11} {:>13} {:>9} {:>13} {:>14}",
+        "{:<7} {:>9} {:>7} {:>7} {:>7} {:>10} {:>11} {:>13} {:>9} {:>13} {:>10} {:>14}",
         "channel",
         "scheduled",
         "due",
@@ -1539,12 +1541,13 @@ fn write_status_table(status: &[ChannelStatus], out: &mut impl Write) -> std::io
         "dead_lettered",
         "ambiguous",
         "expired_quiet",
+        "suppressed",
         "oldest_due_s"
     )?;
     for s in status {
         writeln!(
             out,
-            "{:<7} {:>9} {:>7} {:>7} {:>7} {:>10} {:>11} {:>13} {:>9} {:>13} {:>14}",
+            "{:<7} {:>9} {:>7} {:>7} {:>7} {:>10} {:>11} {:>13} {:>9} {:>13} {:>10} {:>14}",
             s.channel.as_str(),
             s.scheduled,
             s.due,
@@ -1555,6 +1558,7 @@ fn write_status_table(status: &[ChannelStatus], out: &mut impl Write) -> std::io
             s.dead_lettered,
             s.ambiguous,
             s.expired_quiet_hours,
+            s.suppressed,
             s.oldest_eligible_age_s
                 .map_or_else(|| "-".to_owned(), |a| a.to_string()),
         )?;

@@ -212,6 +212,9 @@ async fn a_category_switched_off_is_suppressed_on_its_channel_only(pool: PgPool)
         due_now(&ledger, clinic.id, "note-1", "general").await,
         DeliveryState::Scheduled
     );
+    let status = ledger.status(t0()).await.unwrap();
+    let sms = status.iter().find(|s| s.channel == Channel::Sms).unwrap();
+    assert_eq!(sms.suppressed, 1, "status counts what was suppressed");
     let prefs = ledger
         .subscriber_preferences(&cipher(), clinic.id, &patient())
         .await
