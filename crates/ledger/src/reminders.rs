@@ -1078,7 +1078,8 @@ async fn inserted_deliveries(
     }
     // One statement: the channels' control rows are joined and locked `FOR SHARE` by the
     // insert itself (a draining channel's row drops out of the join, and a drain turned on
-    // meanwhile is seen once its lock is released). A delivery due now (by `now`) whose
+    // meanwhile is seen once its lock is released). A delivery due now (by `now` and by the
+    // database's clock, whichever is earlier: a caller's clock ahead never decides) whose
     // destination opted out, or whose category its subscriber switched off on the channel, is
     // created settled `suppressed` at the database's time (0505, 0506): never claimed, never
     // sent. One due later is created `scheduled` whatever its consent says now: an opt-in
@@ -1099,7 +1100,7 @@ async fn inserted_deliveries(
               AS d(id, reminder_id, channel, key, scheduled_at, expires_at)
          JOIN channel_controls cc ON cc.channel = d.channel AND NOT cc.draining
          CROSS JOIN LATERAL (
-             SELECT d.scheduled_at <= $2 AND (
+             SELECT d.scheduled_at <= LEAST($2, now()) AND (
                         EXISTS (SELECT 1 FROM contacts c
                                 WHERE c.tenant_id = r.tenant_id
                                   AND c.subscriber_ref = r.subscriber_ref

@@ -43,8 +43,8 @@ awaiting_redrive (named by a running or paused redrive), ownership_uncertain (ow
 sender than its channel's), too_young (within its boundary), has_delivery (a reminder with a \
 delivery that stays), in_use (a contact a staying reminder names), with_delivery (a dead-letter \
 record that stays with its delivery), held_by_operator (a reminder of a paused tenant or \
-draining channel), replay_guard (a consent history entry a provider's message wrote: a patient's \
-STOP or START, never deleted, so the message stays refused if sent again). Ages count from settled_at, or from scheduled_at for owed work (due soon \
+draining channel), replay_guard (a consent history entry a patient's inbound STOP or START wrote: \
+never deleted, so the message stays refused if sent again). Ages count from settled_at, or from scheduled_at for owed work (due soon \
 shows as <1h).
 
 --json prints {\"at\", \"policy\": {\"delivered\", \"expired\", \"cancelled\", \"dead_lettered\", \

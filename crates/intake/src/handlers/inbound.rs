@@ -106,6 +106,12 @@ pub async fn twilio(
     )
     .await
     {
+        // Twilio's signature carries no time: the same message again may be a capture.
+        Ok(Applied::Replay) => error_body(
+            StatusCode::FORBIDDEN,
+            "replayed",
+            "this message was recorded before",
+        ),
         Ok(_) => twiml(),
         Err(response) => response,
     }
@@ -115,14 +121,16 @@ pub async fn twilio(
 enum Applied {
     /// Not a keyword, or HELP: nothing changed.
     Nothing,
+    /// This message was recorded before: nothing changed.
+    Replay,
     /// Recorded as `state` for this many tenants (none when no tenant sends through the
     /// account).
     Recorded { state: ConsentState, tenants: usize },
 }
 
 /// Reads a verified reply of `from` to `account`: a keyword changes the number's consent for
-/// every tenant sending through the account, once per `provider_event`. The refusal of a
-/// replay (403 `replayed`) or the ledger's error is the `Err` answer.
+/// every tenant sending through the account, once per `provider_event` (the same message
+/// again is [`Applied::Replay`]). The ledger's error is the `Err` answer.
 async fn apply_keyword(
     state: &AppState,
     account: &ProviderAccount,
@@ -173,30 +181,31 @@ async fn apply_keyword(
             })
         }
         Ok(InboundRecorded::Replay) => {
-            tracing::warn!(%account, "an inbound message recorded before: refused");
-            Err(error_body(
-                StatusCode::FORBIDDEN,
-                "replayed",
-                "this message was recorded before",
-            ))
+            tracing::warn!(%account, "an inbound message recorded before");
+            Ok(Applied::Replay)
         }
         Err(e) => Err(crate::error::ApiError::internal(e).into_response()),
     }
 }
 
-/// A patient's reply as a generic provider sends it.
-#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
+/// A patient's reply as a generic provider sends it (other fields are ignored). `Debug` shows
+/// no number and no body.
+#[derive(serde::Deserialize, utoipa::ToSchema)]
 pub struct GenericInbound {
     /// The number the patient sent from (E.164).
     #[schema(min_length = 1, max_length = 64, example = "+15550100100")]
     pub from: String,
-    /// The number or sender the message reached.
-    #[schema(max_length = 64)]
+    /// The number or sender the message reached (not read).
     pub to: Option<String>,
-    /// The message as the patient typed it.
-    #[schema(max_length = 1600)]
+    /// The message as the patient typed it: only a keyword is read (at most 64 characters
+    /// after trimming); anything else is acknowledged and dropped.
     pub body: String,
+}
+
+impl std::fmt::Debug for GenericInbound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GenericInbound(<redacted>)")
+    }
 }
 
 /// What a generic provider's reply changed.
@@ -207,14 +216,18 @@ pub struct GenericInboundAnswer {
     pub state: Option<String>,
     /// The tenants whose consent of the number changed (those sending through the account).
     pub tenants: u64,
+    /// This message (its `webhook-id`) was recorded before: nothing changed. A provider's
+    /// retry of a message whose answer it lost.
+    pub duplicate: bool,
 }
 
 /// A patient's SMS to a number of the generic account `account`.
 ///
 /// Signed by the provider with Standard Webhooks under the account's secret
-/// (`receipts.generic`): `webhook-id` is the message's identity (recorded once: the same
-/// message again is refused 403 `replayed`), `webhook-timestamp` within five minutes of now,
-/// `webhook-signature` `v1,<base64 HMAC-SHA256 of id.timestamp.body>`. The keywords are
+/// (`receipts.generic`): `webhook-id` is the message's identity on the account (recorded
+/// once: the same message again, a provider's retry, is answered `duplicate` and changes
+/// nothing), `webhook-timestamp` within `intake.timestamp_tolerance_s` of the intake's clock
+/// (either side), `webhook-signature` `v1,<base64 HMAC-SHA256 of id.timestamp.body>`. The keywords are
 /// Twilio's route's: STOP and its synonyms opt `from` out of SMS for every tenant that sends
 /// through the account, START, YES, UNSTOP back in, anything else changes nothing.
 #[utoipa::path(post, path = "/inbound/generic/{account}", tag = "receipts", operation_id = "inbound_generic",
@@ -226,10 +239,10 @@ pub struct GenericInboundAnswer {
     ),
     request_body(content = GenericInbound, content_type = "application/json"),
     responses(
-        (status = 200, description = "recorded (or not a keyword)", body = GenericInboundAnswer),
+        (status = 200, description = "recorded (or not a keyword, or a duplicate)", body = GenericInboundAnswer),
         (status = 400, description = "signed, but not a reply; nothing written", body = crate::error::ErrorBody),
         (status = 401, description = "a signature header is missing; nothing written", body = crate::error::ErrorBody),
-        (status = 403, description = "the signature does not verify or is too old, the account takes no replies, or this message was recorded before; nothing written", body = crate::error::ErrorBody),
+        (status = 403, description = "the signature does not verify, its timestamp is outside the tolerance, or the account takes no replies; nothing written", body = crate::error::ErrorBody),
         (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = crate::error::ErrorBody,
             headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
     ))]
@@ -246,31 +259,46 @@ pub async fn generic(
     let Some(verifier) = state.receipts().generic_verifier(&account) else {
         return refused(StatusCode::FORBIDDEN);
     };
-    if verifier.verify(&body, &headers).is_err() {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    // The timestamp by the intake's clock and tolerance, then the signature over it.
+    let tolerance = i64::try_from(state.limits().timestamp_tolerance_s).unwrap_or(i64::MAX);
+    let Some(at) = header("webhook-timestamp")
+        .and_then(|t| t.parse::<i64>().ok())
+        .filter(|t| (state.now().timestamp() - t).abs() <= tolerance)
+    else {
+        return refused(StatusCode::FORBIDDEN);
+    };
+    let (Some(id), Some(signatures)) = (header("webhook-id"), header("webhook-signature")) else {
+        return refused(StatusCode::FORBIDDEN);
+    };
+    let Ok(expected) = verifier.sign(id, at, &body) else {
+        return refused(StatusCode::FORBIDDEN);
+    };
+    let verified = signatures
+        .split(' ')
+        .any(|given| constant_time_eq(given.as_bytes(), expected.as_bytes()));
+    if !verified {
         return refused(StatusCode::FORBIDDEN);
     }
     let Ok(account) = ProviderAccount::parse(&account) else {
         return refused(StatusCode::FORBIDDEN);
     };
-    let id = headers
-        .get("webhook-id")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
     if !crate::receipts::plain(id, 100) {
         return bad_request("webhook-id must be 1 to 100 of letters, digits, '_', '-', '.'");
     }
     let Ok(reply) = serde_json::from_slice::<GenericInbound>(&body) else {
         return bad_request("the body must be {\"from\", \"to\"?, \"body\"}");
     };
-    if reply.from.trim().is_empty() || reply.from.len() > 64 || reply.body.len() > 1600 {
-        return bad_request("from must be a number and body at most 1600 bytes");
+    if reply.from.trim().is_empty() || reply.from.chars().count() > 64 {
+        return bad_request("from must be a number");
     }
     match apply_keyword(
         &state,
         &account,
         &reply.from,
         &reply.body,
-        &format!("generic:{id}"),
+        // A webhook-id is unique per sender, not across providers: scoped by the account.
+        &format!("generic:{account}:{id}"),
         &headers,
     )
     .await
@@ -280,14 +308,26 @@ pub async fn generic(
                 Applied::Nothing => GenericInboundAnswer {
                     state: None,
                     tenants: 0,
+                    duplicate: false,
+                },
+                Applied::Replay => GenericInboundAnswer {
+                    state: None,
+                    tenants: 0,
+                    duplicate: true,
                 },
                 Applied::Recorded { state, tenants } => GenericInboundAnswer {
                     state: Some(state.as_str().to_owned()),
                     tenants: tenants as u64,
+                    duplicate: false,
                 },
             };
             (StatusCode::OK, axum::Json(answer)).into_response()
         }
         Err(response) => response,
     }
+}
+
+/// Whether two signatures are the same, in time that depends only on their lengths.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

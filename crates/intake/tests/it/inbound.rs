@@ -236,16 +236,23 @@ async fn a_generic_providers_signed_reply_changes_consent_as_twilios_does(pool: 
     assert_eq!(answer["tenants"], 1);
     assert_eq!(consent(&ledger, clinic).await, Some(ConsentState::OptedOut));
 
-    // Refused, nothing written: a replay, a wrong secret, an old signature, an account that
-    // takes no replies, a missing header.
+    // The same message again (a provider's retry of a lost answer): acknowledged, nothing
+    // changed. Refused, nothing written: a wrong secret, an old or a future signature, an
+    // account that takes no replies, a missing header.
     let before = history(&ledger).await;
     let replay = send(
         &ledger,
         generic_request("msg_1", "START", GENERIC_SECRET, now),
     )
     .await;
-    assert_eq!(replay.0, StatusCode::FORBIDDEN, "{}", replay.1);
-    assert!(replay.1.contains("replayed"), "{}", replay.1);
+    assert_eq!(replay.0, StatusCode::OK, "{}", replay.1);
+    assert!(replay.1.contains("\"duplicate\":true"), "{}", replay.1);
+    let future = send(
+        &ledger,
+        generic_request("msg_8", "START", GENERIC_SECRET, now + 600),
+    )
+    .await;
+    assert_eq!(future.0, StatusCode::FORBIDDEN);
     let forged = send(
         &ledger,
         generic_request(
@@ -294,8 +301,8 @@ async fn a_generic_providers_signed_reply_changes_consent_as_twilios_does(pool: 
     assert_eq!(
         events,
         [
-            Some("generic:msg_1".to_owned()),
-            Some("generic:msg_7".to_owned())
+            Some("generic:sms-generic:msg_1".to_owned()),
+            Some("generic:sms-generic:msg_7".to_owned())
         ]
     );
 }

@@ -128,8 +128,8 @@ pub enum KeepReason {
     /// still be materialised. Named `held_by_operator` in the ledger and the CLI's output.
     #[serde(rename = "held_by_operator")]
     WithheldByOperator,
-    /// A consent history entry a provider's message wrote (a patient's STOP or START, a
-    /// provider's opt-out): the replay guard of that message, never deleted.
+    /// A consent history entry a patient's inbound message wrote (a STOP or a START): the
+    /// replay guard of that message, never deleted.
     ReplayGuard,
 }
 

@@ -657,6 +657,32 @@ async fn the_janitor_role_cannot_delete_live_or_held_work_by_any_path(pool: PgPo
         young.is_err_and(|e| e.to_string().contains("consent is never removed")),
         "a young consent entry is kept"
     );
+    drop(tx);
+    // Nor, in the same step, a patient's STOP of 500 days ago: its message's replay guard.
+    sqlx::query(
+        "INSERT INTO consent_history (tenant_id, channel, destination_digest, state, source,
+                                      actor, keyword, provider_event, recorded_at)
+         VALUES ($1, 'sms', sha256('y'::bytea), 'opted_out', 'inbound_keyword', 'inbound:x',
+                 'STOP', 'twilio:SMguard', now() - interval '500 days')",
+    )
+    .bind(tenant)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    for setting in [
+        "SET LOCAL nudge.retention = 'audit'",
+        "SET LOCAL nudge.audit_before = '2999-01-01'",
+    ] {
+        sqlx::query(setting).execute(&mut *tx).await.unwrap();
+    }
+    let guard = sqlx::query("DELETE FROM consent_history WHERE provider_event IS NOT NULL")
+        .execute(&mut *tx)
+        .await;
+    assert!(
+        guard.is_err_and(|e| e.to_string().contains("consent is never removed")),
+        "a replay guard is kept"
+    );
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
