@@ -514,7 +514,9 @@ pub struct ThrottledSend {
 /// last decrease was paced at the old rate and says nothing new about the new one: it may
 /// pause the bucket, but it does not lower the rate again (one decrease per round of
 /// reservations, as TCP makes one per window), so a burst of late 429s does not drive the rate
-/// far below the provider's limit.
+/// far below the provider's limit. The same holds for a send that went out on the burst's
+/// credit before the last shrink of the burst: it was part of the burst that shrink answered,
+/// and does not lower the rate however late it is recorded.
 ///
 /// A 429 for a send that spent the burst (reserved no earlier than an admission that found the
 /// whole burst available, its slot within `burst` intervals of it) is read first as "burst too
@@ -566,7 +568,14 @@ pub fn on_throttled_after(
     if !confirmed {
         return *state != before;
     }
-    let stale = matches!((reserved_at, state.last_decrease_at), (Some(r), Some(d)) if r <= d);
+    // A send reserved before the last decrease was paced at the old rate. One that went out on
+    // the burst's credit (its slot at its reservation) before the last shrink of the burst
+    // was part of the burst that shrink answered: its 429 can be recorded after a later
+    // admission began a new burst, when it no longer reads as the old one's. A send paced at
+    // the rate before the shrink still speaks for the rate.
+    let stale = matches!((reserved_at, state.last_decrease_at), (Some(r), Some(d)) if r <= d)
+        || matches!((send, state.burst_cut_at),
+                    (Some(t), Some(c)) if t.reserved_at <= c && t.slot_at <= t.reserved_at);
     if config.rate_per_second > 0.0 && !stale && !within_spacing(state.last_decrease_at, now) {
         let old_rate = admitting_rate(config, state);
         let factor = if state.throttled_rate.is_none() {
@@ -697,9 +706,11 @@ fn admitting_burst(config: &BucketConfig, state: &BucketState) -> u32 {
 /// reservation, the 429s of sends paced at the rate were read as the burst's (3.2% 429s
 /// instead of 0.8% in the drain benchmark's bucket at twice the provider's rate).
 ///
-/// Known limit: a send past the credit, paced but with its slot still in the burst's window,
-/// whose 429 is recorded after the window, is read as the rate's (the drain benchmark's burst
-/// over the provider's, spent slowly in one run of five: `bench/results/history.md`).
+/// Known limits: a send past the credit, paced but with its slot still in the burst's window,
+/// whose 429 is recorded after the window, is read as the rate's. An admission for a slot at a
+/// pause's end starts the burst's window at its own instant, not at the slot, so a burst spent
+/// when a pause ends is judged as paced: its 429s (a provider not yet refilled when its own
+/// `Retry-After` ends) lower the rate (`bench/results/history.md`, 2026-12-03).
 fn spending_burst(
     config: &BucketConfig,
     state: &BucketState,
@@ -1761,6 +1772,92 @@ mod tests {
         ));
         assert_eq!(s.effective_rate, 20.0);
         assert_eq!(s.burst_limit, Some(37));
+    }
+
+    /// The drain benchmark's slow run of the burst over the provider's (logged): the first
+    /// 429s of the burst shrink it and pause the bucket for their Retry-After; an admission
+    /// meanwhile, for a slot at the pause's end, finds the shrunk burst whole there and starts
+    /// a new one; a 429 of the old burst recorded after it is no longer the new burst's, and
+    /// must not halve the rate either (it did: 20/s, and the drain took 35.7 s for its 30 s).
+    #[test]
+    fn a_late_429_of_a_burst_already_shrunk_keeps_the_rate_after_a_new_burst_began() {
+        let c = config(40.0, 50);
+        let mut s = BucketState::fresh(&c);
+        for _ in 0..50 {
+            let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
+        }
+        let pause = t0() + ms(1_116);
+        let _ = on_throttled_after(&c, &mut s, Some(pause), Some(sent(t0())), t0() + ms(116));
+        assert!(on_throttled_after(
+            &c,
+            &mut s,
+            Some(pause),
+            Some(sent(t0())),
+            t0() + ms(123)
+        ));
+        assert_eq!(
+            (s.burst_limit, s.paused_until, s.effective_rate),
+            (Some(37), Some(pause), 40.0),
+            "shrunk and paused, the rate kept"
+        );
+        assert_eq!(
+            send_at(admit(
+                &c,
+                &mut s,
+                Lane::New,
+                t0() + ms(127),
+                &waiting(1_500)
+            )),
+            pause
+        );
+        assert_eq!(
+            s.burst_from,
+            Some(t0() + ms(127)),
+            "a new burst, begun by an admission for a slot at the pause's end"
+        );
+        let _ = on_throttled_after(&c, &mut s, None, Some(sent(t0())), t0() + ms(226));
+        assert_eq!(s.effective_rate, 40.0, "the old burst's 429 keeps the rate");
+        assert_eq!(s.burst_limit, Some(37), "and the burst");
+        // A send of the new burst's round that still draws 429s outside its burst: the rate's.
+        let after_pause = ThrottledSend {
+            reserved_at: t0() + ms(127),
+            slot_at: t0() + ms(2_500),
+        };
+        let _ = on_throttled_after(&c, &mut s, None, Some(after_pause), t0() + ms(2_510));
+        assert!(on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(after_pause),
+            t0() + ms(2_520)
+        ));
+        assert_eq!(s.effective_rate, 20.0);
+    }
+
+    /// Only a send on the burst's credit is excused by the shrink: one paced at the rate,
+    /// reserved before the shrink, whose 429s come after the burst's time, still lowers it.
+    #[test]
+    fn a_paced_send_reserved_before_the_shrink_still_lowers_the_rate() {
+        let c = config(40.0, 50);
+        let mut s = BucketState::fresh(&c);
+        for _ in 0..50 {
+            let _ = send_at(admit(&c, &mut s, Lane::New, t0(), &waiting(0)));
+        }
+        let _ = on_throttled_after(&c, &mut s, None, Some(sent(t0())), t0() + ms(116));
+        assert_eq!((s.burst_limit, s.effective_rate), (Some(37), 40.0));
+        let paced = ThrottledSend {
+            reserved_at: t0() + ms(50),
+            slot_at: t0() + ms(1_300),
+        };
+        let _ = on_throttled_after(&c, &mut s, None, Some(paced), t0() + ms(1_400));
+        assert!(on_throttled_after(
+            &c,
+            &mut s,
+            None,
+            Some(paced),
+            t0() + ms(1_410)
+        ));
+        assert_eq!(s.effective_rate, 20.0, "the rate's, confirmed");
     }
 
     #[test]

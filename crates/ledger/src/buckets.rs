@@ -68,6 +68,10 @@ pub struct FeedbackApplied {
     pub paused_until: Option<DateTime<Utc>>,
     /// The provider asked for a longer pause than `admission.max_pause_s`: it was cut to that.
     pub pause_capped: bool,
+    /// The burst the bucket admits with now, where a 429 found it smaller than configured.
+    pub burst_limit: Option<u32>,
+    /// When the burst the bucket last spent began (the admission that found it whole).
+    pub burst_from: Option<DateTime<Utc>>,
 }
 
 /// A bucket's rates as one admission saw them, for logs and metrics.
@@ -598,6 +602,8 @@ impl Ledger {
             effective_rate: state.effective_rate,
             paused_until: state.paused_until,
             pause_capped: cause.is_some_and(|(_, capped)| capped),
+            burst_limit: state.burst_limit,
+            burst_from: state.burst_from,
         }))
     }
 

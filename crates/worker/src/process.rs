@@ -1100,6 +1100,10 @@ impl Worker {
                     effective_rate = applied.effective_rate,
                     paused_until = applied.paused_until.map(|p| p.to_rfc3339()),
                     pause_capped = applied.pause_capped,
+                    burst_limit = applied.burst_limit,
+                    burst_from = applied.burst_from.map(|b| b.to_rfc3339()),
+                    reserved_at = %times.reserved_at.to_rfc3339(),
+                    slot_at = %times.slot_at.to_rfc3339(),
                     "rate bucket adjusted"
                 );
             }
