@@ -45,7 +45,7 @@ use tower::ServiceExt;
 use tracing::{info, warn};
 
 use crate::handlers::{
-    inbound, operations, receipts as receipt_routes, reminders, series, subscribers,
+    events, inbound, operations, receipts as receipt_routes, reminders, series, subscribers,
 };
 
 pub use config::{IntakeConfig, IntakeSection};
@@ -93,6 +93,7 @@ pub fn router(state: AppState, body_limit: usize, request_timeout: Duration) -> 
             "/v1/tenants/{tenant}/subscribers/{subscriber_ref}/preferences",
             get(subscribers::get_preferences).put(subscribers::put_preferences),
         )
+        .route("/v1/tenants/{tenant}/events", get(events::get_events))
         .route("/receipts/twilio/{account}", post(receipt_routes::twilio))
         .route("/inbound/twilio/{account}", post(inbound::twilio))
         .route("/inbound/generic/{account}", post(inbound::generic))

@@ -9,7 +9,7 @@ use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
-use crate::handlers::{inbound, operations, receipts, reminders, series, subscribers};
+use crate::handlers::{events, inbound, operations, receipts, reminders, series, subscribers};
 
 /// The OpenAPI document, generated from the handlers of [`crate::handlers`] and the types
 /// they name.
@@ -40,6 +40,7 @@ use crate::handlers::{inbound, operations, receipts, reminders, series, subscrib
         subscribers::get_consent_history,
         subscribers::get_preferences,
         subscribers::put_preferences,
+        events::get_events,
         receipts::twilio,
         receipts::sendgrid,
         inbound::twilio,
@@ -53,6 +54,7 @@ use crate::handlers::{inbound, operations, receipts, reminders, series, subscrib
         (name = "reminders", description = "Post, read and cancel reminders"),
         (name = "series", description = "Recurring reminders: post, read and cancel"),
         (name = "subscribers", description = "Destinations, preferences, consent and erasure"),
+        (name = "events", description = "What happened to each delivery, in order, from a position on"),
         (name = "receipts", description = "Providers' delivery receipts and patients' replies (STOP, START), signed by the provider"),
         (name = "operations", description = "Health, readiness and this document"),
     )

@@ -625,3 +625,90 @@ pub struct PreferencesBody {
     #[schema(min_items = 1, max_items = 300)]
     pub preferences: Vec<PreferenceChangeBody>,
 }
+
+/// What happened to a delivery: `scheduled` (made, waiting for its time), `deferred` (waiting
+/// again, until `next_attempt_at`: a retry, the provider account's slot or quiet hours),
+/// `sent` (the provider accepted it), `delivered` (a receipt settled it), `failed`
+/// (dead-lettered), `expired`, `cancelled`, `suppressed` (its destination or category opted
+/// out), `held_ambiguous` (its outcome unknown: held for a receipt or an operator),
+/// `redriven` (a dead letter fed again) and `rescheduled` (its time moved).
+#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DeliveryEventKindName {
+    Scheduled,
+    Deferred,
+    Sent,
+    Delivered,
+    Failed,
+    Expired,
+    Cancelled,
+    Suppressed,
+    HeldAmbiguous,
+    Redriven,
+    Rescheduled,
+}
+
+pub fn event_kind_name(kind: nudge_ledger::DeliveryEventKind) -> DeliveryEventKindName {
+    use nudge_ledger::DeliveryEventKind as K;
+    match kind {
+        K::Scheduled => DeliveryEventKindName::Scheduled,
+        K::Deferred => DeliveryEventKindName::Deferred,
+        K::Sent => DeliveryEventKindName::Sent,
+        K::Delivered => DeliveryEventKindName::Delivered,
+        K::Failed => DeliveryEventKindName::Failed,
+        K::Expired => DeliveryEventKindName::Expired,
+        K::Cancelled => DeliveryEventKindName::Cancelled,
+        K::Suppressed => DeliveryEventKindName::Suppressed,
+        K::HeldAmbiguous => DeliveryEventKindName::HeldAmbiguous,
+        K::Redriven => DeliveryEventKindName::Redriven,
+        K::Rescheduled => DeliveryEventKindName::Rescheduled,
+    }
+}
+
+/// One event of a delivery. Ids, states, classes and times only: never a destination,
+/// content or subscriber reference.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DeliveryEventShape {
+    /// The tenant's cursor: positions only grow; give the last one seen as `after`.
+    pub position: i64,
+    /// The event's stable id: the same event read or pushed again has the same id.
+    pub id: uuid::Uuid,
+    pub kind: DeliveryEventKindName,
+    pub delivery_id: uuid::Uuid,
+    /// The delivery's own count of events, 1 for its first: the order per delivery.
+    pub delivery_seq: i32,
+    pub reminder_id: uuid::Uuid,
+    /// The reminder's `event_id` as the client posted it.
+    pub event_id: String,
+    pub channel: ChannelName,
+    /// The delivery's state after the change.
+    pub state: String,
+    /// Its state before (null for `scheduled` and a delivery made `suppressed`).
+    pub previous_state: Option<String>,
+    /// `new`, `retry` or `redrive`.
+    pub lane: String,
+    pub attempts: i32,
+    /// The last attempt's class (`retryable`, `permanent`, `throttled`, ...), where one failed.
+    pub error_class: Option<String>,
+    /// Why it failed, waits or was not sent: the attempt's (`attempts_exhausted: http_503`,
+    /// `http_503`, `contact_opted_out`), or for a wait without an attempt `rate_limited` (the
+    /// provider account's rate or pause), `quiet_hours` or `account_unavailable`.
+    pub reason: Option<String>,
+    /// When a waiting delivery is next due.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// The provider's id of the message, once it accepted one.
+    pub provider_message_id: Option<String>,
+    /// The database's time of the change.
+    pub occurred_at: DateTime<Utc>,
+}
+
+/// One page of a tenant's delivery events, oldest position first.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EventsAnswer {
+    pub events: Vec<DeliveryEventShape>,
+    /// Ask again with `after` set to this: the last event's position, or the `after` asked
+    /// with when the page is empty.
+    pub next_after: i64,
+    /// True when more events can be read at once; false when the page reached the newest.
+    pub more: bool,
+}

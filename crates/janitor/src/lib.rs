@@ -72,6 +72,9 @@ pub use metrics::JanitorMetrics;
 /// - `janitor.batch_size` (default 1000): deliveries settled per pass of each.
 /// - `janitor.metrics_interval_ms` (default 15000): how often the ledger's gauges are read
 ///   for `/metrics` (see [`metrics`]).
+/// - `janitor.events_interval_ms` (default 200, 10..=60000): how often delivery events are
+///   numbered for their readers (`Ledger::sequence_events`, decision 0601); a pass that numbers
+///   a whole batch runs again at once. One janitor numbers at a time; replicas skip.
 /// - `redrive.*`: when a running redrive pauses itself (see [`RedriveSection`]).
 /// - `retry.*`: the retry policy, which must match the workers' (the reaper decides an
 ///   expired lease with it): `base_delay_ms`, `max_delay_ms`, `max_attempts`,
@@ -143,6 +146,12 @@ impl Validate for JanitorConfig {
             return Err(ConfigError::invalid(
                 "janitor.metrics_interval_ms",
                 "must be between 100 and 3600000",
+            ));
+        }
+        if !(10..=60_000).contains(&self.janitor.events_interval_ms) {
+            return Err(ConfigError::invalid(
+                "janitor.events_interval_ms",
+                "must be between 10 and 60000",
             ));
         }
         if !(1..=100_000).contains(&self.janitor.batch_size) {
@@ -232,6 +241,7 @@ pub struct JanitorSection {
     pub reaper_grace_ms: u64,
     pub batch_size: u32,
     pub metrics_interval_ms: u64,
+    pub events_interval_ms: u64,
 }
 
 impl Default for JanitorSection {
@@ -241,6 +251,7 @@ impl Default for JanitorSection {
             reaper_grace_ms: 5_000,
             batch_size: 1_000,
             metrics_interval_ms: 15_000,
+            events_interval_ms: 200,
         }
     }
 }
@@ -301,6 +312,12 @@ async fn run_binary(cli: Cli) -> anyhow::Result<()> {
         ledger.clone(),
         metrics.clone(),
         Duration::from_millis(config.janitor.metrics_interval_ms),
+        shutdown.clone(),
+    )));
+    tasks.push(tokio::spawn(events_loop(
+        ledger.clone(),
+        metrics.clone(),
+        Duration::from_millis(config.janitor.events_interval_ms),
         shutdown.clone(),
     )));
     if config.retention.enabled {
@@ -475,6 +492,43 @@ async fn gauges_loop(
             Err(e) => {
                 warn!(error.cause_chain = %error_chain(&e), "failed to read the ledger's gauges; retrying")
             }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+/// The most events one pass numbers; a full pass runs again at once.
+const EVENTS_BATCH: u32 = 5_000;
+
+/// Numbers the delivery events written since the last pass (decision 0601), so that the
+/// events API and the events process can read them by position.
+async fn events_loop(
+    ledger: Ledger,
+    metrics: Arc<JanitorMetrics>,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
+    let outage = Outage::new("events");
+    loop {
+        let full = match ledger.sequence_events(EVENTS_BATCH).await {
+            Ok(done) => {
+                outage.back();
+                if let Some(numbered) = done.numbered {
+                    metrics.events_sequenced(numbered);
+                }
+                done.numbered == Some(EVENTS_BATCH)
+            }
+            Err(e) if outage.away(&e) => false,
+            Err(e) => {
+                warn!(error.cause_chain = %error_chain(&e), "failed to number delivery events; retrying");
+                false
+            }
+        };
+        if full && !shutdown.is_cancelled() {
+            continue;
         }
         tokio::select! {
             () = shutdown.cancelled() => return,

@@ -128,6 +128,7 @@ pub struct JanitorMetrics {
     expired: Counter,
     dead_letters: Family<DeadLetterLabels, Counter>,
     orphaned: Counter,
+    events_sequenced: Counter,
     /// The tenant series set by the last refresh, so the next one removes only those that
     /// are gone (a scrape never sees the tenant series missing while they are replaced).
     tenant_series: Arc<Mutex<TenantSeries>>,
@@ -186,6 +187,7 @@ impl JanitorMetrics {
             expired: Counter::default(),
             dead_letters: Family::default(),
             orphaned: Counter::default(),
+            events_sequenced: Counter::default(),
             tenant_series: Arc::default(),
         };
         registry.register(
@@ -270,6 +272,11 @@ impl JanitorMetrics {
             "nudge_orphaned_reminders",
             "Reminders found without a delivery after their time and materialised",
             metrics.orphaned.clone(),
+        );
+        registry.register(
+            "nudge_delivery_events_sequenced",
+            "Delivery events numbered for their readers (the events API and process)",
+            metrics.events_sequenced.clone(),
         );
         Self {
             registry: Arc::new(registry),
@@ -451,6 +458,10 @@ impl JanitorMetrics {
 
     pub fn orphaned(&self, n: u64) {
         self.orphaned.inc_by(n);
+    }
+
+    pub fn events_sequenced(&self, n: u32) {
+        self.events_sequenced.inc_by(u64::from(n));
     }
 
     /// Counts a message recorded from `dead.<channel>`; RabbitMQ's reason, or `other`.

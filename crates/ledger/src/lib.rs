@@ -26,6 +26,7 @@ mod deliveries;
 mod dlq;
 mod error;
 mod estimate;
+mod events;
 mod export;
 mod failover;
 mod gauges;
@@ -68,6 +69,10 @@ pub use deliveries::{
 pub use dlq::{DeadLetterCount, DlqGroup, DlqReport};
 pub use error::{LedgerError, is_unavailable};
 pub use estimate::{Backlog, OwedDelivery};
+pub use events::{
+    DeliveryEvent, DeliveryEventKind, EVENTS_PAGE_MAX, EventsPage, SEQUENCE_BATCH_MAX,
+    SequencedEvents,
+};
 pub use export::IncidentAttempt;
 pub use gauges::{AwaitingOperator, BucketGauge, DrainFlag, LedgerGauges, TenantChannelWork};
 pub use intake::{

@@ -13,6 +13,7 @@ mod config;
 mod consent;
 mod dlq;
 mod estimate;
+mod events;
 mod load;
 mod operations;
 mod rate;
@@ -93,6 +94,10 @@ pub enum Command {
     /// history as JSON Lines.
     #[command(subcommand, long_about = consent::HELP)]
     Consent(ConsentCommand),
+    /// A tenant's delivery events (what its client is told) as JSON Lines: replay from a
+    /// position or a time, or tail them as they come.
+    #[command(subcommand, long_about = events::HELP)]
+    Events(EventsCommand),
     /// A tenant's categories (what its reminders are about): create one, required or not;
     /// list them.
     #[command(subcommand, long_about = category::HELP)]
@@ -653,6 +658,36 @@ pub enum ConsentCommand {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum EventsCommand {
+    /// Every event after a position (or from a time) up to the newest, then exit.
+    Replay {
+        /// Tenant name.
+        #[arg(long)]
+        tenant: String,
+        /// A position (the cursor: events after it) or an RFC 3339 time (events from it on);
+        /// the first kept when omitted.
+        #[arg(long, value_name = "CURSOR|TIME", value_parser = events::parse_from)]
+        from: Option<events::From>,
+    },
+    /// New events as they are numbered, until Ctrl-C, --for or --limit.
+    Tail {
+        /// Tenant name.
+        #[arg(long)]
+        tenant: String,
+        /// Start after this position or from this RFC 3339 time instead of the newest.
+        #[arg(long, value_name = "CURSOR|TIME", value_parser = events::parse_from)]
+        from: Option<events::From>,
+        /// Stop after this many seconds (1 to 86400).
+        #[arg(long = "for", value_name = "SECONDS",
+              value_parser = clap::value_parser!(u64).range(1..=86_400))]
+        for_seconds: Option<u64>,
+        /// Stop after this many events (1 to 1000000).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+        limit: Option<u64>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum SeriesCommand {
     /// A tenant's series, newest first.
     List {
@@ -1157,6 +1192,17 @@ pub async fn execute(
         }
         Command::Consent(ConsentCommand::Export { tenant }) => {
             consent::export(ledger, &tenant, out).await?;
+        }
+        Command::Events(EventsCommand::Replay { tenant, from }) => {
+            events::replay(ledger, &tenant, from, out, err).await?;
+        }
+        Command::Events(EventsCommand::Tail {
+            tenant,
+            from,
+            for_seconds,
+            limit,
+        }) => {
+            events::tail(ledger, &tenant, from, for_seconds, limit, out, err).await?;
         }
         Command::Category(CategoryCommand::Create {
             tenant,

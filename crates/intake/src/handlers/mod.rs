@@ -1,5 +1,5 @@
-//! Every route's handler, by resource: [`reminders`] and [`subscribers`] (the signed `/v1`
-//! API), [`receipts`] (providers' delivery receipts), [`inbound`] (patients' replies: STOP,
+//! Every route's handler, by resource: [`reminders`], [`subscribers`] and [`events`] (the
+//! signed `/v1` API), [`receipts`] (providers' delivery receipts), [`inbound`] (patients' replies: STOP,
 //! START) and [`operations`] (liveness and
 //! readiness). Each states its checks in its arguments, in the order they run: its path
 //! ([`crate::extract::ApiPath`]), its content type ([`crate::extract::JsonContent`]), then its
@@ -10,6 +10,7 @@
 //! request, or answer, log or count a destination, subscriber reference or content. Nothing
 //! outside `lib.rs` (the router) and [`crate::openapi`] (the document) imports a handler.
 
+pub mod events;
 pub mod inbound;
 pub mod operations;
 pub mod receipts;

@@ -5,6 +5,7 @@ mod api;
 mod away;
 mod commit;
 mod consent;
+mod events;
 mod inbound;
 mod preferences;
 mod quiet_hours;

@@ -6,6 +6,7 @@ mod buckets;
 mod consent;
 mod deliveries;
 mod estimate;
+mod events;
 mod fail_closed;
 mod failover;
 mod fairness;

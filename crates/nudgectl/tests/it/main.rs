@@ -2,6 +2,7 @@
 
 mod commands;
 mod consent;
+mod events;
 mod ledger_away;
 mod rates;
 mod reminders_change;

@@ -137,7 +137,7 @@ fn the_example_has_every_key_of_the_janitor_with_its_default() {
     let checked = check_binary::<JanitorConfig>("nudge-janitor", JanitorConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 6 + 4 + 4 + 4 + 4 + 12,
+        6 + 6 + 4 + 5 + 4 + 4 + 12,
         "database, amqp, telemetry, janitor, retry, redrive, retention"
     );
 }

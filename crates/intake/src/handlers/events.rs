@@ -1,0 +1,123 @@
+//! A tenant's delivery events (decision 0601), for clients that poll or catch up: what
+//! happened to each of their deliveries, in the order the ledger numbered the changes, from a
+//! position on. Written by the ledger with each change (an outbox), never here.
+//!
+//! Authenticated by its [`SignedTenant`]; answers ids, states, classes and times only.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::Uri;
+use axum::response::{IntoResponse, Response};
+
+use crate::auth::SignedTenant;
+use crate::error::{ApiError, ErrorBody, InvalidRequest, Unauthorized};
+use crate::extract::ApiPath;
+use crate::shapes::{DeliveryEventShape, EventsAnswer, channel_name, event_kind_name};
+use crate::state::AppState;
+
+/// How many events one page holds unless `limit` says fewer.
+const EVENTS_PAGE: u32 = 100;
+
+/// `after` and `limit` of an events query: anything else, or a value that is not a whole
+/// number in range, is a 400 naming the parameter.
+fn events_page(uri: &Uri) -> Result<(i64, u32), ApiError> {
+    let mut after = 0;
+    let mut limit = EVENTS_PAGE;
+    for (key, value) in url::form_urlencoded::parse(uri.query().unwrap_or("").as_bytes()) {
+        match key.as_ref() {
+            "after" => {
+                after = value
+                    .parse::<i64>()
+                    .ok()
+                    .filter(|v| *v >= 0)
+                    .ok_or_else(|| {
+                        ApiError::invalid("after", "must be a position (a whole number, 0 or more)")
+                    })?;
+            }
+            "limit" => {
+                limit = value
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|v| (1..=nudge_ledger::EVENTS_PAGE_MAX).contains(v))
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "limit",
+                            format!("must be 1 to {}", nudge_ledger::EVENTS_PAGE_MAX),
+                        )
+                    })?;
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "",
+                    "the query takes only `after` and `limit`",
+                ));
+            }
+        }
+    }
+    Ok((after, limit))
+}
+
+/// The tenant's delivery events after a position, oldest first: every client-visible change
+/// of every delivery (`scheduled`, `deferred`, `sent`, `delivered`, `failed`, `expired`,
+/// `cancelled`, `suppressed`, `held_ambiguous`, `redriven`, `rescheduled`), each written in
+/// the transaction of its change, so none is missing and none is for a change that rolled
+/// back. Start with `after=0` (or omitted) and keep the answer's `next_after`; an event is
+/// readable here within about `janitor.events_interval_ms` of its change. The same event read
+/// again has the same `id`. Events older than retention keeps are gone.
+#[utoipa::path(get, path = "/v1/tenants/{tenant}/events", tag = "events",
+    params(
+        ("tenant" = String, Path, description = "the tenant's name"),
+        ("after" = Option<i64>, Query, description = "the position of the last event seen (`next_after`); 0 or omitted for the first kept", minimum = 0),
+        ("limit" = Option<u32>, Query, description = "events per page, 1 to 1000 (default 100)", minimum = 1, maximum = 1000),
+        ("Nudge-Signature" = String, Header, description = "t=<unix seconds>,v2=<hex>: signs the method, the path with its query and the (empty) body"),
+    ),
+    responses(
+        (status = 200, description = "one page of events", body = EventsAnswer),
+        (status = 400, description = "invalid query", body = InvalidRequest),
+        (status = 401, description = "not authenticated", body = Unauthorized),
+        (status = 500, description = "unexpected", body = ErrorBody),
+        (status = 503, description = "the ledger is away or read-only (a database failover or restart); send again after Retry-After seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "seconds to wait before sending the request again"))),
+    ),
+    security(("signature" = [])))]
+pub async fn get_events(
+    State(state): State<AppState>,
+    ApiPath(_): ApiPath<String>,
+    uri: Uri,
+    SignedTenant { tenant, .. }: SignedTenant,
+) -> Result<Response, ApiError> {
+    let (after, limit) = events_page(&uri)?;
+    let page = state
+        .ledger()
+        .tenant_events(tenant.id, after, limit)
+        .await
+        .map_err(ApiError::internal)?;
+    Ok(Json(EventsAnswer {
+        events: page
+            .events
+            .into_iter()
+            .map(|e| DeliveryEventShape {
+                position: e.position,
+                id: e.id,
+                kind: event_kind_name(e.kind),
+                delivery_id: e.delivery_id,
+                delivery_seq: e.delivery_seq,
+                reminder_id: e.reminder_id,
+                event_id: e.event_id,
+                channel: channel_name(e.channel),
+                state: e.state,
+                previous_state: e.previous_state,
+                lane: e.lane,
+                attempts: e.attempt_count,
+                error_class: e.error_class,
+                reason: e.reason,
+                next_attempt_at: e.next_attempt_at,
+                provider_message_id: e.provider_message_id,
+                occurred_at: e.occurred_at,
+            })
+            .collect(),
+        next_after: page.next_after,
+        more: page.more,
+    })
+    .into_response())
+}
