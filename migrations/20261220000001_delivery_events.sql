@@ -7,9 +7,11 @@
 -- The cursor. `id` is allocated at insert, in no commit order, so a reader taking "id > the
 -- last one" would skip an event whose transaction commits after a later one's. `position` is
 -- therefore given after commit, by one sequencer at a time (`nudge_sequence_delivery_events`,
--- called by the janitor, serialised by an advisory lock): it numbers, in id order, the events
--- of transactions older than every transaction still running, so no event is ever given a
--- position below one a reader has already seen. Clients page by position.
+-- called by the janitor, serialised by an advisory lock held to its commit): it numbers the
+-- events it can see that have none, in id order, so an event committed later gets a later
+-- position than every one already numbered, and a reader paging by position never skips one.
+-- A delivery's events come in its order: the second of two changes to one delivery waits for
+-- the first's commit (the row's lock), so whoever sees the second sees the first.
 --
 -- Adding `deliveries.event_seq` with a constant default rewrites nothing (PostgreSQL 11+).
 
@@ -38,7 +40,6 @@ CREATE TABLE delivery_events (
     next_attempt_at     timestamptz,
     provider_message_id text CHECK (length(provider_message_id) <= 256),
     occurred_at         timestamptz NOT NULL DEFAULT clock_timestamp(),
-    xact                xid8 NOT NULL DEFAULT pg_current_xact_id(),
     position            bigint UNIQUE
 );
 
@@ -67,7 +68,14 @@ DECLARE
     why text := NEW.last_error_reason;
 BEGIN
     IF TG_OP = 'INSERT' THEN
-        k := CASE NEW.state WHEN 'suppressed' THEN 'suppressed' ELSE 'scheduled' END;
+        -- Made waiting, or (a restore's reconciliation) made as it was found.
+        k := CASE NEW.state WHEN 'suppressed' THEN 'suppressed'
+                            WHEN 'ambiguous' THEN 'held_ambiguous'
+                            WHEN 'delivered' THEN 'delivered'
+                            WHEN 'dead_lettered' THEN 'failed'
+                            WHEN 'expired' THEN 'expired'
+                            WHEN 'cancelled' THEN 'cancelled'
+                            ELSE 'scheduled' END;
     ELSIF NEW.state IS DISTINCT FROM OLD.state THEN
         k := CASE
             WHEN OLD.state = 'dead_lettered' AND NEW.state IN ('scheduled', 'retry_wait', 'queued')
@@ -87,14 +95,15 @@ BEGIN
     IF k IS NULL THEN
         RETURN NEW;
     END IF;
-    -- A wait without an attempt of its own (the lease deferred it, or gave it back unsent) is
-    -- the provider account's rate or pause, unless the subscriber's quiet hours or a missing
-    -- account say otherwise; the last attempt's class and reason are not this wait's.
-    IF k = 'deferred' AND why IS DISTINCT FROM 'quiet_hours'
-       AND why IS DISTINCT FROM 'account_unavailable'
-       AND (OLD.state = 'queued' OR NEW.attempt_count < OLD.attempt_count) THEN
+    -- A wait without an attempt of its own: the lease deferred it (the provider account's
+    -- rate, pause or the tenant's share: `rate_limited`), or a lease was given back unsent (a
+    -- worker stopping or lost: `returned_unsent`), unless the subscriber's quiet hours or a
+    -- missing account say why. The last attempt's class and reason are not this wait's.
+    IF k = 'deferred' AND (OLD.state = 'queued' OR NEW.attempt_count < OLD.attempt_count) THEN
         class := NULL;
-        why := 'rate_limited';
+        why := CASE WHEN why IN ('quiet_hours', 'account_unavailable') THEN why
+                    WHEN OLD.state = 'queued' THEN 'rate_limited'
+                    ELSE 'returned_unsent' END;
     END IF;
     IF TG_OP = 'UPDATE' THEN
         NEW.event_seq := OLD.event_seq + 1;
@@ -155,8 +164,8 @@ CREATE TRIGGER provider_events_delivered_event AFTER INSERT ON provider_events
                        AND NEW.delivery_id IS NOT NULL)
     EXECUTE FUNCTION public.nudge_receipt_event();
 
--- Numbers at most `max_events` events that every transaction now running can already see,
--- in id order, and returns how many. One caller at a time (an advisory lock; another caller
+-- Numbers at most `max_events` of the events it sees without a position, in id order, and
+-- returns how many. One caller at a time (an advisory lock; another caller
 -- meanwhile numbers none and returns -1): two would interleave their numbers.
 CREATE FUNCTION public.nudge_sequence_delivery_events(max_events integer)
 RETURNS integer
@@ -178,7 +187,7 @@ BEGIN
     WITH next AS (
         SELECT e.id, row_number() OVER (ORDER BY e.id) AS rn
         FROM (SELECT id FROM public.delivery_events
-              WHERE position IS NULL AND xact < pg_snapshot_xmin(pg_current_snapshot())
+              WHERE position IS NULL
               ORDER BY id
               LIMIT max_events) e
     )

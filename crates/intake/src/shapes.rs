@@ -681,7 +681,8 @@ pub struct DeliveryEventShape {
     /// The reminder's `event_id` as the client posted it.
     pub event_id: String,
     pub channel: ChannelName,
-    /// The delivery's state after the change.
+    /// The delivery's state in the ledger after the change (a `sent` delivery is `delivered`:
+    /// the provider accepted it).
     pub state: String,
     /// Its state before (null for `scheduled` and a delivery made `suppressed`).
     pub previous_state: Option<String>,
@@ -692,7 +693,8 @@ pub struct DeliveryEventShape {
     pub error_class: Option<String>,
     /// Why it failed, waits or was not sent: the attempt's (`attempts_exhausted: http_503`,
     /// `http_503`, `contact_opted_out`), or for a wait without an attempt `rate_limited` (the
-    /// provider account's rate or pause), `quiet_hours` or `account_unavailable`.
+    /// provider account's rate or pause), `returned_unsent` (a worker stopped or was lost
+    /// before sending), `quiet_hours` or `account_unavailable`.
     pub reason: Option<String>,
     /// When a waiting delivery is next due.
     pub next_attempt_at: Option<DateTime<Utc>>,

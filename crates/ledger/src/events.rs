@@ -183,11 +183,10 @@ pub struct SequencedEvents {
 }
 
 impl Ledger {
-    /// Numbers up to `max` events whose transactions every running transaction can see
-    /// (committed, and older than any still running), in the order they were written. One
-    /// caller at a time: while another holds the sequencer this numbers none and answers
-    /// `numbered: None`. A transaction left open (idle in transaction, a long migration) holds
-    /// back every event written after it began until it ends.
+    /// Numbers up to `max` of the committed events without a position, in the order they
+    /// were written: an event committed later gets a later position than any numbered before.
+    /// One caller at a time: while another holds the sequencer this numbers none and answers
+    /// `numbered: None`.
     pub async fn sequence_events(&self, max: u32) -> Result<SequencedEvents, LedgerError> {
         let max = i32::try_from(max.clamp(1, SEQUENCE_BATCH_MAX)).unwrap_or(i32::MAX);
         let numbered: i32 = sqlx::query_scalar("SELECT nudge_sequence_delivery_events($1)")

@@ -130,16 +130,17 @@ pub async fn tail(
         if limit.is_some_and(|l| printed >= l) {
             break;
         }
-        if page.more {
-            continue;
-        }
-        let sleep = tokio::time::sleep(TAIL_EVERY);
-        tokio::select! {
-            () = sleep => {}
-            _ = &mut interrupted => break 'reading,
-        }
         if until.is_some_and(|u| tokio::time::Instant::now() >= u) {
             break;
+        }
+        let wait = if page.more {
+            Duration::ZERO
+        } else {
+            TAIL_EVERY
+        };
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            _ = &mut interrupted => break 'reading,
         }
     }
     writeln!(err, "{printed} events; next cursor: {after}")?;

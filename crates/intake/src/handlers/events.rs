@@ -63,7 +63,7 @@ fn events_page(uri: &Uri) -> Result<(i64, u32), ApiError> {
 /// the transaction of its change, so none is missing and none is for a change that rolled
 /// back. Start with `after=0` (or omitted) and keep the answer's `next_after`; an event is
 /// readable here within about `janitor.events_interval_ms` of its change. The same event read
-/// again has the same `id`. Events older than retention keeps are gone.
+/// again has the same `id`.
 #[utoipa::path(get, path = "/v1/tenants/{tenant}/events", tag = "events",
     params(
         ("tenant" = String, Path, description = "the tenant's name"),
