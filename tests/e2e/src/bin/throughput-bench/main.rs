@@ -69,6 +69,19 @@ struct Args {
     /// Where the results go (default: the repository's bench/results).
     #[arg(long, value_name = "DIR")]
     results: Option<PathBuf>,
+    /// Whether the delivery cases write delivery events (`off` disables the ledger's event
+    /// triggers in each case's database, to measure what the events cost the pipeline; the
+    /// timed `reminders load` keeps them).
+    #[arg(long, value_enum, default_value_t = Events::On)]
+    events: Events,
+}
+
+/// `--events`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Events {
+    On,
+    Off,
 }
 
 /// The delivery cases, in the order they run (and are reported).
@@ -111,6 +124,7 @@ pub struct Results {
     prefetch: u16,
     load_lines: u32,
     statements_loaded: bool,
+    events: Events,
     cases: Vec<(String, Vec<RunSample>)>,
     load: Vec<LoadSample>,
     large_ledger: Option<(u32, Vec<RunSample>)>,
@@ -168,6 +182,19 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
             let tenant = ledger
                 .create_tenant("bench-clinic", &scale::bench_operator()?)
                 .await?;
+            if args.events == Events::Off {
+                sqlx::query(
+                    "ALTER TABLE deliveries DISABLE TRIGGER deliveries_event_insert, \
+                     DISABLE TRIGGER deliveries_event_update",
+                )
+                .execute(ledger.pool())
+                .await?;
+                sqlx::query(
+                    "ALTER TABLE provider_events DISABLE TRIGGER provider_events_delivered_event",
+                )
+                .execute(ledger.pool())
+                .await?;
+            }
             load::due_now(&ledger, &env.cipher, tenant.id, n, "due").await?;
             ledger.pool().close().await;
             let sample = run::measure(
@@ -218,6 +245,7 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
         load_lines: args.load_lines,
         prefetch: args.prefetch,
         statements_loaded,
+        events: args.events,
         cases,
         load: loads,
         large_ledger,

@@ -241,11 +241,15 @@ pub fn write(results: &Results, dir: &Path) -> anyhow::Result<()> {
              process over its life; postgres: the backends serving the run's database. The \
              bucket cases configure the account at 100,000/s: admission runs, never waits. \
              Producer and janitor run with their default configuration; each worker with \
-             `amqp.prefetch` = {prefetch}. {scale_note}\n\n\
+             `amqp.prefetch` = {prefetch}. Delivery events: {events}. {scale_note}\n\n\
              ## Against the targets\n\n{targets}\n## Per case\n\n{cases}",
             n = results.deliveries,
             runs = results.runs,
             prefetch = results.prefetch,
+            events = match results.events {
+                crate::Events::On => "on (the ledger's default)",
+                crate::Events::Off => "off in the delivery cases (`--events off`)",
+            },
             secs = results.seconds,
             loads = loads.join("; "),
         ),
