@@ -114,7 +114,7 @@ fi
 
 # ---- images and the stack -----------------------------------------------------------------
 bin_dir=${NUDGE_BIN_DIR:-target/debug}
-for bin in nudgectl nudge-producer nudge-janitor nudge-push nudge-email nudge-sms nudge-intake provider-stub; do
+for bin in nudgectl nudge-producer nudge-janitor nudge-events nudge-push nudge-email nudge-sms nudge-intake provider-stub; do
   if [[ ! -x $bin_dir/$bin ]]; then
     [[ $bin_dir == target/debug ]] || fail "$bin_dir/$bin is missing"
     say "building the binaries (cargo build --workspace --bins)"
@@ -150,7 +150,7 @@ compose build >"$work/build.log" 2>&1 || fail "docker-compose build: $(tail -n 5
 stack_up=1
 say "starting the stack with two SMS workers"
 started=$SECONDS
-compose up -d --scale sms=2 postgres rabbitmq migrate provider-stub intake producer janitor push email sms \
+compose up -d --scale sms=2 postgres rabbitmq migrate provider-stub intake producer janitor events push email sms \
   >"$work/up.log" 2>&1 || fail "docker-compose up: $(tail -n 5 "$work/up.log" | tr '\n' ' ')"
 say "stack up in $((SECONDS - started)) s"
 mapfile -t sms < <(compose ps -q sms)
@@ -206,7 +206,7 @@ say "provider stub: $keys keys, $accepted_once accepted once, $over_once accepte
 ((over_once == 0)) || fail "$over_once deliveries were accepted more than once"
 ((keys == EXPECTED && accepted_once == EXPECTED)) ||
   fail "expected $EXPECTED deliveries accepted once each, got $accepted_once of $keys keys"
-restarts=$(for c in $(compose ps -q producer janitor push email intake provider-stub); do
+restarts=$(for c in $(compose ps -q producer janitor events push email intake provider-stub); do
   docker inspect -f '{{.Name}} {{.RestartCount}}' "$c"; done | awk '$2 > 0' | tr '\n' ' ')
 [[ -z $restarts ]] || fail "services restarted: $restarts"
 reaped=$(PGOPTIONS=--client-min-messages=warning psql -h 127.0.0.1 -p "$NUDGE_POSTGRES_PORT" -U postgres -d nudge -Atc \

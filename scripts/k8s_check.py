@@ -47,7 +47,8 @@ CNPG_SCHEMA = ROOT / "deploy/k8s/schemas/cnpg-cluster.schema.json"
 CNPG_CLUSTER = ("postgresql.cnpg.io/v1", "Cluster")
 # The roles the migrations grant to (docs/database-roles.md): a CloudNativePG cluster must
 # create each with LOGIN, or its binary cannot connect.
-BINARY_ROLES = {"nudge_producer", "nudge_intake", "nudge_worker", "nudge_janitor"}
+BINARY_ROLES = {"nudge_producer", "nudge_intake", "nudge_worker", "nudge_janitor",
+                "nudge_events"}
 SUPPORTED_FIELDS = {
     "apiVersion", "kind", "resources", "namespace", "labels", "images",
     "configMapGenerator", "patches",
@@ -69,6 +70,7 @@ DATABASE_URL_KEYS = {
     "nudge-producer": "producer-database-url",
     "nudge-intake": "intake-database-url",
     "nudge-janitor": "janitor-database-url",
+    "nudge-events": "events-database-url",
     "nudge-push": "worker-database-url",
     "nudge-email": "worker-database-url",
     "nudge-sms": "worker-database-url",
@@ -388,6 +390,7 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
     namespace = config.get("amqp", {}).get("namespace", "")
     grace_ms = config.get("worker", {}).get("shutdown_grace_ms", 20000)
     statement_ms = config.get("database", {}).get("statement_timeout_ms", 30000)
+    request_ms = config.get("events", {}).get("request_timeout_ms", 10000)
     prod = config.get("producer", {})
     in_flight_s = prod.get("in_flight_seconds", 1.0)
     min_w = prod.get("min_in_flight_per_channel", 20)
@@ -501,6 +504,10 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
             if command == "nudge-janitor" and grace * 1000 <= statement_ms:
                 err(f"{cname}: terminationGracePeriodSeconds {grace} s is not longer than "
                     f"database.statement_timeout_ms {statement_ms} ms")
+            if command == "nudge-events" and grace * 1000 <= request_ms:
+                err(f"{cname}: terminationGracePeriodSeconds {grace} s is not longer than "
+                    f"events.request_timeout_ms {request_ms} ms (a SIGTERM lets the requests "
+                    "in flight finish)")
             replicas = r["spec"].get("replicas", 1)
             if command in WORKER_COMMANDS and r["metadata"]["name"] in scaled:
                 replicas = scaled[r["metadata"]["name"]]["spec"].get("maxReplicaCount", 100)
@@ -662,6 +669,10 @@ def _m_grace(rs):
     find(rs, "Deployment", "nudge-email")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 20
 
 
+def _m_events_grace(rs):
+    find(rs, "Deployment", "nudge-events")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 10
+
+
 def _m_max_replicas(rs):
     find(rs, "ScaledObject", "nudge-sms")["spec"]["maxReplicaCount"] = 10
 
@@ -783,6 +794,7 @@ MUTATIONS = [
     (_m_probe_port, "telemetry.metrics_addr listens on 9464"),
     (_m_liveness_path, "livenessProbe path /metrics"),
     (_m_grace, "is not longer than worker.shutdown_grace_ms"),
+    (_m_events_grace, "is not longer than events.request_timeout_ms"),
     (_m_max_replicas, "maxReplicaCount 10 exceeds"),
     (_m_queue, "the worker consumes work.push"),
     (_m_env_name, "NUDGE_DATABASE_URL is not NUDGE_<SECTION>__<KEY>"),

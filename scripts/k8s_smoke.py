@@ -47,6 +47,7 @@ LOCAL_SECRETS = {
 # Each binary's Secret key names its database role (PostgreSQL here trusts loopback, so the
 # role needs no password): the smoke runs every binary as the role the manifests give it.
 ROLE_OF_URL = {
+    "events-database-url": "nudge_events",
     "intake-database-url": "nudge_intake",
     "janitor-database-url": "nudge_janitor",
     "producer-database-url": "nudge_producer",

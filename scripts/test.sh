@@ -11,6 +11,11 @@ scripts/services.sh
 export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 export NUDGE_TEST_AMQP_URL=${NUDGE_TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
 
+# The client examples (clients/) run in the end-to-end tests with their packages from PyPI and npm.
+scripts/clients.sh
+export NUDGE_TEST_PYTHON=${NUDGE_TEST_PYTHON:-${NUDGE_TEST_CLIENTS_VENV:-$HOME/.cache/nudge/clients-venv}/bin/python}
+export NUDGE_TEST_NODE=${NUDGE_TEST_NODE:-$(command -v node)}
+
 # The end-to-end tests (tests/e2e) start the real binaries as separate processes: build them.
 cargo build --workspace --bins --locked
 cargo test --workspace --locked "$@"

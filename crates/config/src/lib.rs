@@ -35,7 +35,7 @@
 //! | `telemetry.metrics_addr` | unset (no listener) | socket address, e.g. `"0.0.0.0:9464"` |
 //! | `crypto.destination_key` (secret) | unset | standard base64 of exactly 32 bytes |
 //! | `crypto.subscriber_key` (secret) | unset | standard base64 of exactly 32 bytes; writers only |
-//! | `crypto.tenant_secret_key` (secret) | unset | standard base64 of exactly 32 bytes; the intake and `nudgectl` only |
+//! | `crypto.tenant_secret_key` (secret) | unset | standard base64 of exactly 32 bytes; the intake, `nudge-events` and `nudgectl` only |
 //! | `retry.base_delay_ms` | `1000` | >= 1 |
 //! | `retry.max_delay_ms` | `300000` | >= `retry.base_delay_ms` |
 //! | `retry.max_attempts` | `8` | >= 1 |

@@ -113,6 +113,7 @@ pub const KNOWN_SECTIONS: &[&str] = &[
     "intake",
     "receipts",
     "retention",
+    "events",
     "nudgectl",
 ];
 

@@ -310,7 +310,7 @@ pub struct CryptoConfig {
     /// `nudgectl migrate` to convert rows written before); never by a worker.
     pub subscriber_key: Option<Secret>,
     /// Standard base64 of exactly 32 bytes: the key that seals tenants' signing secrets.
-    /// Held by the intake and `nudgectl` only, never by a worker (which holds the destination
+    /// Held by the intake, `nudge-events` and `nudgectl` only, never by a worker (which holds the destination
     /// key). Unset: secrets are sealed with the destination key, as before this key existed.
     pub tenant_secret_key: Option<Secret>,
 }

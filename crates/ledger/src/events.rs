@@ -112,6 +112,32 @@ pub struct DeliveryEvent {
     pub occurred_at: DateTime<Utc>,
 }
 
+impl DeliveryEvent {
+    /// The event as every client reads it: the events API's shape, `nudgectl events`' lines
+    /// and each pushed batch's `data.events`.
+    pub fn wire(&self) -> serde_json::Value {
+        serde_json::json!({
+            "position": self.position,
+            "id": self.id,
+            "kind": self.kind.as_str(),
+            "delivery_id": self.delivery_id,
+            "delivery_seq": self.delivery_seq,
+            "reminder_id": self.reminder_id,
+            "event_id": self.event_id,
+            "channel": self.channel.as_str(),
+            "state": self.state,
+            "previous_state": self.previous_state,
+            "lane": self.lane,
+            "attempts": self.attempt_count,
+            "error_class": self.error_class,
+            "reason": self.reason,
+            "next_attempt_at": self.next_attempt_at,
+            "provider_message_id": self.provider_message_id,
+            "occurred_at": self.occurred_at,
+        })
+    }
+}
+
 /// One page of a tenant's events, oldest position first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventsPage {

@@ -122,7 +122,10 @@ pub struct Erasure {
 
 /// Locks the tenant's row for a change to its secrets (two rotations never race), or says
 /// it does not exist.
-async fn lock_tenant(tx: &mut sqlx::PgConnection, tenant_id: TenantId) -> Result<(), LedgerError> {
+pub(crate) async fn lock_tenant(
+    tx: &mut sqlx::PgConnection,
+    tenant_id: TenantId,
+) -> Result<(), LedgerError> {
     let exists: Option<uuid::Uuid> =
         sqlx::query_scalar("SELECT id FROM tenants WHERE id = $1 FOR UPDATE")
             .bind(tenant_id.as_uuid())

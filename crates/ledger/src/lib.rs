@@ -48,6 +48,7 @@ mod tenants;
 #[cfg(feature = "test-support")]
 pub mod test_support;
 mod trace;
+mod webhooks;
 mod worker_accounts;
 
 pub use age::AgeBand;
@@ -114,6 +115,10 @@ pub use trace::{
     AttemptTiming, CLOCK_TOLERANCE_MS, DeliveryTrace, EarlyStart, Findings, LeaseHeld, MatchedAs,
     RedriveMembership, ReminderSummary, RescheduleEntry, Timeline, Trace, TraceError, TraceId,
     TraceIdError, findings,
+};
+pub use webhooks::{
+    ClaimedWebhook, FailureRecorded, Fence, TenantWebhook, WEBHOOK_URL_MAX, WebhookCounts,
+    WebhookFailure, WebhookSecret, WebhookSet, WebhookTarget, check_webhook_url,
 };
 pub use worker_accounts::{ANNOUNCE_EVERY, AnnouncedAccount, AwaitingAccount, HOLD_FOR};
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use chrono::{DateTime, Utc};
 use nudge_domain::TenantId;
-use nudge_ledger::{DeliveryEvent, EVENTS_PAGE_MAX, Ledger};
+use nudge_ledger::{EVENTS_PAGE_MAX, Ledger};
 
 pub const HELP: &str = "\
 A tenant's delivery events: every change of its deliveries a client can see (scheduled,
@@ -83,7 +83,7 @@ pub async fn replay(
             .await
             .context("failed to read the tenant's events")?;
         for event in &page.events {
-            writeln!(out, "{}", json(event))?;
+            writeln!(out, "{}", event.wire())?;
         }
         printed += page.events.len() as u64;
         after = page.next_after;
@@ -122,7 +122,7 @@ pub async fn tail(
             .await
             .context("failed to read the tenant's events")?;
         for event in &page.events {
-            writeln!(out, "{}", json(event))?;
+            writeln!(out, "{}", event.wire())?;
         }
         out.flush()?;
         printed += page.events.len() as u64;
@@ -153,26 +153,4 @@ async fn newest(ledger: &Ledger, tenant: TenantId) -> anyhow::Result<i64> {
         .tenant_events_newest(tenant)
         .await
         .context("failed to read the tenant's newest event")
-}
-
-fn json(e: &DeliveryEvent) -> serde_json::Value {
-    serde_json::json!({
-        "position": e.position,
-        "id": e.id,
-        "kind": e.kind.as_str(),
-        "delivery_id": e.delivery_id,
-        "delivery_seq": e.delivery_seq,
-        "reminder_id": e.reminder_id,
-        "event_id": e.event_id,
-        "channel": e.channel.as_str(),
-        "state": e.state,
-        "previous_state": e.previous_state,
-        "lane": e.lane,
-        "attempts": e.attempt_count,
-        "error_class": e.error_class,
-        "reason": e.reason,
-        "next_attempt_at": e.next_attempt_at,
-        "provider_message_id": e.provider_message_id,
-        "occurred_at": e.occurred_at,
-    })
 }

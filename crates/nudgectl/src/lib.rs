@@ -26,6 +26,7 @@ mod series;
 mod status;
 mod table;
 mod trace;
+mod webhook;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -378,6 +379,17 @@ pub enum TenantCommand {
     /// The tenant's signing secrets for the intake's `Nudge-Signature` (at most two at once).
     #[command(subcommand)]
     Secret(SecretCommand),
+    /// Where nudge-events pushes the tenant's delivery events (Standard Webhooks).
+    #[command(
+        subcommand,
+        long_about = "Where nudge-events pushes the tenant's delivery events: batches in \
+            position order, signed as Standard Webhooks (webhook-id, webhook-timestamp, \
+            webhook-signature) with a secret shown once, at least once (each event's id tells \
+            a client it has seen it). A failed batch is retried as it was; a webhook failing for \
+            events.disable_after_s is disabled, its events wait, and `enable` resumes after the \
+            last batch the endpoint acknowledged. `show` says where it stands."
+    )]
+    Webhook(webhook::WebhookCommand),
     /// Quiet hours: per channel, a daily window of the subscriber's wall-clock time in which
     /// nothing is sent on it.
     #[command(
@@ -1084,6 +1096,9 @@ pub async fn execute(
         }
         Command::Tenant(TenantCommand::QuietHours(command)) => {
             quiet_hours(ledger, actor, command, out).await?;
+        }
+        Command::Tenant(TenantCommand::Webhook(command)) => {
+            webhook::run(ledger, cipher, actor, command, out, err).await?;
         }
         Command::Tenant(TenantCommand::Secret(SecretCommand::Rotate { name, reason })) => {
             let Some(cipher) = cipher else {

@@ -833,6 +833,18 @@ log_filter = "info"
         Ok((index, url))
     }
 
+    /// Starts `nudge-events` as `name` with this environment's database and telemetry, the
+    /// destination key, and `events` (lines of its `[events]` table); returns its index.
+    pub fn start_events(&mut self, name: &str, events: &str) -> anyhow::Result<usize> {
+        let body = format!(
+            "{}\n[crypto]\ndestination_key = \"{}\"\n\n[events]\n{events}\n",
+            self.common_config(name),
+            self.key_b64
+        );
+        let config = self.write_config(name, &body)?;
+        self.spawn("nudge-events", name, &config)
+    }
+
     /// Rotates `tenant`'s signing secret with `nudgectl` and returns the secret it printed.
     pub fn rotate_secret(&self, tenant: &str) -> anyhow::Result<String> {
         let (code, out, err) = self.nudgectl(&[
@@ -1155,6 +1167,7 @@ fn binary_role(binary: &str) -> Option<&'static str> {
         "nudge-producer" => Some("nudge_producer"),
         "nudge-intake" => Some("nudge_intake"),
         "nudge-janitor" => Some("nudge_janitor"),
+        "nudge-events" => Some("nudge_events"),
         _ => None,
     }
 }

@@ -93,31 +93,79 @@ pub async fn get_events(
         .await
         .map_err(ApiError::internal)?;
     Ok(Json(EventsAnswer {
-        events: page
-            .events
-            .into_iter()
-            .map(|e| DeliveryEventShape {
-                position: e.position,
-                id: e.id,
-                kind: event_kind_name(e.kind),
-                delivery_id: e.delivery_id,
-                delivery_seq: e.delivery_seq,
-                reminder_id: e.reminder_id,
-                event_id: e.event_id,
-                channel: channel_name(e.channel),
-                state: e.state,
-                previous_state: e.previous_state,
-                lane: e.lane,
-                attempts: e.attempt_count,
-                error_class: e.error_class,
-                reason: e.reason,
-                next_attempt_at: e.next_attempt_at,
-                provider_message_id: e.provider_message_id,
-                occurred_at: e.occurred_at,
-            })
-            .collect(),
+        events: page.events.into_iter().map(shape).collect(),
         next_after: page.next_after,
         more: page.more,
     })
     .into_response())
+}
+
+/// The API's typed form of an event (its OpenAPI schema): the same JSON as
+/// [`DeliveryEvent::wire`], which `nudgectl events` and nudge-events write.
+///
+/// [`DeliveryEvent::wire`]: nudge_ledger::DeliveryEvent::wire
+fn shape(e: nudge_ledger::DeliveryEvent) -> DeliveryEventShape {
+    DeliveryEventShape {
+        position: e.position,
+        id: e.id,
+        kind: event_kind_name(e.kind),
+        delivery_id: e.delivery_id,
+        delivery_seq: e.delivery_seq,
+        reminder_id: e.reminder_id,
+        event_id: e.event_id,
+        channel: channel_name(e.channel),
+        state: e.state,
+        previous_state: e.previous_state,
+        lane: e.lane,
+        attempts: e.attempt_count,
+        error_class: e.error_class,
+        reason: e.reason,
+        next_attempt_at: e.next_attempt_at,
+        provider_message_id: e.provider_message_id,
+        occurred_at: e.occurred_at,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::TimeZone as _;
+    use nudge_ledger::{DeliveryEvent, DeliveryEventKind};
+
+    fn event(kind: DeliveryEventKind, filled: bool) -> DeliveryEvent {
+        let at = chrono::Utc.with_ymd_and_hms(2026, 12, 3, 9, 0, 0).unwrap();
+        DeliveryEvent {
+            position: 42,
+            id: uuid::Uuid::from_u128(1),
+            kind,
+            delivery_id: uuid::Uuid::from_u128(2),
+            delivery_seq: 3,
+            reminder_id: uuid::Uuid::from_u128(4),
+            event_id: "appt-1".into(),
+            channel: nudge_domain::Channel::Sms,
+            state: "retry_wait".into(),
+            previous_state: filled.then(|| "sending".into()),
+            lane: "retry".into(),
+            attempt_count: 2,
+            error_class: filled.then(|| "server_error".into()),
+            reason: filled.then(|| "503".into()),
+            next_attempt_at: filled.then_some(at),
+            provider_message_id: filled.then(|| "SM1".into()),
+            occurred_at: at,
+        }
+    }
+
+    /// One JSON for an event wherever a client reads it: the API, `nudgectl events`, the push.
+    #[test]
+    fn the_apis_event_is_the_wire_form_every_reader_gets() {
+        for kind in DeliveryEventKind::ALL {
+            for filled in [false, true] {
+                let e = event(kind, filled);
+                assert_eq!(
+                    serde_json::to_value(super::shape(e.clone())).unwrap(),
+                    e.wire(),
+                    "{kind:?}"
+                );
+            }
+        }
+    }
 }

@@ -28,4 +28,5 @@ mod series;
 mod subscribers;
 mod tenant_secrets;
 mod trace;
+mod webhooks;
 mod zones;

@@ -10,11 +10,12 @@ use nudge_ledger::test_support::as_role;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
-const ROLES: [&str; 5] = [
+const ROLES: [&str; 6] = [
     "nudge_worker",
     "nudge_producer",
     "nudge_intake",
     "nudge_janitor",
+    "nudge_events",
     "public",
 ];
 
@@ -243,6 +244,7 @@ async fn each_binary_role_can_log_in(pool: PgPool) {
         "nudge_producer",
         "nudge_intake",
         "nudge_janitor",
+        "nudge_events",
     ] {
         let options = (*pool.connect_options()).clone().username(role);
         let conn = PgPoolOptions::new()

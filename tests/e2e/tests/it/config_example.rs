@@ -10,6 +10,7 @@ use figment::Figment;
 use figment::providers::{Format, Toml};
 use nudge_config::{Validate, load};
 use nudge_domain::Channel;
+use nudge_events::EventsConfig;
 use nudge_intake::IntakeConfig;
 use nudge_janitor::JanitorConfig;
 use nudge_producer::ProducerConfig;
@@ -149,6 +150,16 @@ fn the_example_has_every_key_of_the_intake_with_its_default() {
         checked,
         6 + 4 + 3 + 10 + 4,
         "database, telemetry, crypto, intake, receipts"
+    );
+}
+
+#[test]
+fn the_example_has_every_key_of_nudge_events_with_its_default() {
+    let checked = check_binary::<EventsConfig>("nudge-events", EventsConfig::SECTIONS, &[]);
+    assert_eq!(
+        checked,
+        6 + 4 + 3 + 14,
+        "database, telemetry, crypto, events"
     );
 }
 

@@ -10,6 +10,7 @@
 mod config_example;
 mod consent;
 mod deploy_configs;
+mod events_push;
 mod fail_closed;
 mod intake;
 mod observability;

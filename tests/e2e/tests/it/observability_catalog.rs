@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use nudge_events::EventsMetrics;
 use nudge_intake::IntakeMetrics;
 use nudge_janitor::JanitorMetrics;
 use nudge_producer::ProducerMetrics;
@@ -22,6 +23,7 @@ fn exported() -> BTreeSet<String> {
         ProducerMetrics::new().registry(),
         JanitorMetrics::new().registry(),
         IntakeMetrics::new().registry(),
+        EventsMetrics::new().registry(),
     ];
     registries
         .iter()
