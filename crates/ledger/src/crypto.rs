@@ -181,6 +181,35 @@ impl DestinationCipher {
         }
     }
 
+    /// Opens a tenant's sealed secrets as the ledger reads them (parallel arrays, newest
+    /// first), each with the associated data `aad(generation)`. `Err` names the table and the
+    /// generation that does not open (a key this process lacks, another kind of ciphertext,
+    /// or text that is not UTF-8).
+    pub(crate) fn open_tenant_secrets(
+        &self,
+        table: &'static str,
+        generations: &[i32],
+        sealed: &[Vec<u8>],
+        sealed_with: &[String],
+        aad: impl Fn(i32) -> Vec<u8>,
+    ) -> Result<Vec<String>, LedgerError> {
+        generations
+            .iter()
+            .zip(sealed)
+            .zip(sealed_with)
+            .map(|((generation, sealed), with)| {
+                let opened =
+                    self.open_tenant_secret(sealed, SealedWith::parse(with)?, &aad(*generation))?;
+                String::from_utf8(opened).map_err(|_| {
+                    LedgerError::corrupt(
+                        table,
+                        format!("secret generation {generation} is not UTF-8"),
+                    )
+                })
+            })
+            .collect()
+    }
+
     /// Adds the key for subscriber references, which every write of a reminder or contact
     /// needs ([`LedgerError::SubscriberKeyMissing`] without it).
     pub fn with_subscriber_key(mut self, key: SubscriberKey) -> Self {

@@ -201,19 +201,17 @@ impl Ledger {
         .fetch_one(&self.pool)
         .await?;
         let id = row.id.unwrap_or_else(uuid::Uuid::nil);
-        let mut secrets = Vec::with_capacity(row.ciphertexts.len());
-        for ((generation, sealed), with) in row
-            .generations
-            .iter()
-            .zip(&row.ciphertexts)
-            .zip(&row.sealed_with)
-        {
-            let with = SealedWith::parse(with)?;
-            let opened = cipher.open_tenant_secret(sealed, with, &secret_aad(id, *generation))?;
-            let text = String::from_utf8(opened)
-                .map_err(|_| LedgerError::corrupt("tenant_secrets", "secret is not UTF-8"))?;
-            secrets.push(SigningSecret(text));
-        }
+        let secrets: Vec<SigningSecret> = cipher
+            .open_tenant_secrets(
+                "tenant_secrets",
+                &row.generations,
+                &row.ciphertexts,
+                &row.sealed_with,
+                |generation| secret_aad(id, generation),
+            )?
+            .into_iter()
+            .map(SigningSecret)
+            .collect();
         // The placeholders open with the key new secrets are sealed with.
         let placeholder_sealing = if cipher.has_tenant_secret_key() {
             SealedWith::TenantSecretKey

@@ -25,7 +25,7 @@ use rand::RngExt as _;
 use uuid::Uuid;
 
 use crate::audit::{self, Operator};
-use crate::crypto::{DestinationCipher, SealedWith};
+use crate::crypto::DestinationCipher;
 use crate::{Ledger, LedgerError};
 
 /// The most characters a webhook's URL may have (the table's CHECK).
@@ -635,35 +635,20 @@ impl Ledger {
         let Some(row) = row else {
             return Ok(Fence::Lost);
         };
-        let mut secrets = Vec::with_capacity(row.ciphertexts.len());
-        for ((generation, sealed), with) in row
-            .generations
-            .iter()
-            .zip(&row.ciphertexts)
-            .zip(&row.sealed_with)
-        {
-            let opened = SealedWith::parse(with).and_then(|with| {
-                cipher.open_tenant_secret(
-                    sealed,
-                    with,
-                    &secret_aad(tenant_id.as_uuid(), *generation),
-                )
-            });
-            let text = match opened.map(String::from_utf8) {
-                Ok(Ok(text)) => text,
-                Ok(Err(_)) => {
-                    return Ok(Fence::Unopenable(format!(
-                        "secret generation {generation} is not UTF-8"
-                    )));
-                }
-                Err(e) => {
-                    return Ok(Fence::Unopenable(format!(
-                        "secret generation {generation} cannot be opened: {e}"
-                    )));
-                }
-            };
-            secrets.push(WebhookSecret(text));
-        }
+        let secrets = match cipher.open_tenant_secrets(
+            "tenant_webhook_secrets",
+            &row.generations,
+            &row.ciphertexts,
+            &row.sealed_with,
+            |generation| secret_aad(tenant_id.as_uuid(), generation),
+        ) {
+            Ok(texts) => texts.into_iter().map(WebhookSecret).collect::<Vec<_>>(),
+            Err(e) => {
+                return Ok(Fence::Unopenable(format!(
+                    "a signing secret cannot be opened: {e}"
+                )));
+            }
+        };
         if secrets.is_empty() {
             return Ok(Fence::Unopenable(
                 "the webhook has no secret that signs now".into(),

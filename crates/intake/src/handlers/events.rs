@@ -18,45 +18,6 @@ use crate::state::AppState;
 /// How many events one page holds unless `limit` says fewer.
 const EVENTS_PAGE: u32 = 100;
 
-/// `after` and `limit` of an events query: anything else, or a value that is not a whole
-/// number in range, is a 400 naming the parameter.
-fn events_page(uri: &Uri) -> Result<(i64, u32), ApiError> {
-    let mut after = 0;
-    let mut limit = EVENTS_PAGE;
-    for (key, value) in url::form_urlencoded::parse(uri.query().unwrap_or("").as_bytes()) {
-        match key.as_ref() {
-            "after" => {
-                after = value
-                    .parse::<i64>()
-                    .ok()
-                    .filter(|v| *v >= 0)
-                    .ok_or_else(|| {
-                        ApiError::invalid("after", "must be a position (a whole number, 0 or more)")
-                    })?;
-            }
-            "limit" => {
-                limit = value
-                    .parse::<u32>()
-                    .ok()
-                    .filter(|v| (1..=nudge_ledger::EVENTS_PAGE_MAX).contains(v))
-                    .ok_or_else(|| {
-                        ApiError::invalid(
-                            "limit",
-                            format!("must be 1 to {}", nudge_ledger::EVENTS_PAGE_MAX),
-                        )
-                    })?;
-            }
-            _ => {
-                return Err(ApiError::invalid(
-                    "",
-                    "the query takes only `after` and `limit`",
-                ));
-            }
-        }
-    }
-    Ok((after, limit))
-}
-
 /// The tenant's delivery events after a position, oldest first: every client-visible change
 /// of every delivery (`scheduled`, `deferred`, `sent`, `delivered`, `failed`, `expired`,
 /// `cancelled`, `suppressed`, `held_ambiguous`, `redriven`, `rescheduled`), each written in
@@ -86,7 +47,13 @@ pub async fn get_events(
     uri: Uri,
     SignedTenant { tenant, .. }: SignedTenant,
 ) -> Result<Response, ApiError> {
-    let (after, limit) = events_page(&uri)?;
+    let (after, limit) = super::page_query(
+        &uri,
+        "a position",
+        EVENTS_PAGE,
+        nudge_ledger::EVENTS_PAGE_MAX,
+    )?;
+    let after = after.unwrap_or(0);
     let page = state
         .ledger()
         .tenant_events(tenant.id, after, limit)

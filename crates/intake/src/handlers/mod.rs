@@ -17,3 +17,53 @@ pub mod receipts;
 pub mod reminders;
 pub mod series;
 pub mod subscribers;
+
+use axum::http::Uri;
+
+use crate::error::ApiError;
+
+/// `after` and `limit` of a paged query (the events and a subscriber's consent history): a
+/// cursor of 0 or more (`after_is`: what it is, for the 400's message) and a page size of 1
+/// to `max`, `limit` unless given. Anything else, or a value that is not a whole number in
+/// range, is a 400 naming the parameter.
+pub(crate) fn page_query(
+    uri: &Uri,
+    after_is: &str,
+    limit: u32,
+    max: u32,
+) -> Result<(Option<i64>, u32), ApiError> {
+    let mut after = None;
+    let mut limit = limit;
+    for (key, value) in url::form_urlencoded::parse(uri.query().unwrap_or("").as_bytes()) {
+        match key.as_ref() {
+            "after" => {
+                after = Some(
+                    value
+                        .parse::<i64>()
+                        .ok()
+                        .filter(|v| *v >= 0)
+                        .ok_or_else(|| {
+                            ApiError::invalid(
+                                "after",
+                                format!("must be {after_is} (a whole number, 0 or more)"),
+                            )
+                        })?,
+                );
+            }
+            "limit" => {
+                limit = value
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|v| (1..=max).contains(v))
+                    .ok_or_else(|| ApiError::invalid("limit", format!("must be 1 to {max}")))?;
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "",
+                    "the query takes only `after` and `limit`",
+                ));
+            }
+        }
+    }
+    Ok((after, limit))
+}

@@ -242,47 +242,6 @@ pub async fn erase_subscriber(
 /// How many history entries one page holds unless `limit` says fewer.
 const CONSENT_PAGE: u32 = 100;
 
-/// `after` and `limit` of a consent-history query: anything else, or a value that is not a
-/// whole number in range, is a 400 naming the parameter.
-fn consent_page(uri: &Uri) -> Result<(Option<i64>, u32), ApiError> {
-    let mut after = None;
-    let mut limit = CONSENT_PAGE;
-    for (key, value) in url::form_urlencoded::parse(uri.query().unwrap_or("").as_bytes()) {
-        match key.as_ref() {
-            "after" => {
-                after = Some(
-                    value
-                        .parse::<i64>()
-                        .ok()
-                        .filter(|v| *v >= 0)
-                        .ok_or_else(|| {
-                            ApiError::invalid("after", "must be an entry id (a whole number)")
-                        })?,
-                );
-            }
-            "limit" => {
-                limit = value
-                    .parse::<u32>()
-                    .ok()
-                    .filter(|v| (1..=nudge_ledger::CONSENT_PAGE_MAX).contains(v))
-                    .ok_or_else(|| {
-                        ApiError::invalid(
-                            "limit",
-                            format!("must be 1 to {}", nudge_ledger::CONSENT_PAGE_MAX),
-                        )
-                    })?;
-            }
-            _ => {
-                return Err(ApiError::invalid(
-                    "",
-                    "the query takes only `after` and `limit`",
-                ));
-            }
-        }
-    }
-    Ok((after, limit))
-}
-
 /// A subscriber's consent: each of their destinations' as it stands (a patient's STOP or
 /// START, a provider's opt-out), and one page of those destinations' history, oldest first,
 /// with who changed it, when and from what. No destination in it.
@@ -311,7 +270,12 @@ pub async fn get_consent_history(
     SignedTenant { tenant, .. }: SignedTenant,
 ) -> Result<Response, ApiError> {
     let subscriber = subscriber_ref(&subscriber)?;
-    let (after, limit) = consent_page(&uri)?;
+    let (after, limit) = super::page_query(
+        &uri,
+        "an entry id",
+        CONSENT_PAGE,
+        nudge_ledger::CONSENT_PAGE_MAX,
+    )?;
     let consent = state
         .ledger()
         .subscriber_consent(state.cipher(), tenant.id, &subscriber, after, limit)
