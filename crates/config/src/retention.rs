@@ -14,13 +14,18 @@
 //!   delivery's attempts, dead-letter records and finished redrive items go with it.
 //! - `retention.reminders_days`, `contacts_days` (`90`): reminders with no delivery left,
 //!   counted from `expires_at`; contacts no remaining reminder names, from `updated_at`.
+//! - `retention.events_days` (`30`): delivery events, counted from when they were written,
+//!   once the tenant's webhook acknowledged them (or of a tenant with no webhook).
+//! - `retention.events_unacknowledged_days` (`90`, at least `events_days`): delivery events
+//!   the tenant's webhook has not acknowledged (an endpoint down or disabled that long).
 //! - `retention.audit_days` (`2190`, six years): the audit log, on its own and longest.
 //! - `retention.export_dir` (unset): when set, each run writes `retention-<run id>.jsonl` there
 //!   (ids, states, times and outcome classes of every deleted delivery) before its deletions
 //!   commit.
 //!
-//! Floors: 7 days for every delivery state, reminders and contacts, 365 for the audit log,
-//! which must also be at least the longest other boundary (`nudge_domain::retention`).
+//! Floors: 7 days for every delivery state, reminders, contacts and events, 365 for the audit
+//! log, which must also be at least the longest other boundary; `events_unacknowledged_days`
+//! at least `events_days` (`nudge_domain::retention`).
 
 use std::path::PathBuf;
 
@@ -42,6 +47,8 @@ pub struct RetentionConfig {
     pub dead_lettered_days: u32,
     pub reminders_days: u32,
     pub contacts_days: u32,
+    pub events_days: u32,
+    pub events_unacknowledged_days: u32,
     pub audit_days: u32,
     pub export_dir: Option<PathBuf>,
 }
@@ -59,6 +66,8 @@ impl Default for RetentionConfig {
             dead_lettered_days: 90,
             reminders_days: 90,
             contacts_days: 90,
+            events_days: 30,
+            events_unacknowledged_days: 90,
             audit_days: 2_190,
             export_dir: None,
         }
@@ -75,6 +84,8 @@ impl RetentionConfig {
             dead_lettered: self.dead_lettered_days,
             reminders: self.reminders_days,
             contacts: self.contacts_days,
+            events: self.events_days,
+            events_unacknowledged: self.events_unacknowledged_days,
             audit: self.audit_days,
         })
         .map_err(|e| ConfigError::invalid(format!("retention.{}", e.field), e.message))

@@ -3,8 +3,10 @@
 //! A boundary per terminal state (`delivered`, `expired`, `cancelled`, which `suppressed`
 //! shares, `dead_lettered`; a
 //! delivery's attempts, dead-letter records and finished redrive items go with it), one for
-//! reminders and one for contacts that no delivery or reminder needs any more, and one for the
-//! audit log, which is evidence of what operators did and is kept longest: at least as long as
+//! reminders and one for contacts that no delivery or reminder needs any more, two for the
+//! delivery events (one for those the tenant's webhook acknowledged, or of a tenant with none,
+//! and a longer one for those it has not: an endpoint that is down keeps its events that long
+//! and no longer), and one for the audit log, which is evidence of what operators did and is kept longest: at least as long as
 //! every other boundary. No boundary may be below its safety floor ([`DELIVERY_FLOOR_DAYS`],
 //! [`AUDIT_FLOOR_DAYS`]): a policy of `0` or a slip of units would otherwise delete evidence
 //! the moment it settles. The database holds the same floors (migration
@@ -32,6 +34,11 @@ pub struct RetentionDays {
     pub dead_lettered: u32,
     pub reminders: u32,
     pub contacts: u32,
+    /// Delivery events, counted from when they were written: those the tenant's webhook
+    /// acknowledged, and every event of a tenant without one.
+    pub events: u32,
+    /// Delivery events the tenant's webhook has not acknowledged (at least `events`).
+    pub events_unacknowledged: u32,
     pub audit: u32,
 }
 
@@ -74,7 +81,22 @@ impl RetentionPolicy {
         )?;
         within("reminders_days", days.reminders, DELIVERY_FLOOR_DAYS)?;
         within("contacts_days", days.contacts, DELIVERY_FLOOR_DAYS)?;
+        within("events_days", days.events, DELIVERY_FLOOR_DAYS)?;
+        within(
+            "events_unacknowledged_days",
+            days.events_unacknowledged,
+            DELIVERY_FLOOR_DAYS,
+        )?;
         within("audit_days", days.audit, AUDIT_FLOOR_DAYS)?;
+        if days.events_unacknowledged < days.events {
+            return Err(InvalidRetention {
+                field: "events_unacknowledged_days",
+                message: format!(
+                    "events a webhook has not acknowledged are kept at least as long as the others ({} days), got {}",
+                    days.events, days.events_unacknowledged
+                ),
+            });
+        }
         let longest = [
             days.delivered,
             days.expired,
@@ -82,6 +104,8 @@ impl RetentionPolicy {
             days.dead_lettered,
             days.reminders,
             days.contacts,
+            days.events,
+            days.events_unacknowledged,
         ]
         .into_iter()
         .max()
@@ -108,8 +132,16 @@ impl fmt::Display for RetentionPolicy {
         let d = self.0;
         write!(
             f,
-            "delivered {}d, expired {}d, cancelled {}d, dead_lettered {}d, reminders {}d, contacts {}d, audit {}d",
-            d.delivered, d.expired, d.cancelled, d.dead_lettered, d.reminders, d.contacts, d.audit
+            "delivered {}d, expired {}d, cancelled {}d, dead_lettered {}d, reminders {}d, contacts {}d, events {}d ({}d unacknowledged), audit {}d",
+            d.delivered,
+            d.expired,
+            d.cancelled,
+            d.dead_lettered,
+            d.reminders,
+            d.contacts,
+            d.events,
+            d.events_unacknowledged,
+            d.audit
         )
     }
 }
@@ -126,6 +158,8 @@ mod tests {
             dead_lettered: 90,
             reminders: 90,
             contacts: 90,
+            events: 30,
+            events_unacknowledged: 90,
             audit: 2_190,
         }
     }
@@ -139,6 +173,8 @@ mod tests {
             dead_lettered: DELIVERY_FLOOR_DAYS,
             reminders: DELIVERY_FLOOR_DAYS,
             contacts: DELIVERY_FLOOR_DAYS,
+            events: DELIVERY_FLOOR_DAYS,
+            events_unacknowledged: DELIVERY_FLOOR_DAYS,
             audit: AUDIT_FLOOR_DAYS,
         };
         assert!(RetentionPolicy::new(floor).is_ok());
@@ -161,6 +197,35 @@ mod tests {
         };
         assert_eq!(
             RetentionPolicy::new(audit).map_err(|e| e.field),
+            Err("audit_days")
+        );
+    }
+
+    #[test]
+    fn unacknowledged_events_are_kept_at_least_as_long_as_acknowledged_ones() {
+        let shorter = RetentionDays {
+            events: 30,
+            events_unacknowledged: 20,
+            ..days()
+        };
+        assert_eq!(
+            RetentionPolicy::new(shorter).map_err(|e| e.field),
+            Err("events_unacknowledged_days")
+        );
+        let below_floor = RetentionDays {
+            events: 6,
+            ..days()
+        };
+        assert_eq!(
+            RetentionPolicy::new(below_floor).map_err(|e| e.field),
+            Err("events_days")
+        );
+        let beyond_audit = RetentionDays {
+            events_unacknowledged: 3_000,
+            ..days()
+        };
+        assert_eq!(
+            RetentionPolicy::new(beyond_audit).map_err(|e| e.field),
             Err("audit_days")
         );
     }

@@ -35,8 +35,9 @@ rule, which the database's retention functions apply).
 The policy is the configuration's [retention] section, the one the janitor reads: a boundary \
 per terminal state (delivered, expired, cancelled (suppressed too), dead_lettered; attempts, dead-letter records \
 and finished redrive items go with their delivery), reminders with no delivery left, contacts \
-no remaining reminder names, and the audit log on its own; the consent history's entries on the \
-audit log's boundary.
+no remaining reminder names, delivery events (events_days once acknowledged by the tenant's webhook or of a tenant without \
+one, events_unacknowledged_days otherwise), and the audit log on its own; the consent history's \
+entries on the audit log's boundary.
 
 Kept, and why: owed (scheduled, queued, sending, waiting to retry), held (ambiguous), \
 awaiting_redrive (named by a running or paused redrive), ownership_uncertain (owned by another \
@@ -44,11 +45,13 @@ sender than its channel's), too_young (within its boundary), has_delivery (a rem
 delivery that stays), in_use (a contact a staying reminder names), with_delivery (a dead-letter \
 record that stays with its delivery), held_by_operator (a reminder of a paused tenant or \
 draining channel), replay_guard (a consent history entry a patient's inbound STOP or START wrote: \
-never deleted, so the message stays refused if sent again). Ages count from settled_at, or from scheduled_at for owed work (due soon \
+never deleted, so the message stays refused if sent again), unacknowledged (a delivery event \
+its tenant's webhook has not acknowledged, or not yet numbered, within \
+retention.events_unacknowledged_days). Ages count from settled_at, or from scheduled_at for owed work (due soon \
 shows as <1h).
 
 --json prints {\"at\", \"policy\": {\"delivered\", \"expired\", \"cancelled\", \"dead_lettered\", \
-\"reminders\", \"contacts\", \"audit\"} (days), \"deliveries\": [{\"state\", \"age_band\", \"kept\", \
+\"reminders\", \"contacts\", \"events\", \"events_unacknowledged\", \"audit\"} (days), \"deliveries\": [{\"state\", \"age_band\", \"kept\", \
 \"count\"}], \"tables\": {TABLE: {\"delete\", \"kept\": {REASON: N}}}} with kept null for rows that \
 go.";
 

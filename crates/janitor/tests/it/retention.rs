@@ -24,6 +24,8 @@ fn settings(batch_size: u32, export_dir: Option<std::path::PathBuf>) -> Retentio
             dead_lettered: 90,
             reminders: 90,
             contacts: 90,
+            events: 30,
+            events_unacknowledged: 90,
             audit: 400,
         })
         .unwrap(),

@@ -59,10 +59,13 @@ pub enum RetentionTable {
     /// Entries of the consent history older than the audit log's boundary (a destination's
     /// current consent is never deleted).
     ConsentHistory,
+    /// Delivery events past their boundary (`events_days` once acknowledged by the tenant's
+    /// webhook or of a tenant without one, `events_unacknowledged_days` otherwise).
+    DeliveryEvents,
 }
 
 impl RetentionTable {
-    pub const ALL: [RetentionTable; 9] = [
+    pub const ALL: [RetentionTable; 10] = [
         RetentionTable::Deliveries,
         RetentionTable::Attempts,
         RetentionTable::DeadLetters,
@@ -72,6 +75,7 @@ impl RetentionTable {
         RetentionTable::AuditLog,
         RetentionTable::Redrives,
         RetentionTable::ConsentHistory,
+        RetentionTable::DeliveryEvents,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -85,6 +89,7 @@ impl RetentionTable {
             RetentionTable::AuditLog => "audit_log",
             RetentionTable::Redrives => "redrives",
             RetentionTable::ConsentHistory => "consent_history",
+            RetentionTable::DeliveryEvents => "delivery_events",
         }
     }
 
@@ -131,6 +136,9 @@ pub enum KeepReason {
     /// A consent history entry a patient's inbound message wrote (a STOP or a START): the
     /// replay guard of that message, never deleted.
     ReplayGuard,
+    /// A delivery event its tenant's webhook has not acknowledged (or not yet numbered),
+    /// younger than the unacknowledged boundary.
+    Unacknowledged,
 }
 
 impl KeepReason {
@@ -146,6 +154,7 @@ impl KeepReason {
             "with_delivery" => KeepReason::WithDelivery,
             "held_by_operator" => KeepReason::WithheldByOperator,
             "replay_guard" => KeepReason::ReplayGuard,
+            "unacknowledged" => KeepReason::Unacknowledged,
             other => return Err(LedgerError::corrupt("retention", format!("reason {other}"))),
         })
     }
@@ -162,6 +171,7 @@ impl KeepReason {
             KeepReason::WithDelivery => "with_delivery",
             KeepReason::WithheldByOperator => "held_by_operator",
             KeepReason::ReplayGuard => "replay_guard",
+            KeepReason::Unacknowledged => "unacknowledged",
         }
     }
 }
@@ -211,7 +221,8 @@ pub(super) fn seconds(days: u32) -> i64 {
     i64::from(days) * DAY_S
 }
 
-/// `ROW(...)::nudge_retention_policy` from binds `$1` (instant) to `$8`.
+/// `ROW(...)::nudge_retention_policy` from binds `$1` (instant) to `$8`; the events'
+/// boundaries are `$9` and `$10`.
 const POLICY_ROW: &str = "ROW($1::timestamptz, $2::bigint, $3::bigint, $4::bigint, $5::bigint, \
      $6::bigint, $7::bigint, $8::bigint)::nudge_retention_policy";
 
@@ -229,6 +240,8 @@ fn bind_policy<'q>(
         .bind(seconds(d.reminders))
         .bind(seconds(d.contacts))
         .bind(seconds(d.audit))
+        .bind(seconds(d.events))
+        .bind(seconds(d.events_unacknowledged))
 }
 
 #[derive(sqlx::FromRow)]
@@ -305,7 +318,15 @@ fn plan_sql() -> String {
                                   WHERE ri.redrive_id = r.id AND dk.keep IS NOT NULL)
                          THEN 'has_delivery' END,
                 count(*)
-           FROM redrives r CROSS JOIN pp GROUP BY 4"
+           FROM redrives r CROSS JOIN pp GROUP BY 4
+         UNION ALL
+         SELECT 'delivery_events', NULL, NULL,
+                nudge_retention_event_keep(e, (pp.p).at, $9::bigint, $10::bigint,
+                                           w.acked_position),
+                count(*)
+           FROM delivery_events e CROSS JOIN pp
+           LEFT JOIN tenant_webhooks w ON w.tenant_id = e.tenant_id
+           GROUP BY 4"
     )
 }
 

@@ -305,9 +305,19 @@ impl Ledger {
             .into();
         let d = policy.days();
         let id: i64 = sqlx::query_scalar(
+            // What the events' deletions read instead of the webhooks as they move: the last
+            // position of an event old enough to go, and each webhook's acknowledged position,
+            // in the snapshot the count read.
             "INSERT INTO retention_runs (started_at, runner, delivered_s, expired_s, cancelled_s,
-                 dead_lettered_s, reminders_s, contacts_s, audit_s, planned)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id",
+                 dead_lettered_s, reminders_s, contacts_s, audit_s, planned, events_s,
+                 events_unacknowledged_s, events_through, event_acks)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
+                     (SELECT max(e.position) FROM delivery_events e
+                      WHERE e.occurred_at <= $1 - make_interval(secs => $11)),
+                     (SELECT COALESCE(jsonb_object_agg(w.tenant_id::text, w.acked_position),
+                                      '{}'::jsonb)
+                      FROM tenant_webhooks w))
+             RETURNING id",
         )
         .bind(now)
         .bind(runner)
@@ -319,6 +329,8 @@ impl Ledger {
         .bind(seconds(d.contacts))
         .bind(seconds(d.audit))
         .bind(planned)
+        .bind(seconds(d.events))
+        .bind(seconds(d.events_unacknowledged))
         .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;

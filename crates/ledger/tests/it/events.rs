@@ -249,6 +249,112 @@ async fn each_roles_changes_write_their_events_in_order_and_the_engines_own_step
     );
 }
 
+/// The events are written per statement (migration 20261222000001): one statement that
+/// changes several deliveries writes one event for each change that is one and none for the
+/// others, each counted on its own delivery; a statement whose WITH changes deliveries too
+/// writes the events of both.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn one_statement_writes_an_event_for_each_delivery_it_changes_visibly(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    let reminder = owed(
+        &ledger,
+        tenant.id,
+        "appt-1",
+        &[Channel::Sms, Channel::Email, Channel::Push],
+        t0() + secs(600),
+    )
+    .await;
+    assert_eq!(written(&ledger).await, 3, "materialised in one statement");
+
+    // Sms cancelled, email moved five minutes earlier, push touched without a visible change.
+    sqlx::query(
+        "UPDATE deliveries
+         SET state = CASE channel WHEN 'sms' THEN 'cancelled' ELSE state END,
+             settled_at = CASE channel WHEN 'sms' THEN now() ELSE settled_at END,
+             next_attempt_at = CASE channel WHEN 'sms' THEN NULL
+                                            WHEN 'email' THEN next_attempt_at - interval '5 min'
+                                            ELSE next_attempt_at END,
+             scheduled_at = CASE channel WHEN 'email' THEN scheduled_at - interval '5 min'
+                                         ELSE scheduled_at END,
+             updated_at = now()
+         WHERE reminder_id = $1",
+    )
+    .bind(reminder.as_uuid())
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(written(&ledger).await, 5);
+
+    // One statement, two changes of the table: the WITH's and the outer update's.
+    sqlx::query(
+        "WITH email AS (
+             UPDATE deliveries SET state = 'cancelled', settled_at = now(),
+                                   next_attempt_at = NULL
+             WHERE reminder_id = $1 AND channel = 'email' RETURNING id)
+         UPDATE deliveries SET state = 'cancelled', settled_at = now(), next_attempt_at = NULL
+         WHERE reminder_id = $1 AND channel = 'push' AND (SELECT count(*) FROM email) = 1",
+    )
+    .bind(reminder.as_uuid())
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(written(&ledger).await, 7);
+
+    assert_eq!(ledger.sequence_events(100).await.unwrap().numbered, Some(7));
+    let events = all_events(&ledger, tenant.id).await;
+    let of = |channel: Channel| -> Vec<(DeliveryEventKind, i32)> {
+        events
+            .iter()
+            .filter(|e| e.channel == channel)
+            .map(|e| (e.kind, e.delivery_seq))
+            .collect()
+    };
+    assert_eq!(
+        of(Channel::Sms),
+        [
+            (DeliveryEventKind::Scheduled, 1),
+            (DeliveryEventKind::Cancelled, 2)
+        ]
+    );
+    assert_eq!(
+        of(Channel::Email),
+        [
+            (DeliveryEventKind::Scheduled, 1),
+            (DeliveryEventKind::Rescheduled, 2),
+            (DeliveryEventKind::Cancelled, 3)
+        ]
+    );
+    assert_eq!(
+        of(Channel::Push),
+        [
+            (DeliveryEventKind::Scheduled, 1),
+            (DeliveryEventKind::Cancelled, 2)
+        ],
+        "touched without a visible change: no event, not counted"
+    );
+    let moved = events
+        .iter()
+        .find(|e| e.kind == DeliveryEventKind::Rescheduled)
+        .unwrap();
+    assert_eq!(moved.next_attempt_at, Some(t0() + secs(300)));
+    let counts: Vec<(String, i32)> = sqlx::query_as(
+        "SELECT channel, event_seq FROM deliveries WHERE reminder_id = $1 ORDER BY channel",
+    )
+    .bind(reminder.as_uuid())
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        counts,
+        [
+            ("email".to_owned(), 3),
+            ("push".to_owned(), 2),
+            ("sms".to_owned(), 2)
+        ]
+    );
+}
+
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_rolled_back_change_leaves_no_event_and_one_committed_late_is_read_after(pool: PgPool) {
     let ledger = Ledger::from_pool(pool.clone());
@@ -352,7 +458,9 @@ async fn no_role_but_the_owner_writes_or_deletes_an_event(pool: PgPool) {
         for sql in [
             "UPDATE delivery_events SET kind = 'sent'",
             "DELETE FROM delivery_events",
-            "SELECT nudge_delivery_event()",
+            "SELECT nudge_delivery_event_count()",
+            "SELECT nudge_delivery_events_inserted()",
+            "SELECT nudge_delivery_events_updated()",
         ] {
             assert_eq!(
                 as_role(&pool, role, sql).await.as_deref(),

@@ -23,6 +23,8 @@ fn policy() -> RetentionPolicy {
         dead_lettered: 90,
         reminders: 90,
         contacts: 90,
+        events: 30,
+        events_unacknowledged: 90,
         audit: 400,
     })
     .unwrap()
@@ -55,6 +57,7 @@ async fn snapshot(pool: &PgPool) -> BTreeMap<&'static str, BTreeMap<String, Stri
         ),
         ("audit_log", "id::text"),
         ("consent_history", "id::text"),
+        ("delivery_events", "id::text"),
         ("tenants", "id::text"),
     ];
     let mut all = BTreeMap::new();
@@ -348,6 +351,46 @@ async fn seed(ledger: &Ledger, now: DateTime<Utc>) -> Seeded {
     .execute(pool)
     .await
     .unwrap();
+    // Delivery events (the deliveries above wrote theirs just now: too young). A second tenant
+    // has a webhook that acknowledged through position 1,000,002; the first has none. Events
+    // go past 30 days when acknowledged or without a webhook, past 90 days in any case, and
+    // one not yet numbered never goes: 4 go, 2 stay unacknowledged, 1 too young.
+    let pushed = ledger
+        .create_tenant("clinic-pushed", &test_support::ops(now))
+        .await
+        .unwrap()
+        .id
+        .as_uuid();
+    sqlx::query(
+        "INSERT INTO tenant_webhooks (tenant_id, url, acked_position)
+         VALUES ($1, 'https://clinic.example/events', 1000002)",
+    )
+    .bind(pushed)
+    .execute(pool)
+    .await
+    .unwrap();
+    for (owner, position, days) in [
+        (pushed, Some(1_000_001_i64), 40),
+        (pushed, Some(1_000_002), 40),
+        (pushed, Some(1_000_003), 40),
+        (pushed, Some(1_000_004), 100),
+        (pushed, None, 100),
+        (tenant, Some(1_000_005), 40),
+        (tenant, Some(1_000_006), 10),
+    ] {
+        sqlx::query(
+            "INSERT INTO delivery_events (tenant_id, delivery_id, reminder_id, event_id, channel,
+                 delivery_seq, kind, state, lane, attempt_count, occurred_at, position)
+             VALUES ($1, gen_random_uuid(), gen_random_uuid(), 'appt-old', 'sms', 1, 'sent',
+                     'delivered', 'new', 1, $2, $3)",
+        )
+        .bind(owner)
+        .bind(now - Duration::days(days))
+        .bind(position)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
     seeded
 }
 
@@ -398,6 +441,13 @@ async fn every_state_at_every_age_the_plan_is_what_is_deleted_and_the_rest_is_un
         "a patient's STOP of 500 days ago stays: its message's replay guard"
     );
 
+    // The webhook catches up while the run deletes: the run deletes what it counted, by the
+    // acknowledged position it read then, and no more.
+    sqlx::query("UPDATE tenant_webhooks SET acked_position = 1000004")
+        .execute(&pool)
+        .await
+        .unwrap();
+
     let mut exported = Vec::new();
     let mut batches = 0;
     loop {
@@ -432,6 +482,7 @@ async fn every_state_at_every_age_the_plan_is_what_is_deleted_and_the_rest_is_un
         RetentionTable::AuditLog => "audit_log",
         RetentionTable::Redrives => "redrives",
         RetentionTable::ConsentHistory => "consent_history",
+        RetentionTable::DeliveryEvents => "delivery_events",
     };
     for table in RetentionTable::ALL {
         let name = table_of(table);
@@ -474,6 +525,16 @@ async fn every_state_at_every_age_the_plan_is_what_is_deleted_and_the_rest_is_un
         4,
         "a destination's and a preference's entry each, 500 and 401 days old"
     );
+    assert_eq!(
+        planned[&RetentionTable::DeliveryEvents],
+        4,
+        "acknowledged or without a webhook past 30 days, unacknowledged past 90"
+    );
+    assert_eq!(
+        plan.tables[&RetentionTable::DeliveryEvents].kept[&KeepReason::Unacknowledged],
+        2,
+        "not acknowledged, 40 days old; not yet numbered, 100 days old"
+    );
     assert_eq!(planned[&RetentionTable::Redrives], 1);
     assert_eq!(planned[&RetentionTable::RedriveItems], 1);
     assert!(after["deliveries"].contains_key(&seeded.ambiguous.to_string()));
@@ -484,7 +545,17 @@ async fn every_state_at_every_age_the_plan_is_what_is_deleted_and_the_rest_is_un
         .plan_retention(&policy(), LedgerTime::Fixed(now))
         .await
         .unwrap();
-    assert!(again.to_delete().values().all(|n| *n == 0), "{again:?}");
+    let left = again.to_delete();
+    assert_eq!(
+        left[&RetentionTable::DeliveryEvents],
+        1,
+        "the event acknowledged during the run is the next run's"
+    );
+    assert!(
+        left.iter()
+            .all(|(t, n)| *n == 0 || *t == RetentionTable::DeliveryEvents),
+        "{again:?}"
+    );
 }
 
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]

@@ -138,7 +138,7 @@ fn the_example_has_every_key_of_the_janitor_with_its_default() {
     let checked = check_binary::<JanitorConfig>("nudge-janitor", JanitorConfig::SECTIONS, &[]);
     assert_eq!(
         checked,
-        6 + 6 + 4 + 5 + 4 + 4 + 12,
+        6 + 6 + 4 + 5 + 4 + 4 + 14,
         "database, amqp, telemetry, janitor, retry, redrive, retention"
     );
 }
@@ -172,7 +172,7 @@ fn the_example_has_every_key_of_nudgectl_with_its_default() {
     );
     assert_eq!(
         checked,
-        6 + 4 + 3 + 12 + 1,
+        6 + 4 + 3 + 14 + 1,
         "database, telemetry, crypto, retention, nudgectl"
     );
 }

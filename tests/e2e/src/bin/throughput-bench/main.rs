@@ -184,8 +184,9 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
                 .await?;
             if args.events == Events::Off {
                 sqlx::query(
-                    "ALTER TABLE deliveries DISABLE TRIGGER deliveries_event_insert, \
-                     DISABLE TRIGGER deliveries_event_update",
+                    "ALTER TABLE deliveries DISABLE TRIGGER deliveries_event_count, \
+                     DISABLE TRIGGER deliveries_events_inserted, \
+                     DISABLE TRIGGER deliveries_events_updated",
                 )
                 .execute(ledger.pool())
                 .await?;
