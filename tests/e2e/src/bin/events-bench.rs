@@ -419,14 +419,12 @@ async fn start_pipeline(env: &mut TestEnv, settings: Settings) -> anyhow::Result
     options.rate = None;
     options.prefetch = settings.worker_prefetch;
     env.start_worker(Channel::Sms, "worker-sms", &options)?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while env.consumers(Channel::Sms).await.unwrap_or(0) < 1 {
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "the SMS worker is not consuming after 60 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    nudge_e2e::until(
+        "the SMS worker consuming",
+        Duration::from_secs(60),
+        || async { env.consumers(Channel::Sms).await.unwrap_or(0) >= 1 },
+    )
+    .await?;
     env.start_with_defaults("nudge-producer", "producer")?;
     Ok(())
 }
