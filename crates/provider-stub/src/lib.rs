@@ -4,11 +4,13 @@
 //! Owns: the provider API (`POST /accounts/{account}/v1/messages`), per-account scripts (a token
 //! bucket answering 429 with every `Retry-After` form, a per-idempotency-key sequence of
 //! statuses, delays and hangs), dedup by `Idempotency-Key` like a real provider, and the
-//! counters that tests and benchmarks read (`GET /stats`, `GET /stats/keys`).
+//! counters that tests and benchmarks read (`GET /stats`, `GET /stats/keys`). Beside the
+//! providers, a webhook receiver ([`webhooks`]) for what nudge pushes to a client: it keeps each
+//! request as sent, for a test to verify afterwards.
 //!
-//! Must never: keep a destination or message content (the request body is checked and
-//! dropped; only counts, statuses, times and keys are kept), log one, or listen beyond loopback
-//! unless told to.
+//! Must never: keep a destination or message content (a provider request's body is checked
+//! and dropped; only counts, statuses, times and keys are kept), log one, or listen beyond
+//! loopback unless told to. A webhook's body is kept: nudge's delivery events carry no PHI.
 //!
 //! # HTTP
 //!
@@ -20,10 +22,11 @@
 //! | `POST /accounts/{account}/token`, `POST /accounts/{account}/v1/projects/{project}/messages:send`, `GET /stats/fcm` | shape `fcm`: Google's OAuth 2 token endpoint (RS256 assertions checked with `--fcm-public-key`), FCM HTTP v1's send and error bodies ([`fcm`]) |
 //! | `POST /accounts/{account}/3/device/{token}`, `GET /stats/apns` | shape `apns`, over TLS and HTTP/2 with an authority written to `--tls-ca-out`: ES256 provider tokens checked with `--apns-public-key`, APNs's headers and reasons ([`apns`]) |
 //! | `PUT /admin/accounts/{account}` | set the account's [`Script`] (JSON); `GET` reads it back |
-//! | `POST /admin/reset` | forget every script, key and counter |
+//! | `POST /admin/reset` | forget every script, key, counter and webhook request |
 //! | `POST /admin/inbound` | shape `twilio`: send a patient's reply `{"url", "from", "to", "body", "message_sid"?}` to an incoming-message webhook (loopback), signed with `X-Twilio-Signature`; answers the webhook's `{"status", "body", "message_sid"}` |
 //! | `GET /stats` | [`Stats`] |
 //! | `GET /stats/keys` | [`KeysReport`] |
+//! | `POST /webhooks/{name}`, `GET /stats/webhooks/{name}` | the webhook receiver: each request kept as sent (its Standard Webhooks headers and body), answered `204`; read back as a [`WebhookReport`] ([`webhooks`]) |
 //! | `GET /healthz` | `ok` |
 //!
 //! # Rules, in order
@@ -51,6 +54,7 @@ mod state;
 mod stats;
 pub mod tls;
 mod twilio;
+pub mod webhooks;
 
 pub use cli::{Args, bind, load_scripts, shutdown_signal};
 pub use script::{
@@ -65,3 +69,4 @@ pub use stats::{
     rfc3339_ms,
 };
 pub use twilio::twilio_signature;
+pub use webhooks::{WebhookName, WebhookReport, WebhookRequest};

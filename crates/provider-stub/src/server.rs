@@ -1,4 +1,4 @@
-//! The HTTP surface: the provider API per account, admin and stats.
+//! The HTTP surface: the provider API per account, admin, stats and the webhook receiver.
 
 use std::future::Future;
 use std::io;
@@ -89,6 +89,7 @@ fn router(app: App) -> Router {
         .route("/stats", get(stats))
         .route("/stats/keys", get(keys))
         .route("/healthz", get(healthz))
+        .merge(crate::webhooks::routes())
         .with_state(app)
 }
 

@@ -29,11 +29,13 @@ impl std::fmt::Debug for StubState {
 }
 
 #[derive(Default)]
-struct Inner {
+pub(crate) struct Inner {
     accounts: BTreeMap<String, Account>,
     total: Counters,
     /// The `n` of the last `msg_<n>` handed out.
     last_message: u64,
+    /// What was posted to `/webhooks/{name}`.
+    pub(crate) webhooks: crate::webhooks::Webhooks,
 }
 
 struct Account {
@@ -175,7 +177,8 @@ impl StubState {
             .unwrap_or_default()
     }
 
-    /// Forgets every script, key and counter; message ids start again at `msg_1`.
+    /// Forgets every script, key, counter and webhook request; message ids start again at
+    /// `msg_1`.
     pub fn reset(&self) {
         *self.lock() = Inner::default();
     }
@@ -212,7 +215,7 @@ impl StubState {
         KeysReport { keys }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock leaves counters at worst one request off; a test
         // double should keep answering rather than poison every later request.
         self.inner

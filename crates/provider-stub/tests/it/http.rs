@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use nudge_domain::ProviderAccount;
-use provider_stub::{AnswerKind, KeysReport, Script, Stats, StubState};
+use provider_stub::{AnswerKind, KeysReport, Script, Stats, StubState, WebhookName, WebhookReport};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -527,5 +527,119 @@ async fn the_library_api_sets_scripts_and_reads_stats_without_http() {
         .await
         .unwrap();
     assert_eq!(healthz.status(), 200);
+    stub.stop().await;
+}
+
+impl Stub {
+    async fn webhook(&self, name: &str) -> WebhookReport {
+        let r = self
+            .client
+            .get(format!("{}/stats/webhooks/{name}", self.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.json().await.unwrap()
+    }
+}
+
+#[tokio::test]
+async fn a_webhook_post_is_kept_byte_for_byte_with_its_signature_headers_and_read_back_in_order() {
+    let stub = Stub::start().await;
+    // Bodies exactly as sent: the reader checks a signature over these bytes, so no
+    // re-serialisation (spacing, key order, escapes) may change them.
+    let bodies = [
+        r#"{"type":"delivery.events","data":{"events":[{"position":1,"kind":"sent"}]}}"#,
+        "{ \"b\" : 2,\n  \"a\": \"\\u00e9\" }",
+    ];
+    for (n, body) in bodies.iter().enumerate() {
+        let r = stub
+            .client
+            .post(format!("{}/webhooks/demo-events", stub.base))
+            .header("content-type", "application/json")
+            .header("webhook-id", format!("msg_{n}"))
+            .header("webhook-timestamp", "1700000000")
+            .header("webhook-signature", "v1,c2lnbmF0dXJl v1,b2xkZXI=")
+            .header("authorization", "Bearer not-kept")
+            .body(*body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 204);
+    }
+
+    let report = stub.webhook("demo-events").await;
+    assert_eq!(report.name, "demo-events");
+    assert_eq!(report.refused_full, 0);
+    let kept: Vec<&str> = report.requests.iter().map(|r| r.body.as_str()).collect();
+    assert_eq!(kept, bodies);
+    let first = &report.requests[0];
+    assert_eq!(first.headers["webhook-id"], "msg_0");
+    assert_eq!(first.headers["webhook-timestamp"], "1700000000");
+    assert_eq!(
+        first.headers["webhook-signature"],
+        "v1,c2lnbmF0dXJl v1,b2xkZXI="
+    );
+    assert_eq!(first.headers["content-type"], "application/json");
+    assert!(
+        !first.headers.contains_key("authorization"),
+        "{:?}",
+        first.headers
+    );
+    assert!(first.at <= report.requests[1].at);
+    // Each name is its own receiver; one never posted to has received nothing.
+    assert!(stub.webhook("other").await.requests.is_empty());
+    // The library reads the same record.
+    let name = WebhookName::parse("demo-events").unwrap();
+    assert_eq!(stub.state.webhook(&name), report);
+    stub.stop().await;
+}
+
+#[tokio::test]
+async fn a_webhook_with_a_bad_name_or_a_body_that_is_not_utf8_is_refused_and_not_kept() {
+    let stub = Stub::start().await;
+    let post = |path: &str, body: Vec<u8>| {
+        stub.client
+            .post(format!("{}{path}", stub.base))
+            .body(body)
+            .send()
+    };
+    let r = post("/webhooks/Demo", b"{}".to_vec()).await.unwrap();
+    assert_eq!(r.status(), 400);
+    let r = post("/webhooks/demo", vec![0xff, 0xfe]).await.unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"], "the body must be UTF-8");
+    assert!(stub.webhook("demo").await.requests.is_empty());
+    let r = stub
+        .client
+        .get(format!("{}/stats/webhooks/a.b", stub.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    stub.stop().await;
+}
+
+#[tokio::test]
+async fn reset_forgets_what_the_webhooks_were_sent() {
+    let stub = Stub::start().await;
+    let r = stub
+        .client
+        .post(format!("{}/webhooks/demo", stub.base))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    assert_eq!(stub.webhook("demo").await.requests.len(), 1);
+    let r = stub
+        .client
+        .post(format!("{}/admin/reset", stub.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    assert!(stub.webhook("demo").await.requests.is_empty());
     stub.stop().await;
 }
