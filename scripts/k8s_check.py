@@ -48,7 +48,7 @@ CNPG_CLUSTER = ("postgresql.cnpg.io/v1", "Cluster")
 # The roles the migrations grant to (docs/database-roles.md): a CloudNativePG cluster must
 # create each with LOGIN, or its binary cannot connect.
 BINARY_ROLES = {"nudge_producer", "nudge_intake", "nudge_worker", "nudge_janitor",
-                "nudge_events"}
+                "nudge_events", "nudge_console"}
 SUPPORTED_FIELDS = {
     "apiVersion", "kind", "resources", "namespace", "labels", "images",
     "configMapGenerator", "patches",
@@ -56,6 +56,9 @@ SUPPORTED_FIELDS = {
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
                   "PriorityClass", "StorageClass", "PersistentVolume"}
 WORKER_COMMANDS = {"nudge-push": "push", "nudge-email": "email", "nudge-sms": "sms"}
+# The binaries that serve on a port of their own (container port `http`): the section whose
+# listen_addr it is, and that key's default port.
+LISTENERS = {"nudge-intake": ("intake", 8080), "nudge-console": ("console", 8095)}
 
 # PostgreSQL connections the Deployments may open at their most replicas, summed as most
 # replicas x pool (NUDGE_DATABASE__MAX_CONNECTIONS, else nudge.toml's database.max_connections):
@@ -71,6 +74,7 @@ DATABASE_URL_KEYS = {
     "nudge-intake": "intake-database-url",
     "nudge-janitor": "janitor-database-url",
     "nudge-events": "events-database-url",
+    "nudge-console": "console-database-url",
     "nudge-push": "worker-database-url",
     "nudge-email": "worker-database-url",
     "nudge-sms": "worker-database-url",
@@ -377,7 +381,7 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
         if section not in sections:
             err(f"{where}: nudge.toml: [{section}] is not a nudge section")
     for section, key in (("database", "url"), ("amqp", "url"), ("crypto", "destination_key"),
-                         ("crypto", "subscriber_key")):
+                         ("crypto", "subscriber_key"), ("console", "session_key")):
         if key in config.get(section, {}):
             err(f"{where}: nudge.toml sets {section}.{key}: a secret, it belongs in the Secret")
     for i, p in enumerate(config.get("providers", [])):
@@ -385,7 +389,11 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
             err(f"{where}: nudge.toml sets providers.{i}.auth_token: a secret")
     tel = config.get("telemetry", {})
     admin_port = port_of(tel["metrics_addr"]) if "metrics_addr" in tel else None
-    http_port = port_of(config.get("intake", {}).get("listen_addr", "127.0.0.1:8080"))
+    listen_ports = {command: port_of(config.get(section, {}).get("listen_addr", f"0.0.0.0:{port}"))
+                    for command, (section, port) in LISTENERS.items()}
+    if config.get("console", {}).get("secure_cookies", True) is not True:
+        err(f"{where}: nudge.toml sets console.secure_cookies to false: the session cookie would "
+            "travel over plain http; serve the console through TLS instead")
     prefetch = config.get("amqp", {}).get("prefetch", 128)
     namespace = config.get("amqp", {}).get("namespace", "")
     grace_ms = config.get("worker", {}).get("shutdown_grace_ms", 20000)
@@ -434,6 +442,24 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
                     keys = set(s.get("data", {})) | set(s.get("stringData", {}))
                     if ref["key"] not in keys:
                         err(f"{cname}: {ename} names key {ref['key']}, not in Secret {ref['name']}")
+            for ename, e in envs.items():
+                ref = e.get("valueFrom", {}).get("secretKeyRef", {})
+                if ref.get("key") == "console-session-key" and command != "nudge-console":
+                    err(f"{cname}: {ename} from Secret key console-session-key: only "
+                        "nudge-console signs sessions")
+            if command == "nudge-console":
+                # It holds no key that opens a destination or content, and has no broker.
+                for ename in envs:
+                    if ename.startswith(("NUDGE_CRYPTO__", "NUDGE_AMQP__")):
+                        err(f"{cname}: the console must not have {ename} (it opens nothing "
+                            "sealed and has no broker connection)")
+                if "NUDGE_CONSOLE__SESSION_KEY" not in envs:
+                    err(f"{cname}: no NUDGE_CONSOLE__SESSION_KEY: the console refuses to start "
+                        "without console.session_key")
+                secure = envs.get("NUDGE_CONSOLE__SECURE_COOKIES", {}).get("value")
+                if secure is not None and secure.strip().lower() != "true":
+                    err(f"{cname}: NUDGE_CONSOLE__SECURE_COOKIES {secure}: the session cookie "
+                        "would travel over plain http; serve the console through TLS instead")
             if envs.get("NUDGE_CONFIG", {}).get("value") != "/etc/nudge/nudge.toml":
                 err(f"{cname}: NUDGE_CONFIG must be /etc/nudge/nudge.toml")
             if command in WORKER_COMMANDS and "NUDGE_CRYPTO__SUBSCRIBER_KEY" in envs:
@@ -484,13 +510,18 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
                 if p["port"] == "admin" and port != admin_port:
                     err(f"{cname}: {probe} on admin port {port}, but telemetry.metrics_addr "
                         f"listens on {admin_port}")
-                if p["port"] == "http" and port != http_port:
-                    err(f"{cname}: {probe} on http port {port}, but intake.listen_addr "
-                        f"listens on {http_port}")
+                if p["port"] == "http" and port != listen_ports.get(command):
+                    err(f"{cname}: {probe} on http port {port}, but {command} listens on "
+                        f"{listen_ports.get(command)}")
                 if p["port"] not in ("admin", "http"):
                     err(f"{cname}: {probe} port must be the named port admin or http")
             if "admin" in ports and ports["admin"] != admin_port:
                 err(f"{cname}: admin port {ports['admin']} is not telemetry.metrics_addr's {admin_port}")
+            if "http" in ports and command in LISTENERS and ports["http"] != listen_ports[command]:
+                err(f"{cname}: http port {ports['http']} is not "
+                    f"{LISTENERS[command][0]}.listen_addr's {listen_ports[command]}")
+            if "http" in ports and command not in LISTENERS:
+                err(f"{cname}: an http port, but {command} serves nothing but the admin port")
             grace = spec.get("terminationGracePeriodSeconds", 30)
             if command in WORKER_COMMANDS and grace * 1000 <= grace_ms:
                 err(f"{cname}: terminationGracePeriodSeconds {grace} s is not longer than "
@@ -569,6 +600,25 @@ def check_nudge(resources: list[dict], where: str) -> tuple[list[str], list[str]
                     f"{prefetch}) = {bound}: the extra pods would find nothing to take")
             notes.append(f"{channel}: rate {rate if rate is not None else 'unlimited'}/s, window "
                          f"{window}, maxReplicaCount {most} (bound {bound})")
+    # A Service reaches one Deployment's pods, on a port they declare.
+    for svc in by_kind.get("Service", []):
+        sname = f"{where}: Service/{svc['metadata']['name']}"
+        selector = svc["spec"].get("selector", {})
+        targets = [d for d in by_kind.get("Deployment", [])
+                   if d["metadata"].get("namespace") == svc["metadata"].get("namespace")
+                   and selector.items()
+                   <= d["spec"]["template"]["metadata"].get("labels", {}).items()]
+        if len(targets) != 1:
+            err(f"{sname}: its selector matches {len(targets)} Deployments, expected 1")
+            continue
+        container_ports = [p for c in containers_of(targets[0]) for p in c.get("ports", [])]
+        declared = ({p.get("name") for p in container_ports}
+                    | {p["containerPort"] for p in container_ports})
+        for port in svc["spec"].get("ports", []):
+            target = port.get("targetPort", port["port"])
+            if target not in declared:
+                err(f"{sname}: targetPort {target} is not a port of Deployment/"
+                    f"{targets[0]['metadata']['name']}")
     notes.append(f"database connections at the most replicas: {max_connections} of the budget "
                  f"{CONNECTION_BUDGET} ({', '.join(connections)})")
     if max_connections > CONNECTION_BUDGET:
@@ -777,7 +827,57 @@ def _m_owner_url(rs):
     url["valueFrom"]["secretKeyRef"]["key"] = "database-url"
 
 
+def _m_console_owner_url(rs):
+    env = first_container(rs, "nudge-console")["env"]
+    url = next(e for e in env if e["name"] == "NUDGE_DATABASE__URL")
+    url["valueFrom"]["secretKeyRef"]["key"] = "database-url"
+
+
+def _m_console_destination_key(rs):
+    first_container(rs, "nudge-console")["env"].append({
+        "name": "NUDGE_CRYPTO__DESTINATION_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "nudge-secrets", "key": "destination-key"}}})
+
+
+def _m_console_no_session_key(rs):
+    c = first_container(rs, "nudge-console")
+    c["env"] = [e for e in c["env"] if e["name"] != "NUDGE_CONSOLE__SESSION_KEY"]
+
+
+def _m_console_insecure(rs):
+    first_container(rs, "nudge-console")["env"].append(
+        {"name": "NUDGE_CONSOLE__SECURE_COOKIES", "value": "false"})
+
+
+def _m_console_port(rs):
+    c = first_container(rs, "nudge-console")
+    next(p for p in c["ports"] if p["name"] == "http")["containerPort"] = 8096
+
+
+def _m_session_key_elsewhere(rs):
+    first_container(rs, "nudge-intake")["env"].append({
+        "name": "NUDGE_CONSOLE__SESSION_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "nudge-secrets", "key": "console-session-key"}}})
+
+
+def _m_service_target(rs):
+    find(rs, "Service", "nudge-console")["spec"]["ports"][0]["targetPort"] = "web"
+
+
+def _m_cluster_console_role(rs):
+    roles = find(rs, "Cluster", "nudge-pg")["spec"]["managed"]["roles"]
+    roles[:] = [r for r in roles if r["name"] != "nudge_console"]
+
+
 MUTATIONS = [
+    (_m_console_owner_url, "from Secret key database-url, expected console-database-url"),
+    (_m_console_destination_key, "the console must not have NUDGE_CRYPTO__DESTINATION_KEY"),
+    (_m_console_no_session_key, "no NUDGE_CONSOLE__SESSION_KEY"),
+    (_m_console_insecure, "NUDGE_CONSOLE__SECURE_COOKIES false"),
+    (_m_console_port, "http port 8096 is not console.listen_addr's 8095"),
+    (_m_session_key_elsewhere, "only nudge-console signs sessions"),
+    (_m_service_target, "targetPort web is not a port of Deployment/nudge-console"),
+    (_m_cluster_console_role, "managed.roles has no nudge_console"),
     (_m_cluster_async, "no postgresql.synchronous"),
     (_m_cluster_preferred, "dataDurability preferred"),
     (_m_cluster_read_only_url, "worker-database-url names host nudge-pg-ro"),

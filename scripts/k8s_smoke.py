@@ -3,8 +3,8 @@
 environment (the Secret's keys replaced by local values), the ConfigMap's nudge.toml, against
 the PostgreSQL and RabbitMQ of scripts/services.sh. The migrate Job must exit 0; every
 Deployment's process must start, still run 3 s later, answer its probes' paths on the ports
-the manifest names (mapped to free local ports), and exit 0 on SIGTERM within its
-terminationGracePeriodSeconds.
+the manifest names (mapped to free local ports), answer HTTP (any status below 500) at `/` on
+each port a Service sends to, and exit 0 on SIGTERM within its terminationGracePeriodSeconds.
 
 The run's own database (dropped afterwards) and RabbitMQ names under the namespace
 `k8s-smoke-<pid>.` (deleted afterwards) keep it apart from everything else on the services.
@@ -42,11 +42,13 @@ LOCAL_SECRETS = {
     "destination-key": "vRdeBeF1KMBq4P78kL4MbxId31ISqKCBf5M1IV5/9Ow=",
     "subscriber-key": "3q2+7wABAgMEBQYHCAkKCwwNDg8QERITFBUWFxgZGhs=",
     "tenant-secret-key": "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=",
+    "console-session-key": "ICEiIyQlJicoKSorLC0uLzAxMjM0NTY3ODk6Ozw9Pj8=",
     "amqp-url": AMQP,
 }
 # Each binary's Secret key names its database role (PostgreSQL here trusts loopback, so the
 # role needs no password): the smoke runs every binary as the role the manifests give it.
 ROLE_OF_URL = {
+    "console-database-url": "nudge_console",
     "events-database-url": "nudge_events",
     "intake-database-url": "nudge_intake",
     "janitor-database-url": "nudge_janitor",
@@ -122,6 +124,7 @@ def main() -> int:
     try:
         jobs = [r for r in resources if r["kind"] == "Job"]
         deployments = [r for r in resources if r["kind"] == "Deployment"]
+        services = [r for r in resources if r["kind"] == "Service"]
         for r in jobs + deployments:
             name = r["metadata"]["name"]
             spec = r["spec"]["template"]["spec"]
@@ -129,8 +132,11 @@ def main() -> int:
             ports = {p.get("name"): free_port() for p in container.get("ports", [])}
             env = {"PATH": os.environ["PATH"], "NUDGE_AMQP__NAMESPACE": namespace,
                    # The pod's own network namespace is this machine's loopback here.
-                   "NUDGE_TELEMETRY__METRICS_ADDR": f"127.0.0.1:{ports.get('admin', free_port())}",
-                   "NUDGE_INTAKE__LISTEN_ADDR": f"127.0.0.1:{ports.get('http', free_port())}"}
+                   "NUDGE_TELEMETRY__METRICS_ADDR": f"127.0.0.1:{ports.get('admin', free_port())}"}
+            # A binary with a port of its own listens on the one mapped for `http`.
+            for command, (section, _) in k8s_check.LISTENERS.items():
+                port = ports.get("http") if container["command"][0] == command else None
+                env[f"NUDGE_{section.upper()}__LISTEN_ADDR"] = f"127.0.0.1:{port or free_port()}"
             for e in container.get("env", []):
                 if e["name"] == "NUDGE_CONFIG":
                     env[e["name"]] = str(work / "nudge.toml")
@@ -164,6 +170,24 @@ def main() -> int:
                     if answer != "200" and args.probes == "require":
                         failures.append(f"{name}: {kind} {get['path']} on port {get['port']} "
                                         f"answered {answer}")
+            # What a Service sends to must answer HTTP (a page, a redirect to the login, a 404 of
+            # a path it does not serve): proof that the process listens where the Service points.
+            for service in services:
+                selector = service["spec"].get("selector", {})
+                labels = r["spec"]["template"]["metadata"].get("labels", {})
+                if not selector or selector.items() - labels.items():
+                    continue
+                for sp in service["spec"].get("ports", []):
+                    target = sp.get("targetPort", sp["port"])
+                    if target not in ports:
+                        failures.append(f"{name}: Service {service['metadata']['name']} targets "
+                                        f"port {target}, which the container does not name")
+                        continue
+                    answer = probe(ports[target], "/")
+                    answers.append(f"Service {service['metadata']['name']} / on {target}: {answer}")
+                    if not (answer.isdigit() and int(answer) < 500) and args.probes == "require":
+                        failures.append(f"{name}: / on port {target} (Service "
+                                        f"{service['metadata']['name']}) answered {answer}")
             grace = spec.get("terminationGracePeriodSeconds", 30)
             if running:
                 process.send_signal(signal.SIGTERM)

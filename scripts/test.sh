@@ -15,6 +15,9 @@ export NUDGE_TEST_AMQP_URL=${NUDGE_TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:5
 scripts/clients.sh
 export NUDGE_TEST_PYTHON=${NUDGE_TEST_PYTHON:-${NUDGE_TEST_CLIENTS_VENV:-$HOME/.cache/nudge/clients-venv}/bin/python}
 export NUDGE_TEST_NODE=${NUDGE_TEST_NODE:-$(command -v node)}
+# The console's browser test drives Debian's Chromium with playwright-core (tests/browser).
+scripts/browser.sh
+export NUDGE_TEST_CHROMIUM=${NUDGE_TEST_CHROMIUM:-/usr/bin/chromium}
 
 # The end-to-end tests (tests/e2e) start the real binaries as separate processes: build them.
 cargo build --workspace --bins --locked

@@ -8,7 +8,9 @@
 # below (the KEDA kinds against deploy/k8s/schemas/keda.schema.json), and nudge's own rules
 # checked (probes on the configured ports, NUDGE_ variable names, grace periods longer than the
 # shutdown grace, one PodDisruptionBudget per Deployment, each channel's ScaledObject on its
-# work queue with a maximum within the channel's window, and a CloudNativePG Cluster replicating
+# work queue with a maximum within the channel's window, each Deployment's database URL its own
+# role's, the console without a crypto key or a broker and with Secure cookies, each Service
+# reaching one Deployment on a port it declares, and a CloudNativePG Cluster replicating
 # synchronously with the binaries' roles, reached through its read-write Service). A self-test
 # first breaks a rendering in known ways and requires each to be refused.
 #

@@ -114,6 +114,7 @@ pub const KNOWN_SECTIONS: &[&str] = &[
     "receipts",
     "retention",
     "events",
+    "console",
     "nudgectl",
 ];
 
@@ -131,6 +132,7 @@ pub const NOT_CONFIG_VARIABLES: &[&str] = &[
     "NUDGE_RABBITMQ_UI_PORT",
     "NUDGE_STUB_PORT",
     "NUDGE_INTAKE_PORT",
+    "NUDGE_CONSOLE_PORT",
     "NUDGE_PROMETHEUS_PORT",
 ];
 

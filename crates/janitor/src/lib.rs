@@ -493,6 +493,14 @@ async fn gauges_loop(
                 warn!(error.cause_chain = %error_chain(&e), "failed to read the ledger's gauges; retrying")
             }
         }
+        // The console's sparklines: one sample a minute, whichever janitor writes it first.
+        match ledger.record_ledger_sample(LedgerTime::Database).await {
+            Ok(_) => {}
+            Err(e) if outage.away(&e) => {}
+            Err(e) => {
+                warn!(error.cause_chain = %error_chain(&e), "failed to record the minute's ledger sample; retrying")
+            }
+        }
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = tokio::time::sleep(every) => {}

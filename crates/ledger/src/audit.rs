@@ -108,7 +108,7 @@ impl Operator {
 }
 
 /// One operator action as the audit log holds it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct AuditEntry {
     pub at: DateTime<Utc>,
     pub actor: String,
@@ -120,7 +120,7 @@ pub struct AuditEntry {
 }
 
 #[derive(sqlx::FromRow)]
-struct AuditRow {
+pub(crate) struct AuditRow {
     at: DateTime<Utc>,
     actor: String,
     action: String,

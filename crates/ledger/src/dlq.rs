@@ -19,6 +19,12 @@ use crate::{Ledger, LedgerError};
 /// Sample delivery ids kept per (channel, state, reason).
 const SAMPLES: i64 = 3;
 
+/// The dead-lettered and ambiguous deliveries, each state through its own index
+/// (`deliveries_settled_by_state_idx`, `deliveries_ambiguous_idx`): a single
+/// `state IN ('dead_lettered', 'ambiguous')` has no one index and would read the whole table.
+pub(crate) const HELD: &str = "(SELECT * FROM deliveries WHERE state = 'dead_lettered' \
+     UNION ALL SELECT * FROM deliveries WHERE state = 'ambiguous')";
+
 /// Dead-lettered and ambiguous deliveries of one channel, state and reason.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct DlqGroup {
@@ -105,27 +111,25 @@ impl Ledger {
                         WHERE ri.delivery_id = d.id AND ri.fed_at IS NULL
                           AND ri.skipped_reason IS NULL AND r.state IN ('running', 'paused')
                     )) AS redrive_pending
-             FROM deliveries d
-             WHERE d.state IN ('dead_lettered', 'ambiguous')
-               AND ($2::text IS NULL OR d.channel = $2)
+             FROM {HELD} d
+             WHERE ($2::text IS NULL OR d.channel = $2)
              GROUP BY d.channel, d.state, d.last_error_reason, age_band"
         )))
         .bind(now)
         .bind(channel.map(|c| c.as_str()))
         .fetch_all(&self.pool)
         .await?;
-        let samples: Vec<SampleRow> = sqlx::query_as(
+        let samples: Vec<SampleRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "SELECT channel, state, reason, id FROM (
                  SELECT channel, state, last_error_reason AS reason, id,
                         row_number() OVER (PARTITION BY channel, state, last_error_reason
                                            ORDER BY settled_at DESC, id) AS rank
-                 FROM deliveries
-                 WHERE state IN ('dead_lettered', 'ambiguous')
-                   AND ($1::text IS NULL OR channel = $1)
+                 FROM {HELD} d
+                 WHERE ($1::text IS NULL OR channel = $1)
              ) ranked
              WHERE rank <= $2
-             ORDER BY channel, state, reason, rank",
-        )
+             ORDER BY channel, state, reason, rank"
+        )))
         .bind(channel.map(|c| c.as_str()))
         .bind(SAMPLES)
         .fetch_all(&self.pool)

@@ -16,6 +16,10 @@ use crate::{Ledger, LedgerError, LedgerTime};
 /// sending, in backoff, waiting for the tenant's own account or for the end of quiet hours,
 /// and the oldest eligible age (deferred work is not eligible: it is not counted there). One
 /// pass over the live rows; the gauges and `nudgectl status`'s tenant table both read it.
+/// Live work per tenant and channel. The live states are read through their partial indexes
+/// (`deliveries_eligible_idx`, `deliveries_lease_idx`), one branch each: a single
+/// `state IN (...)` over them has no one index and would read the whole table, settled history
+/// included.
 pub(crate) const LIVE_WORK: &str = "SELECT d.tenant_id, d.channel,
         count(*) FILTER (WHERE d.state IN ('scheduled', 'retry_wait')
                          AND d.next_attempt_at <= c.at) AS due,
@@ -29,9 +33,9 @@ pub(crate) const LIVE_WORK: &str = "SELECT d.tenant_id, d.channel,
         extract(epoch FROM c.at - min(d.next_attempt_at) FILTER (
             WHERE d.state IN ('scheduled', 'queued', 'retry_wait')
               AND d.next_attempt_at <= c.at))::float8 AS oldest_eligible_age_s
-    FROM deliveries d CROSS JOIN c
-    WHERE d.state IN ('queued', 'sending', 'retry_wait')
-       OR (d.state = 'scheduled' AND d.next_attempt_at <= c.at)
+    FROM (SELECT * FROM deliveries WHERE state IN ('scheduled', 'queued', 'retry_wait')
+          UNION ALL SELECT * FROM deliveries WHERE state = 'sending') d CROSS JOIN c
+    WHERE d.state <> 'scheduled' OR d.next_attempt_at <= c.at
     GROUP BY d.tenant_id, d.channel, c.at";
 
 /// Live work of one tenant on one channel.

@@ -19,6 +19,7 @@ mod audit;
 mod buckets;
 mod channels;
 mod consent;
+mod console;
 mod contacts;
 mod crypto;
 mod dead_letters;
@@ -58,6 +59,10 @@ pub use channels::{ChannelControl, DrainChange, OwnerChange, ProducerAck};
 pub use consent::{
     CONSENT_PAGE_MAX, ConsentEntry, DestinationConsent, ExportedConsent, InboundKeyword,
     InboundRecorded, SubscriberConsent,
+};
+pub use console::{
+    AuditFilter, AuditLine, CONSOLE_TOKEN_MAX_TTL, ConsoleRole, ConsoleSecret, ConsoleToken,
+    CreatedConsoleToken, LedgerSample, console_token_digest,
 };
 pub use contacts::{FallbackZones, SubscriberConversion};
 pub use crypto::{Destination, DestinationCipher, DestinationDigest, SealedWith, SubscriberKey};

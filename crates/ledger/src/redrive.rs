@@ -236,6 +236,7 @@ pub struct RedriveTick {
 /// `the_turn_rule_in_sql_is_the_drain_models` checks the two agree.
 fn selection_cte() -> String {
     let band = age_band_sql("f.scheduled_at", "f.now");
+    let held = crate::dlq::HELD;
     format!(
         "WITH params AS (SELECT COALESCE($1, now()) AS now),
          c AS (
@@ -252,8 +253,8 @@ fn selection_cte() -> String {
                           AND p.now - d.scheduled_at > $4::bigint * interval '1 second'
                          THEN 'older_than_max_age'
                 END AS excluded
-            FROM deliveries d JOIN tenants t ON t.id = d.tenant_id CROSS JOIN params p
-            WHERE d.channel = $2 AND d.state IN ('dead_lettered', 'ambiguous') AND d.owner = $7
+            FROM {held} d JOIN tenants t ON t.id = d.tenant_id CROSS JOIN params p
+            WHERE d.channel = $2 AND d.owner = $7
               AND ($3::uuid IS NULL OR d.tenant_id = $3)),
          turns AS (
             SELECT c.*, row_number() OVER (PARTITION BY c.excluded IS NULL

@@ -52,6 +52,8 @@ impl Ledger {
     /// Per-channel counts of work not yet settled, plus the dead-lettered and ambiguous
     /// totals. Every channel appears, with zeros when it has nothing.
     pub async fn status(&self, now: DateTime<Utc>) -> Result<Vec<ChannelStatus>, LedgerError> {
+        // Each state through its own partial index (a single `state IN (...)` over them would
+        // read the whole table, settled history included).
         let rows: Vec<StatusRow> = sqlx::query_as(
             "SELECT channel,
                     count(*) FILTER (WHERE state = 'scheduled') AS scheduled,
@@ -66,8 +68,14 @@ impl Ledger {
                                      AND last_error_reason = 'quiet_hours') AS quiet_hours,
                     min(next_attempt_at) FILTER (WHERE state IN ('scheduled', 'queued', 'retry_wait')
                                                  AND next_attempt_at <= $1) AS oldest_eligible
-             FROM deliveries
-             WHERE state IN ('scheduled', 'queued', 'sending', 'retry_wait', 'dead_lettered', 'ambiguous')
+             FROM (SELECT channel, state, next_attempt_at, last_error_reason FROM deliveries
+                   WHERE state IN ('scheduled', 'queued', 'retry_wait')
+                   UNION ALL SELECT channel, state, next_attempt_at, last_error_reason
+                   FROM deliveries WHERE state = 'sending'
+                   UNION ALL SELECT channel, state, next_attempt_at, last_error_reason
+                   FROM deliveries WHERE state = 'dead_lettered'
+                   UNION ALL SELECT channel, state, next_attempt_at, last_error_reason
+                   FROM deliveries WHERE state = 'ambiguous') d
              GROUP BY channel",
         )
         .bind(now)

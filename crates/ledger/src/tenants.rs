@@ -145,6 +145,43 @@ impl Ledger {
         row.map(Tenant::try_from).transpose()
     }
 
+    /// Tenants whose name contains `filter` (any case; all when None), paused ones first, then
+    /// by name; at most `limit` of them, and how many match in all.
+    pub async fn tenants(
+        &self,
+        filter: Option<&str>,
+        limit: u32,
+    ) -> Result<(Vec<Tenant>, u64), LedgerError> {
+        // `%`, `_` and `\` in the filter are matched as themselves.
+        let pattern = filter.map(|f| {
+            let escaped = f
+                .replace('\\', "\\\\")
+                .replace('%', "\\%")
+                .replace('_', "\\_");
+            format!("%{escaped}%")
+        });
+        let rows: Vec<TenantRow> = sqlx::query_as(
+            "SELECT id, name, intake_paused, draining, time_zone, quiet_hours_ignorable
+             FROM tenants WHERE $1::text IS NULL OR name ILIKE $1
+             ORDER BY intake_paused DESC, name LIMIT $2",
+        )
+        .bind(pattern.as_deref())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        let total: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM tenants WHERE $1::text IS NULL OR name ILIKE $1",
+        )
+        .bind(pattern.as_deref())
+        .fetch_one(&self.pool)
+        .await?;
+        let tenants = rows
+            .into_iter()
+            .map(Tenant::try_from)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((tenants, u64::try_from(total).unwrap_or(0)))
+    }
+
     pub async fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, LedgerError> {
         let row: Option<TenantRow> = sqlx::query_as(
             "SELECT id, name, intake_paused, draining, time_zone, quiet_hours_ignorable

@@ -11,6 +11,7 @@ mod category;
 mod change;
 mod config;
 mod consent;
+mod console;
 mod dlq;
 mod estimate;
 mod events;
@@ -95,6 +96,10 @@ pub enum Command {
     /// history as JSON Lines.
     #[command(subcommand, long_about = consent::HELP)]
     Consent(ConsentCommand),
+    /// Who may log in to nudge-console: make a viewer's or an operator's token (shown once),
+    /// list them, revoke one.
+    #[command(subcommand, long_about = console::HELP)]
+    Console(console::ConsoleCommand),
     /// A tenant's delivery events (what its client is told) as JSON Lines: replay from a
     /// position or a time, or tail them as they come.
     #[command(subcommand, long_about = events::HELP)]
@@ -1207,6 +1212,9 @@ pub async fn execute(
         }
         Command::Consent(ConsentCommand::Export { tenant }) => {
             consent::export(ledger, &tenant, out).await?;
+        }
+        Command::Console(command) => {
+            console::run(ledger, actor, command, out, err).await?;
         }
         Command::Events(EventsCommand::Replay { tenant, from }) => {
             events::replay(ledger, &tenant, from, out, err).await?;

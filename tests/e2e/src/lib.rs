@@ -845,6 +845,37 @@ log_filter = "info"
         self.spawn("nudge-events", name, &config)
     }
 
+    /// Starts `nudge-console` as `name` on a free loopback port, serving plain http (cookies
+    /// not marked Secure), with a session key of its own and `console` (more lines of its
+    /// `[console]` table); waits until it answers and returns its index and base URL.
+    pub async fn start_console(
+        &mut self,
+        name: &str,
+        console: &str,
+    ) -> anyhow::Result<(usize, String)> {
+        let port = free_port();
+        let body = format!(
+            "{}\n[console]\nlisten_addr = \"127.0.0.1:{port}\"\nsecure_cookies = false\n\
+             session_key = \"{}\"\n{console}\n",
+            self.common_config(name),
+            base64::engine::general_purpose::STANDARD.encode([7u8; 48])
+        );
+        let config = self.write_config(name, &body)?;
+        let index = self.spawn("nudge-console", name, &config)?;
+        let base = format!("http://127.0.0.1:{port}");
+        let login = format!("{base}/login");
+        until("nudge-console to answer", Duration::from_secs(30), || {
+            let login = login.clone();
+            async move {
+                reqwest::get(&login)
+                    .await
+                    .is_ok_and(|r| r.status().is_success())
+            }
+        })
+        .await?;
+        Ok((index, base))
+    }
+
     /// Rotates `tenant`'s signing secret with `nudgectl` and returns the secret it printed.
     pub fn rotate_secret(&self, tenant: &str) -> anyhow::Result<String> {
         let (code, out, err) = self.nudgectl(&[
@@ -1168,6 +1199,7 @@ fn binary_role(binary: &str) -> Option<&'static str> {
         "nudge-intake" => Some("nudge_intake"),
         "nudge-janitor" => Some("nudge_janitor"),
         "nudge-events" => Some("nudge_events"),
+        "nudge-console" => Some("nudge_console"),
         _ => None,
     }
 }

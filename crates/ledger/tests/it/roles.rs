@@ -10,12 +10,13 @@ use nudge_ledger::test_support::as_role;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
-const ROLES: [&str; 6] = [
+const ROLES: [&str; 7] = [
     "nudge_worker",
     "nudge_producer",
     "nudge_intake",
     "nudge_janitor",
     "nudge_events",
+    "nudge_console",
     "public",
 ];
 
@@ -245,6 +246,7 @@ async fn each_binary_role_can_log_in(pool: PgPool) {
         "nudge_intake",
         "nudge_janitor",
         "nudge_events",
+        "nudge_console",
     ] {
         let options = (*pool.connect_options()).clone().username(role);
         let conn = PgPoolOptions::new()

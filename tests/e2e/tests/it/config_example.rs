@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use figment::Figment;
 use figment::providers::{Format, Toml};
 use nudge_config::{Validate, load};
+use nudge_console::ConsoleConfig;
 use nudge_domain::Channel;
 use nudge_events::EventsConfig;
 use nudge_intake::IntakeConfig;
@@ -161,6 +162,12 @@ fn the_example_has_every_key_of_nudge_events_with_its_default() {
         6 + 4 + 3 + 14,
         "database, telemetry, crypto, events"
     );
+}
+
+#[test]
+fn the_example_has_every_key_of_nudge_console_with_its_default() {
+    let checked = check_binary::<ConsoleConfig>("nudge-console", ConsoleConfig::SECTIONS, &[]);
+    assert_eq!(checked, 6 + 4 + 8, "database, telemetry, console");
 }
 
 #[test]

@@ -7,7 +7,9 @@
 use std::path::{Path, PathBuf};
 
 use nudge_config::{AmqpConfig, DatabaseConfig, Secret, Validate, load};
+use nudge_console::ConsoleConfig;
 use nudge_domain::Channel;
+use nudge_events::EventsConfig;
 use nudge_intake::IntakeConfig;
 use nudge_janitor::JanitorConfig;
 use nudge_producer::ProducerConfig;
@@ -54,6 +56,8 @@ fn every_deployment_configuration_loads_as_every_binary() {
         load_as::<ProducerConfig>(file, ProducerConfig::SECTIONS);
         load_as::<JanitorConfig>(file, JanitorConfig::SECTIONS);
         load_as::<IntakeConfig>(file, IntakeConfig::SECTIONS);
+        load_as::<EventsConfig>(file, EventsConfig::SECTIONS);
+        load_as::<ConsoleConfig>(file, ConsoleConfig::SECTIONS);
         load_as::<CtlConfig>(file, CtlConfig::SECTIONS);
         let mut worker = load_as::<WorkerConfig>(file, WorkerConfig::SECTIONS);
         if worker.crypto.destination_key.is_none() {
@@ -80,7 +84,12 @@ fn the_kubernetes_configurations_hold_no_secret() {
     for file in &kubernetes {
         let worker = load_as::<WorkerConfig>(file, WorkerConfig::SECTIONS);
         let intake = load_as::<IntakeConfig>(file, IntakeConfig::SECTIONS);
+        let console = load_as::<ConsoleConfig>(file, ConsoleConfig::SECTIONS);
         let name = file.display();
+        assert!(
+            console.console.session_key.is_none(),
+            "{name}: console.session_key"
+        );
         assert!(
             worker.crypto.destination_key.is_none(),
             "{name}: destination_key"

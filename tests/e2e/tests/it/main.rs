@@ -9,6 +9,7 @@
 
 mod config_example;
 mod consent;
+mod console_browser;
 mod deploy_configs;
 mod events_push;
 mod fail_closed;

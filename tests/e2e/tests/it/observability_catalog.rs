@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use nudge_console::ConsoleMetrics;
 use nudge_events::EventsMetrics;
 use nudge_intake::IntakeMetrics;
 use nudge_janitor::JanitorMetrics;
@@ -24,6 +25,7 @@ fn exported() -> BTreeSet<String> {
         JanitorMetrics::new().registry(),
         IntakeMetrics::new().registry(),
         EventsMetrics::new().registry(),
+        ConsoleMetrics::new().registry(),
     ];
     registries
         .iter()

@@ -1,0 +1,4 @@
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    nudge_console::main().await
+}
