@@ -1083,6 +1083,62 @@ fn flag(text: &str) -> Option<bool> {
     }
 }
 
+/// One action's request, let through: an operator's session whose form carried its CSRF
+/// token. Its answers count in `nudge_console_actions_total` and send the user back to `back`.
+struct Act<'a> {
+    state: &'a AppState,
+    session: Session,
+    action: &'static str,
+    back: &'static str,
+}
+
+impl<'a> Act<'a> {
+    async fn begin(
+        state: &'a AppState,
+        headers: &HeaderMap,
+        jar: &SignedCookieJar,
+        csrf: &str,
+        action: &'static str,
+        back: &'static str,
+    ) -> Result<Act<'a>, Response> {
+        let session = who(state, headers, jar).await?;
+        if let Some(refused) = refusal(state, &session, csrf, action) {
+            return Err(refused);
+        }
+        Ok(Act {
+            state,
+            session,
+            action,
+            back,
+        })
+    }
+
+    /// A form this action cannot take: `status` and what to change.
+    fn bad(&self, status: StatusCode, message: &str) -> Response {
+        self.state
+            .error_page(status, Some(&self.session), message, self.back)
+    }
+
+    /// A ledger error before the change was tried (a reason or an incident refused).
+    fn refused(&self, e: &LedgerError) -> Response {
+        self.state.ledger_error(&self.session, e, self.back)
+    }
+
+    /// The change's answer: back with `notice`, or its error.
+    fn finish(&self, result: Result<String, LedgerError>) -> Response {
+        match result {
+            Ok(notice) => {
+                self.state.inner.metrics.action(self.action, "done");
+                done(self.state, self.back, &notice)
+            }
+            Err(e) => {
+                self.state.inner.metrics.action(self.action, "failed");
+                self.state.ledger_error(&self.session, &e, self.back)
+            }
+        }
+    }
+}
+
 async fn tenant_intake(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -1090,34 +1146,31 @@ async fn tenant_intake(
     Path(tenant): Path<String>,
     Form(form): Form<ReasonForm>,
 ) -> Response {
-    let action = "tenant_intake";
-    let session = match who(&state, &headers, &jar).await {
-        Ok(s) => s,
+    let act = match Act::begin(
+        &state,
+        &headers,
+        &jar,
+        &form.csrf,
+        "tenant_intake",
+        "/tenants",
+    )
+    .await
+    {
+        Ok(act) => act,
         Err(r) => return r,
     };
-    if let Some(r) = refusal(&state, &session, &form.csrf, action) {
-        return r;
-    }
-    let back = "/tenants";
     let Ok(tenant) = uuid::Uuid::parse_str(&tenant).map(TenantId::from_uuid) else {
-        return state.error_page(
-            StatusCode::NOT_FOUND,
-            Some(&session),
-            "No such tenant.",
-            back,
-        );
+        return act.bad(StatusCode::NOT_FOUND, "No such tenant.");
     };
     let Some(paused) = flag(&form.paused) else {
-        return state.error_page(
-            StatusCode::BAD_REQUEST,
-            Some(&session),
-            "paused must be true or false.",
-            back,
-        );
+        return act.bad(StatusCode::BAD_REQUEST, "paused must be true or false.");
     };
-    let operator = match session.operator(&form.reason, given(&form.incident).as_deref()) {
+    let operator = match act
+        .session
+        .operator(&form.reason, given(&form.incident).as_deref())
+    {
         Ok(o) => o,
-        Err(e) => return state.ledger_error(&session, &e, back),
+        Err(e) => return act.refused(&e),
     };
     match state
         .inner
@@ -1125,27 +1178,11 @@ async fn tenant_intake(
         .set_intake_paused(tenant, paused, &operator)
         .await
     {
-        Ok(true) => {
-            state.inner.metrics.action(action, "done");
-            done(
-                &state,
-                back,
-                &format!(
-                    "Intake of tenant {tenant} {}.",
-                    if paused { "paused" } else { "resumed" }
-                ),
-            )
-        }
-        Ok(false) => state.error_page(
-            StatusCode::NOT_FOUND,
-            Some(&session),
-            "No such tenant.",
-            back,
-        ),
-        Err(e) => {
-            state.inner.metrics.action(action, "failed");
-            state.ledger_error(&session, &e, back)
-        }
+        Ok(false) => act.bad(StatusCode::NOT_FOUND, "No such tenant."),
+        changed => act.finish(changed.map(|_| {
+            let verb = if paused { "paused" } else { "resumed" };
+            format!("Intake of tenant {tenant} {verb}.")
+        })),
     }
 }
 
@@ -1156,58 +1193,36 @@ async fn drain(
     Path(channel): Path<String>,
     Form(form): Form<ReasonForm>,
 ) -> Response {
-    let action = "drain";
-    let session = match who(&state, &headers, &jar).await {
-        Ok(s) => s,
+    let act = match Act::begin(&state, &headers, &jar, &form.csrf, "drain", "/").await {
+        Ok(act) => act,
         Err(r) => return r,
     };
-    if let Some(r) = refusal(&state, &session, &form.csrf, action) {
-        return r;
-    }
-    let back = "/";
     let Ok(channel) = channel.parse::<Channel>() else {
-        return state.error_page(
-            StatusCode::NOT_FOUND,
-            Some(&session),
-            "No such channel.",
-            back,
-        );
+        return act.bad(StatusCode::NOT_FOUND, "No such channel.");
     };
     let Some(draining) = flag(&form.draining) else {
-        return state.error_page(
-            StatusCode::BAD_REQUEST,
-            Some(&session),
-            "draining must be true or false.",
-            back,
-        );
+        return act.bad(StatusCode::BAD_REQUEST, "draining must be true or false.");
     };
-    let operator = match session.operator(&form.reason, given(&form.incident).as_deref()) {
+    let operator = match act
+        .session
+        .operator(&form.reason, given(&form.incident).as_deref())
+    {
         Ok(o) => o,
-        Err(e) => return state.ledger_error(&session, &e, back),
+        Err(e) => return act.refused(&e),
     };
-    match state
+    let changed = state
         .inner
         .ledger
         .set_draining(channel, draining, &operator, LedgerTime::Database)
-        .await
-    {
-        Ok(change) => {
-            state.inner.metrics.action(action, "done");
-            let what = match (draining, change.changed) {
-                (true, true) => format!("{channel} is draining."),
-                (true, false) => format!("{channel} was already draining."),
-                (false, _) => format!(
-                    "{channel} is no longer draining; {} withheld deliveries released.",
-                    change.released
-                ),
-            };
-            done(&state, back, &what)
-        }
-        Err(e) => {
-            state.inner.metrics.action(action, "failed");
-            state.ledger_error(&session, &e, back)
-        }
-    }
+        .await;
+    act.finish(changed.map(|change| match (draining, change.changed) {
+        (true, true) => format!("{channel} is draining."),
+        (true, false) => format!("{channel} was already draining."),
+        (false, _) => format!(
+            "{channel} is no longer draining; {} withheld deliveries released.",
+            change.released
+        ),
+    }))
 }
 
 #[derive(Debug, Deserialize)]
@@ -1239,57 +1254,34 @@ async fn rate_set(
     jar: SignedCookieJar,
     Form(form): Form<RateForm>,
 ) -> Response {
-    let action = "rate_set";
-    let session = match who(&state, &headers, &jar).await {
-        Ok(s) => s,
+    let act = match Act::begin(&state, &headers, &jar, &form.csrf, "rate_set", "/").await {
+        Ok(act) => act,
         Err(r) => return r,
     };
-    if let Some(r) = refusal(&state, &session, &form.csrf, action) {
-        return r;
-    }
-    let back = "/";
     let Some((account, channel)) = form.bucket() else {
-        return state.error_page(
-            StatusCode::BAD_REQUEST,
-            Some(&session),
-            "No such bucket.",
-            back,
-        );
+        return act.bad(StatusCode::BAD_REQUEST, "No such bucket.");
     };
     let Ok(rate) = form.rate.trim().parse::<f64>() else {
-        return state.error_page(
+        return act.bad(
             StatusCode::BAD_REQUEST,
-            Some(&session),
             "The rate is a number of sends per second (0 stops sending).",
-            back,
         );
     };
-    let operator = match session.operator(&form.reason, None) {
+    let operator = match act.session.operator(&form.reason, None) {
         Ok(o) => o,
-        Err(e) => return state.ledger_error(&session, &e, back),
+        Err(e) => return act.refused(&e),
     };
-    match state
+    let set = state
         .inner
         .ledger
         .set_rate(&account, channel, rate, None, &operator)
-        .await
-    {
-        Ok(bucket) => {
-            state.inner.metrics.action(action, "done");
-            done(
-                &state,
-                back,
-                &format!(
-                    "Rate of {account} on {channel} set to {} per second.",
-                    bucket.rate_per_second
-                ),
-            )
-        }
-        Err(e) => {
-            state.inner.metrics.action(action, "failed");
-            state.ledger_error(&session, &e, back)
-        }
-    }
+        .await;
+    act.finish(set.map(|bucket| {
+        format!(
+            "Rate of {account} on {channel} set to {} per second.",
+            bucket.rate_per_second
+        )
+    }))
 }
 
 async fn rate_resume(
@@ -1298,26 +1290,16 @@ async fn rate_resume(
     jar: SignedCookieJar,
     Form(form): Form<RateForm>,
 ) -> Response {
-    let action = "rate_resume";
-    let session = match who(&state, &headers, &jar).await {
-        Ok(s) => s,
+    let act = match Act::begin(&state, &headers, &jar, &form.csrf, "rate_resume", "/").await {
+        Ok(act) => act,
         Err(r) => return r,
     };
-    if let Some(r) = refusal(&state, &session, &form.csrf, action) {
-        return r;
-    }
-    let back = "/";
     let Some((account, channel)) = form.bucket() else {
-        return state.error_page(
-            StatusCode::BAD_REQUEST,
-            Some(&session),
-            "No such bucket.",
-            back,
-        );
+        return act.bad(StatusCode::BAD_REQUEST, "No such bucket.");
     };
-    let operator = match session.operator(&form.reason, None) {
+    let operator = match act.session.operator(&form.reason, None) {
         Ok(o) => o,
-        Err(e) => return state.ledger_error(&session, &e, back),
+        Err(e) => return act.refused(&e),
     };
     match state
         .inner
@@ -1325,23 +1307,9 @@ async fn rate_resume(
         .resume_bucket(&account, channel, &operator)
         .await
     {
-        Ok(Some(_)) => {
-            state.inner.metrics.action(action, "done");
-            done(
-                &state,
-                back,
-                &format!("The bucket of {account} on {channel} resumed."),
-            )
-        }
-        Ok(None) => state.error_page(
-            StatusCode::NOT_FOUND,
-            Some(&session),
-            "No such bucket.",
-            back,
-        ),
-        Err(e) => {
-            state.inner.metrics.action(action, "failed");
-            state.ledger_error(&session, &e, back)
+        Ok(None) => act.bad(StatusCode::NOT_FOUND, "No such bucket."),
+        resumed => {
+            act.finish(resumed.map(|_| format!("The bucket of {account} on {channel} resumed.")))
         }
     }
 }
@@ -1438,19 +1406,23 @@ async fn redrive_plan(
     jar: SignedCookieJar,
     Form(form): Form<RedriveForm>,
 ) -> Response {
-    let action = "redrive_plan";
     let timer = Timer::start("redrive_plan");
-    let session = match who(&state, &headers, &jar).await {
-        Ok(s) => s,
+    let act = match Act::begin(
+        &state,
+        &headers,
+        &jar,
+        &form.csrf,
+        "redrive_plan",
+        "/redrives",
+    )
+    .await
+    {
+        Ok(act) => act,
         Err(r) => return r,
     };
-    if let Some(r) = refusal(&state, &session, &form.csrf, action) {
-        return r;
-    }
-    let back = "/redrives";
     let (filter, rate) = match form.filter() {
         Ok(f) => f,
-        Err(m) => return state.error_page(StatusCode::BAD_REQUEST, Some(&session), m, back),
+        Err(m) => return act.bad(StatusCode::BAD_REQUEST, m),
     };
     let response = match state
         .inner
@@ -1459,13 +1431,13 @@ async fn redrive_plan(
         .await
     {
         Ok(plan) => {
-            state.inner.metrics.action(action, "done");
+            state.inner.metrics.action(act.action, "done");
             state.render(
                 Page {
                     template: "redrive_plan.html",
                     key: "redrives",
                     title: "Redrive: dry run",
-                    session: Some(&session),
+                    session: Some(&act.session),
                     refresh: None,
                     notice: None,
                     here: None,
@@ -1474,7 +1446,7 @@ async fn redrive_plan(
                 StatusCode::OK,
             )
         }
-        Err(e) => state.ledger_error(&session, &e, back),
+        Err(e) => state.ledger_error(&act.session, &e, act.back),
     };
     timer.done(&state, response)
 }
@@ -1485,29 +1457,31 @@ async fn redrive_execute(
     jar: SignedCookieJar,
     Form(form): Form<RedriveForm>,
 ) -> Response {
-    let action = "redrive_execute";
-    let session = match who(&state, &headers, &jar).await {
-        Ok(s) => s,
+    let act = match Act::begin(
+        &state,
+        &headers,
+        &jar,
+        &form.csrf,
+        "redrive_execute",
+        "/redrives",
+    )
+    .await
+    {
+        Ok(act) => act,
         Err(r) => return r,
     };
-    if let Some(r) = refusal(&state, &session, &form.csrf, action) {
-        return r;
-    }
-    let back = "/redrives";
     let (filter, rate) = match form.filter() {
         Ok(f) => f,
-        Err(m) => return state.error_page(StatusCode::BAD_REQUEST, Some(&session), m, back),
+        Err(m) => return act.bad(StatusCode::BAD_REQUEST, m),
     };
     let canary = match form.canary() {
         Ok(c) => c,
-        Err(m) => return state.error_page(StatusCode::BAD_REQUEST, Some(&session), m, back),
+        Err(m) => return act.bad(StatusCode::BAD_REQUEST, m),
     };
     let Some(planned) = form.planned.trim().parse::<u32>().ok().filter(|p| *p >= 1) else {
-        return state.error_page(
+        return act.bad(
             StatusCode::BAD_REQUEST,
-            Some(&session),
             "A redrive starts from its dry run: run the dry run, check its counts, then execute.",
-            back,
         );
     };
     // Never more than the dry run showed, though more may have been dead-lettered since.
@@ -1515,32 +1489,24 @@ async fn redrive_execute(
         limit: Some(filter.limit.map_or(planned, |l| l.min(planned))),
         ..filter
     };
-    let operator = match session.operator(&form.reason, given(&form.incident).as_deref()) {
+    let operator = match act
+        .session
+        .operator(&form.reason, given(&form.incident).as_deref())
+    {
         Ok(o) => o,
-        Err(e) => return state.ledger_error(&session, &e, back),
+        Err(e) => return act.refused(&e),
     };
-    match state
+    let started = state
         .inner
         .ledger
         .execute_redrive(&filter, rate, canary, &operator, LedgerTime::Database)
-        .await
-    {
-        Ok(started) => {
-            state.inner.metrics.action(action, "done");
-            done(
-                &state,
-                back,
-                &format!(
-                    "Redrive {} started: {} deliveries at {} per second.",
-                    started.id, started.plan.eligible, started.plan.rate_per_second
-                ),
-            )
-        }
-        Err(e) => {
-            state.inner.metrics.action(action, "failed");
-            state.ledger_error(&session, &e, back)
-        }
-    }
+        .await;
+    act.finish(started.map(|started| {
+        format!(
+            "Redrive {} started: {} deliveries at {} per second.",
+            started.id, started.plan.eligible, started.plan.rate_per_second
+        )
+    }))
 }
 
 #[derive(Debug, Deserialize)]
@@ -1560,55 +1526,38 @@ async fn redrive_change(
     Path(id): Path<String>,
     Form(form): Form<RedriveChangeForm>,
 ) -> Response {
-    let action = "redrive_change";
-    let session = match who(&state, &headers, &jar).await {
-        Ok(s) => s,
+    let act = match Act::begin(
+        &state,
+        &headers,
+        &jar,
+        &form.csrf,
+        "redrive_change",
+        "/redrives",
+    )
+    .await
+    {
+        Ok(act) => act,
         Err(r) => return r,
     };
-    if let Some(r) = refusal(&state, &session, &form.csrf, action) {
-        return r;
-    }
-    let back = "/redrives";
     let Ok(id) = RedriveId::parse(&id) else {
-        return state.error_page(
-            StatusCode::NOT_FOUND,
-            Some(&session),
-            "No such redrive.",
-            back,
-        );
+        return act.bad(StatusCode::NOT_FOUND, "No such redrive.");
     };
-    let operator = match session.operator(&form.reason, None) {
+    let operator = match act.session.operator(&form.reason, None) {
         Ok(o) => o,
-        Err(e) => return state.ledger_error(&session, &e, back),
+        Err(e) => return act.refused(&e),
     };
     let ledger = &state.inner.ledger;
     let at = LedgerTime::Database;
-    let changed = match form.change.as_str() {
-        "pause" => ledger.pause_redrive(id, &operator, at).await,
-        "resume" => ledger.resume_redrive(id, &operator, at).await,
-        "cancel" => ledger.cancel_redrive(id, &operator, at).await,
+    let (changed, verb) = match form.change.as_str() {
+        "pause" => (ledger.pause_redrive(id, &operator, at).await, "paused"),
+        "resume" => (ledger.resume_redrive(id, &operator, at).await, "resumed"),
+        "cancel" => (ledger.cancel_redrive(id, &operator, at).await, "cancelled"),
         _ => {
-            return state.error_page(
+            return act.bad(
                 StatusCode::BAD_REQUEST,
-                Some(&session),
                 "A redrive is paused, resumed or cancelled.",
-                back,
             );
         }
     };
-    match changed {
-        Ok(()) => {
-            state.inner.metrics.action(action, "done");
-            let verb = match form.change.as_str() {
-                "pause" => "paused",
-                "resume" => "resumed",
-                _ => "cancelled",
-            };
-            done(&state, back, &format!("Redrive {id} {verb}."))
-        }
-        Err(e) => {
-            state.inner.metrics.action(action, "failed");
-            state.ledger_error(&session, &e, back)
-        }
-    }
+    act.finish(changed.map(|()| format!("Redrive {id} {verb}.")))
 }
