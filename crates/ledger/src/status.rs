@@ -161,6 +161,8 @@ pub struct TenantLateness {
     pub channel: Channel,
     /// The tenant's own account on the channel; None: the workers' default.
     pub account: Option<ProviderAccount>,
+    /// Its intake is paused (`nudgectl tenant pause`): what it already had still goes out.
+    pub intake_paused: bool,
     /// `scheduled` or `retry_wait` whose time has come, not yet claimed by the relay.
     pub due: u64,
     /// Claimed and published, waiting for a worker.
@@ -190,6 +192,7 @@ pub struct TenantLatenessReport {
 struct TenantRow {
     tenant_id: uuid::Uuid,
     tenant: String,
+    intake_paused: bool,
     channel: String,
     account: Option<String>,
     due: i64,
@@ -215,7 +218,8 @@ impl Ledger {
         let rows: Vec<TenantRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "WITH c AS (SELECT COALESCE($1, now()) AS at),
              work AS ({LIVE_WORK})
-             SELECT w.tenant_id, t.name AS tenant, w.channel, tc.provider_account AS account,
+             SELECT w.tenant_id, t.name AS tenant, t.intake_paused, w.channel,
+                    tc.provider_account AS account,
                     w.due, w.queued, w.sending, w.backoff, w.awaiting_account, w.quiet_hours,
                     w.oldest_eligible_age_s, count(*) OVER () AS total
              FROM work w JOIN tenants t ON t.id = w.tenant_id
@@ -236,6 +240,7 @@ impl Ledger {
                 Ok(TenantLateness {
                     tenant_id: TenantId::from_uuid(r.tenant_id),
                     tenant: r.tenant,
+                    intake_paused: r.intake_paused,
                     channel: r
                         .channel
                         .parse()
