@@ -663,7 +663,8 @@ const SPARK_MINUTES: u32 = 60;
 const SPARK_W: f64 = 120.0;
 const SPARK_H: f64 = 24.0;
 
-/// One channel's last hour, drawn: the oldest eligible wait and the deliveries per minute.
+/// One channel's last hour, drawn: the oldest eligible wait, and the deliveries and the 429s
+/// per minute.
 #[derive(Debug, serde::Serialize)]
 struct Trend {
     channel: &'static str,
@@ -672,6 +673,8 @@ struct Trend {
     age_max: f64,
     delivered_points: String,
     delivered_max: u64,
+    throttled_points: String,
+    throttled_max: u64,
     /// The last sampled minute: deliveries and 429s (None before the first sample).
     delivered_last: Option<u64>,
     throttled_last: Option<u64>,
@@ -713,12 +716,17 @@ fn trends(samples: &[nudge_ledger::LedgerSample], now: chrono::DateTime<Utc>) ->
                 mine.iter().map(|s| (x(s.at), s.delivered as f64)).collect();
             let age_max = ages.iter().map(|(_, v)| *v).fold(0.0, f64::max);
             let delivered_max = mine.iter().map(|s| s.delivered).max().unwrap_or(0);
+            let throttled: Vec<(f64, f64)> =
+                mine.iter().map(|s| (x(s.at), s.throttled as f64)).collect();
+            let throttled_max = mine.iter().map(|s| s.throttled).max().unwrap_or(0);
             Trend {
                 channel: channel.as_str(),
                 age_points: polyline(&ages, age_max),
                 age_max,
                 delivered_points: polyline(&delivered, delivered_max as f64),
                 delivered_max,
+                throttled_points: polyline(&throttled, throttled_max as f64),
+                throttled_max,
                 delivered_last: mine.last().map(|s| s.delivered),
                 throttled_last: mine.last().map(|s| s.throttled),
                 samples: mine.len(),
@@ -1560,4 +1568,53 @@ async fn redrive_change(
         }
     };
     act.finish(changed.map(|()| format!("Redrive {id} {verb}.")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nudge_ledger::LedgerSample;
+
+    fn sample(
+        minutes_ago: i64,
+        channel: Channel,
+        age: Option<f64>,
+        delivered: u64,
+    ) -> LedgerSample {
+        let now = chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        LedgerSample {
+            at: now - chrono::Duration::minutes(minutes_ago),
+            channel,
+            oldest_eligible_age_s: age,
+            delivered,
+            throttled: delivered / 10,
+        }
+    }
+
+    #[test]
+    fn each_channel_is_drawn_from_its_own_samples_across_the_hour() {
+        let now = chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        let samples = [
+            sample(60, Channel::Sms, Some(0.0), 0),
+            sample(30, Channel::Sms, Some(90.0), 100),
+            sample(0, Channel::Sms, None, 50),
+            sample(30, Channel::Email, Some(5.0), 20),
+        ];
+        let drawn = trends(&samples, now);
+        assert_eq!(drawn.len(), 3, "every channel, with or without samples");
+        let sms = drawn.iter().find(|t| t.channel == "sms").unwrap();
+        assert_eq!(sms.samples, 3);
+        assert_eq!(sms.age_max, 90.0);
+        assert_eq!((sms.delivered_max, sms.throttled_max), (100, 10));
+        assert_eq!(
+            (sms.delivered_last, sms.throttled_last),
+            (Some(50), Some(5))
+        );
+        // x runs from 0 (an hour ago) to 120 (now); y from 23 (0) to 1 (the largest).
+        assert_eq!(sms.age_points, "0.0,23.0 60.0,1.0 120.0,23.0");
+        assert_eq!(sms.delivered_points, "0.0,23.0 60.0,1.0 120.0,12.0");
+        let push = drawn.iter().find(|t| t.channel == "push").unwrap();
+        assert_eq!((push.samples, push.age_points.as_str()), (0, ""));
+        assert_eq!(push.delivered_last, None);
+    }
 }
