@@ -88,10 +88,27 @@ impl QuietHours {
         }
     }
 
-    /// Whether `instant` is inside a window in `zone`; if so, when that window ends.
+    /// Whether `instant` is inside a window in `zone`; if so, when the quiet ends: the
+    /// window's end, or the end of the next one when that starts right there (on the day the
+    /// clocks jump over the free time between them, two windows touch).
     pub fn quiet_until(&self, zone: Zone, instant: DateTime<Utc>) -> Option<DateTime<Utc>> {
         let span = self.around(zone, instant);
-        span.contains(instant).then_some(span.end)
+        span.contains(instant).then(|| self.joined_end(zone, span))
+    }
+
+    /// The end of `span`, or of the windows that start at its end, one after the other. A
+    /// window lasts less than a day and the free time between two vanishes only inside a
+    /// jump, so two steps reach free time; the bound only guards the loop.
+    fn joined_end(&self, zone: Zone, span: QuietSpan) -> DateTime<Utc> {
+        let mut end = span.end;
+        for _ in 0..4 {
+            let next = self.around(zone, end);
+            if !next.contains(end) {
+                break;
+            }
+            end = next.end;
+        }
+        end
     }
 
     /// The window that starts on local `date`.
@@ -231,13 +248,14 @@ pub fn quiet_verdict(
     if !span.contains(now) {
         return QuietVerdict::Send {
             next_start: span.start,
-            next_end: span.end,
+            next_end: hours.joined_end(zone, span),
         };
     }
-    if expires_at <= span.end {
+    let end = hours.joined_end(zone, span);
+    if expires_at <= end {
         QuietVerdict::Expire
     } else {
-        QuietVerdict::Defer { until: span.end }
+        QuietVerdict::Defer { until: end }
     }
 }
 
@@ -491,6 +509,29 @@ mod tests {
                 assert_eq!(span.start, utc(next), "{} {} at {}", r.zone, h, r.at);
             }
         }
+    }
+
+    /// 02:11:50 to 02:00 in Berlin leaves 02:00 to 02:11:50 free, a time the clocks jump
+    /// over on 28 March 2027: that day the night's window ends where the next begins, and a
+    /// delivery deferred then waits for the end of the next one (found by the property below).
+    #[test]
+    fn windows_that_touch_on_a_jump_forward_defer_past_both() {
+        let h = hours("02:11:50", "02:00");
+        let z = zone("Europe/Berlin");
+        // 02:11:50 CET on the 27th, the window's start.
+        let due = Utc.timestamp_opt(1_806_109_910, 0).unwrap();
+        // Expiring a second after the jump (03:00:01 CEST on the 28th): still quiet, so it
+        // expires rather than waking at the jump, inside the next window.
+        let expires = due + Duration::seconds(85_691);
+        assert_eq!(quiet_verdict(h, z, due, expires), QuietVerdict::Expire);
+        // Living longer, it waits for the end of both: 02:00 CEST on the 29th.
+        let QuietVerdict::Defer { until } = quiet_verdict(h, z, due, due + Duration::days(3))
+        else {
+            panic!("deferred, not expired or sent");
+        };
+        assert_eq!(until, utc("2027-03-29T00:00:00Z"));
+        assert_eq!(h.quiet_until(z, until), None, "{until} is free");
+        assert_eq!(h.quiet_until(z, due), Some(until));
     }
 
     #[test]
