@@ -447,3 +447,66 @@ pub async fn set_read_only(pool: &PgPool, on: bool) {
         .await
         .unwrap();
 }
+
+/// A reminder of `tenant` due at `scheduled_at`, expiring `ttl` later, whose SMS was answered
+/// 400 (terminal) at `scheduled_at`: a dead letter with one attempt, as a redrive finds it.
+pub async fn dead_letter(
+    ledger: &Ledger,
+    tenant: TenantId,
+    event: &str,
+    scheduled_at: DateTime<Utc>,
+    ttl: chrono::Duration,
+) -> nudge_domain::DeliveryId {
+    use nudge_domain::{AttemptContext, FixedJitter, RetryPolicy, SendOutcome, decide};
+    let reminder = NewReminder::new(
+        tenant,
+        EventId::parse(event).unwrap(),
+        SubscriberRef::parse("patient-0001").unwrap(),
+        &[Channel::Sms],
+        scheduled_at,
+        scheduled_at + ttl,
+    )
+    .unwrap();
+    let created = ledger
+        .create_reminder(&reminder, &cipher(), scheduled_at)
+        .await
+        .unwrap();
+    ledger
+        .materialise_reminder(tenant, created.id, scheduled_at)
+        .await
+        .unwrap();
+    let due = ledger
+        .claim_due(Channel::Sms, 10, at(scheduled_at))
+        .await
+        .unwrap()
+        .remove(0);
+    let lease = leased(lease(ledger, &due, scheduled_at).await);
+    let ctx = AttemptContext {
+        attempt_number: lease.attempt_number - lease.attempt_base,
+        expires_at: lease.expires_at,
+        idempotency: IdempotencySupport::Honoured,
+    };
+    let outcome = SendOutcome::Response {
+        status: 400,
+        retry_after: None,
+        provider_message_id: None,
+    };
+    let decision = decide(
+        &ctx,
+        &outcome,
+        scheduled_at,
+        &RetryPolicy::default(),
+        &mut FixedJitter::new(1_000),
+    );
+    let attempt = AttemptRecord {
+        started_at: scheduled_at,
+        finished_at: scheduled_at,
+        worker: "worker-1".into(),
+        correlation_id: None,
+    };
+    assert_eq!(
+        record(ledger, &lease, &decision, &attempt, scheduled_at).await,
+        Recorded::Applied
+    );
+    due.id
+}

@@ -4,14 +4,11 @@
 
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use nudge_console::{AppState, ConsoleMetrics, ConsoleSection, serve};
-use nudge_domain::{
-    AttemptContext, Channel, DeliveryId, EventId, FixedJitter, IdempotencySupport, RetryPolicy,
-    SendOutcome, SubscriberRef, TenantId, decide,
-};
+use nudge_domain::Channel;
 use nudge_ledger::test_support::*;
-use nudge_ledger::{AttemptRecord, ConsoleRole, Ledger, NewReminder, Recorded};
+use nudge_ledger::{ConsoleRole, Ledger};
 use reqwest::StatusCode;
 use reqwest::redirect::Policy;
 use sqlx::PgPool;
@@ -113,73 +110,19 @@ async fn audit_count(pool: &PgPool, action: &str) -> i64 {
         .unwrap()
 }
 
-/// A reminder due at `scheduled_at` whose SMS was answered 400: dead-lettered, redrivable
-/// for an hour.
-async fn dead_letter(
-    ledger: &Ledger,
-    tenant: TenantId,
-    event: &str,
-    now: DateTime<Utc>,
-) -> DeliveryId {
-    let reminder = NewReminder::new(
-        tenant,
-        EventId::parse(event).unwrap(),
-        SubscriberRef::parse("patient-0001").unwrap(),
-        &[Channel::Sms],
-        now,
-        now + chrono::Duration::hours(1),
-    )
-    .unwrap();
-    let created = ledger
-        .create_reminder(&reminder, &cipher(), now)
-        .await
-        .unwrap();
-    ledger
-        .materialise_reminder(tenant, created.id, now)
-        .await
-        .unwrap();
-    let due = ledger
-        .claim_due(Channel::Sms, 10, at(now))
-        .await
-        .unwrap()
-        .remove(0);
-    let lease = leased(lease(ledger, &due, now).await);
-    let ctx = AttemptContext {
-        attempt_number: lease.attempt_number,
-        expires_at: lease.expires_at,
-        idempotency: IdempotencySupport::Honoured,
-    };
-    let outcome = SendOutcome::Response {
-        status: 400,
-        retry_after: None,
-        provider_message_id: None,
-    };
-    let decision = decide(
-        &ctx,
-        &outcome,
-        now,
-        &RetryPolicy::default(),
-        &mut FixedJitter::new(1_000),
-    );
-    let attempt = AttemptRecord {
-        started_at: now,
-        finished_at: now,
-        worker: "worker-1".into(),
-        correlation_id: None,
-    };
-    assert_eq!(
-        record(ledger, &lease, &decision, &attempt, now).await,
-        Recorded::Applied
-    );
-    due.id
-}
-
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
 async fn a_viewer_reads_every_page_and_every_action_of_theirs_is_refused(pool: PgPool) {
     let owner = Ledger::from_pool(pool.clone());
     let clinic = tenant(&owner).await;
     let now = db_now(&owner).await;
-    let dead = dead_letter(&owner, clinic.id, "appt-dead", now).await;
+    let dead = dead_letter(
+        &owner,
+        clinic.id,
+        "appt-dead",
+        now,
+        chrono::Duration::hours(1),
+    )
+    .await;
     owed(
         &owner,
         clinic.id,
@@ -446,7 +389,14 @@ async fn an_operator_redrives_dead_letters_after_a_dry_run_and_can_pause_it(pool
     let clinic = tenant(&owner).await;
     let now = db_now(&owner).await;
     for i in 0..3 {
-        dead_letter(&owner, clinic.id, &format!("appt-{i}"), now).await;
+        dead_letter(
+            &owner,
+            clinic.id,
+            &format!("appt-{i}"),
+            now,
+            chrono::Duration::hours(1),
+        )
+        .await;
     }
     let (_, secret) = token(&owner, "otto", ConsoleRole::Operator).await;
     let console = Console::start(&pool, section()).await;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use nudge_domain::{
     AttemptContext, Channel, DeliveryId, DeliveryState, EventId, FixedJitter, IdempotencySupport,
-    Lane, RetryPolicy, SendOutcome, SubscriberRef, TenantId, decide,
+    Lane, RetryPolicy, SendOutcome, SubscriberRef, decide,
 };
 use nudge_ledger::test_support::*;
 use nudge_ledger::{
@@ -56,42 +56,6 @@ async fn answer_with(
         Recorded::Applied
     );
     decision
-}
-
-/// A reminder scheduled at `scheduled_at`, expiring `ttl` later, whose SMS was answered 400
-/// (terminal) at `scheduled_at`: a dead letter with one attempt.
-async fn dead_letter(
-    ledger: &Ledger,
-    tenant: TenantId,
-    event: &str,
-    scheduled_at: DateTime<Utc>,
-    ttl: chrono::Duration,
-) -> DeliveryId {
-    let reminder = NewReminder::new(
-        tenant,
-        EventId::parse(event).unwrap(),
-        SubscriberRef::parse("patient-0001").unwrap(),
-        &[Channel::Sms],
-        scheduled_at,
-        scheduled_at + ttl,
-    )
-    .unwrap();
-    let created = ledger
-        .create_reminder(&reminder, &cipher(), scheduled_at)
-        .await
-        .unwrap();
-    ledger
-        .materialise_reminder(tenant, created.id, scheduled_at)
-        .await
-        .unwrap();
-    let due = ledger
-        .claim_due(Channel::Sms, 10, at(scheduled_at))
-        .await
-        .unwrap()
-        .remove(0);
-    let lease = leased(lease(ledger, &due, scheduled_at).await);
-    answer(ledger, &lease, response(400), scheduled_at).await;
-    due.id
 }
 
 fn sms() -> RedriveFilter {
