@@ -481,3 +481,254 @@ async fn no_role_but_the_owner_writes_or_deletes_an_event(pool: PgPool) {
         "only the janitor numbers"
     );
 }
+
+fn delivered_receipt(key: &str, status: &str, lease: &LeasedDelivery) -> Receipt {
+    Receipt {
+        account: account("main"),
+        event_key: key.into(),
+        delivery_key: Some(lease.idempotency_key.clone()),
+        status: status.into(),
+        outcome: ReceiptOutcome::Delivered,
+        contact_flag: None,
+        code: None,
+        provider_message_id: Some("prov-123".into()),
+    }
+}
+
+async fn kinds_of(
+    ledger: &Ledger,
+    tenant: TenantId,
+    event_id: &str,
+) -> Vec<(DeliveryEventKind, i32)> {
+    all_events(ledger, tenant)
+        .await
+        .into_iter()
+        .filter(|e| e.event_id == event_id)
+        .map(|e| (e.kind, e.delivery_seq))
+        .collect()
+}
+
+/// A receipt saying delivered is told once per delivery (migration 20261224000001): one that
+/// arrives before the send is recorded (the delivery still `sending`) is told right after the
+/// `sent`, and a later receipt saying the same (`read` after `delivered`), in its own batch or
+/// in one with the first, tells nothing more.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_delivery_is_told_delivered_once_whether_its_receipt_comes_before_or_after_its_send(
+    pool: PgPool,
+) {
+    let owner = Ledger::from_pool(pool.clone());
+    let worker = connected_as(&pool, "nudge_worker").await;
+    let intake = connected_as(&pool, "nudge_intake").await;
+    let tenant = tenant(&owner).await;
+    let early = owed(&owner, tenant.id, "early", &[Channel::Sms], t0()).await;
+    let late = owed(&owner, tenant.id, "late", &[Channel::Sms], t0()).await;
+    let both = owed(&owner, tenant.id, "both", &[Channel::Sms], t0()).await;
+    let mut leases = Vec::new();
+    for due in claim_all(&owner, t0()).await {
+        leases.push(leased(lease(&worker, &due, t0()).await));
+    }
+    let of = |reminder: nudge_domain::ReminderId| -> LeasedDelivery {
+        leases
+            .iter()
+            .find(|l| l.reminder_id == reminder)
+            .unwrap()
+            .clone()
+    };
+    let (early, late, both) = (of(early), of(late), of(both));
+
+    // Before its send is recorded: nothing to tell yet.
+    intake
+        .record_receipts(
+            &[delivered_receipt("SM-early:delivered", "delivered", &early)],
+            LedgerTime::Database,
+        )
+        .await
+        .unwrap();
+    assert_eq!(written(&owner).await, 3, "only the three scheduled");
+
+    // Settled by the owner: the worker's role refuses a settlement at the test's fixed time.
+    for lease in [&early, &late, &both] {
+        assert_eq!(settle(&owner, lease, 202, t0()).await, Recorded::Applied);
+    }
+    intake
+        .record_receipts(
+            &[delivered_receipt("SM-late:delivered", "delivered", &late)],
+            LedgerTime::Database,
+        )
+        .await
+        .unwrap();
+    intake
+        .record_receipts(
+            &[
+                delivered_receipt("SM-both:delivered", "delivered", &both),
+                delivered_receipt("SM-both:read", "read", &both),
+            ],
+            LedgerTime::Database,
+        )
+        .await
+        .unwrap();
+    // Said again later: told already.
+    for lease in [&early, &late] {
+        intake
+            .record_receipts(
+                &[delivered_receipt(
+                    &format!("{}:read", lease.id.as_uuid()),
+                    "read",
+                    lease,
+                )],
+                LedgerTime::Database,
+            )
+            .await
+            .unwrap();
+    }
+
+    owner.sequence_events(100).await.unwrap();
+    let told = [
+        (DeliveryEventKind::Scheduled, 1),
+        (DeliveryEventKind::Sent, 2),
+        (DeliveryEventKind::Delivered, 3),
+    ];
+    for event_id in ["early", "late", "both"] {
+        assert_eq!(
+            kinds_of(&owner, tenant.id, event_id).await,
+            told,
+            "{event_id}"
+        );
+    }
+    let confirmed: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT e.event_id, e.reason FROM delivery_events e
+         WHERE e.kind = 'delivered' ORDER BY e.event_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        confirmed,
+        ["both", "early", "late"].map(|id| (id.to_owned(), Some("receipt: delivered".to_owned())))
+    );
+    let counts: Vec<i32> =
+        sqlx::query_scalar("SELECT event_seq FROM deliveries ORDER BY event_seq")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(counts, [3, 3, 3], "each delivery counts what it told");
+}
+
+/// The statement trigger returns at once for a statement none of whose rows is an event (no
+/// row's `event_seq` counted one, migration 20261224000001): a statement that changes no state
+/// writes nothing, alone or in a transaction with one that does, and one that writes
+/// `event_seq` itself makes the trigger look and find nothing.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_transaction_writes_the_events_of_its_changes_whatever_came_before_them(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    let first = owed(
+        &ledger,
+        tenant.id,
+        "appt-1",
+        &[Channel::Sms],
+        t0() + secs(600),
+    )
+    .await;
+    let second = owed(
+        &ledger,
+        tenant.id,
+        "appt-2",
+        &[Channel::Sms],
+        t0() + secs(600),
+    )
+    .await;
+    let touch = "UPDATE deliveries SET updated_at = now() WHERE reminder_id = $1";
+    let cancel = "UPDATE deliveries SET state = 'cancelled', settled_at = now(), \
+                  next_attempt_at = NULL WHERE reminder_id = $1";
+
+    sqlx::query(touch)
+        .bind(first.as_uuid())
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(written(&ledger).await, 2, "a touch alone: none");
+
+    let mut tx = pool.begin().await.unwrap();
+    for (sql, reminder) in [
+        (touch, first),
+        (cancel, first),
+        (touch, second),
+        (cancel, second),
+    ] {
+        sqlx::query(sql)
+            .bind(reminder.as_uuid())
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    assert_eq!(
+        written(&ledger).await,
+        4,
+        "both cancellations, nothing for the touches"
+    );
+
+    let first_seq: i32 =
+        sqlx::query_scalar("SELECT event_seq FROM deliveries WHERE reminder_id = $1")
+            .bind(first.as_uuid())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    sqlx::query("UPDATE deliveries SET event_seq = event_seq + 5 WHERE reminder_id = $1")
+        .bind(first.as_uuid())
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        written(&ledger).await,
+        4,
+        "a count written by hand is no event"
+    );
+    assert_eq!(first_seq, 2, "scheduled, cancelled");
+}
+
+/// An adopted failover moves the positions on (migration 20261224000001): the promoted
+/// replica may have missed commits that numbered events a client has read, so every event
+/// numbered after it comes after any position given before.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn positions_move_on_after_an_adopted_failover(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    ledger.observe_identity().await.unwrap();
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "appt-1", &[Channel::Sms], t0()).await;
+    ledger.sequence_events(100).await.unwrap();
+    let before = all_events(&ledger, tenant.id).await;
+    assert_eq!(before.len(), 1);
+
+    // A replica took over: a new timeline, the primary's last heartbeat 5 s old.
+    sqlx::query(
+        "UPDATE ledger_identity SET timeline_id = timeline_id + 1,
+                heartbeat_at = now() - interval '5 seconds'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        ledger.ensure_not_restored().await.unwrap().verdict,
+        nudge_ledger::IdentityVerdict::Failover
+    );
+    owed(&ledger, tenant.id, "appt-2", &[Channel::Sms], t0()).await;
+    ledger.sequence_events(100).await.unwrap();
+    let after = ledger
+        .tenant_events(tenant.id, before[0].position, 100)
+        .await
+        .unwrap();
+    assert_eq!(after.events.len(), 1);
+    assert_eq!(after.events[0].position, before[0].position + (1 << 40) + 1);
+
+    // Seen the same afterwards: no further move.
+    assert_eq!(
+        ledger.observe_identity().await.unwrap().verdict,
+        nudge_ledger::IdentityVerdict::Same
+    );
+    owed(&ledger, tenant.id, "appt-3", &[Channel::Sms], t0()).await;
+    ledger.sequence_events(100).await.unwrap();
+    let last = all_events(&ledger, tenant.id).await;
+    assert_eq!(last[2].position, last[1].position + 1);
+}

@@ -336,6 +336,33 @@ async fn a_tenant_whose_own_account_no_worker_has_waits_visibly_and_goes_out_onc
         matches!(outcome, LeaseOutcome::AccountUnavailable { .. }),
         "{outcome:?}"
     );
+    // The client was told once that it waits for its account, not again at each look
+    // (migration 20261224000001): the second give-back writes no event and counts none.
+    let told: Vec<(String, Option<String>, i32)> = sqlx::query_as(
+        "SELECT kind, reason, delivery_seq FROM delivery_events WHERE delivery_id = $1
+         ORDER BY id",
+    )
+    .bind(ours.id.as_uuid())
+    .fetch_all(ledger.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        told,
+        [
+            ("scheduled".to_owned(), None, 1),
+            (
+                "deferred".to_owned(),
+                Some("account_unavailable".to_owned()),
+                2
+            )
+        ]
+    );
+    let counted: i32 = sqlx::query_scalar("SELECT event_seq FROM deliveries WHERE id = $1")
+        .bind(ours.id.as_uuid())
+        .fetch_one(ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(counted, 2);
 
     // A worker with the account starts and announces it: a worker without it now leaves the
     // delivery queued for that one, which sends it through the tenant's account.

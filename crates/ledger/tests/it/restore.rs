@@ -283,12 +283,26 @@ async fn the_dry_run_counts_what_the_execute_holds_and_changes_nothing(pool: PgP
         .await
         .unwrap();
     assert_eq!(deliveries, 7, "the dry run created no delivery");
+    // Events' positions move on past what the lost history gave only when a reconciliation
+    // commits (migration 20261224000001): the dry run leaves the sequence where it was.
+    let positions = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END
+             FROM delivery_event_positions",
+        )
+        .fetch_one(ledger.pool())
+        .await
+        .unwrap()
+    };
+    let before = positions().await;
+    assert!(before < 1 << 40, "{before}");
 
     let executed = ledger
         .reconcile_restore(r.since, &[], &ops, true)
         .await
         .unwrap();
     assert!(executed.executed);
+    assert_eq!(positions().await, before + (1 << 40));
     assert_eq!(executed.held, plan.held);
     assert_eq!(executed.materialised_held, plan.materialised_held);
     assert_eq!(executed.for_review, plan.for_review);
