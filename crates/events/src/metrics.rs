@@ -38,6 +38,9 @@ type F64Gauge = Gauge<f64, AtomicU64>;
 /// - `nudge_events_webhooks{state}`: `enabled`, `failing` (enabled, a retry waiting),
 ///   `disabled` (by nudge-events, after failing; alerted) and `disabled_by_operator`; read
 ///   from the ledger every `events.metrics_interval_ms`.
+/// - `nudge_events_webhooks_behind`: enabled webhooks with numbered events their endpoint has
+///   not acknowledged; `nudge_events_oldest_unacknowledged_seconds`: how long ago the oldest
+///   of those happened (0 when none is behind). Read with the states.
 #[derive(Debug)]
 pub struct EventsMetrics {
     registry: Arc<MetricRegistry>,
@@ -47,6 +50,8 @@ pub struct EventsMetrics {
     disabled: Counter,
     lag: Histogram,
     webhooks: Family<StateLabels, Gauge>,
+    behind: Gauge,
+    oldest_unacknowledged: F64Gauge,
     refreshed: F64Gauge,
 }
 
@@ -67,6 +72,8 @@ impl EventsMetrics {
             disabled: Counter::default(),
             lag: Histogram::new(exponential_buckets(0.01, 2.0, 16)),
             webhooks: Family::default(),
+            behind: Gauge::default(),
+            oldest_unacknowledged: F64Gauge::default(),
             refreshed: F64Gauge::default(),
         };
         registry.register(
@@ -98,6 +105,16 @@ impl EventsMetrics {
             "nudge_events_webhooks",
             "Tenants' webhooks by state (enabled, failing, disabled, disabled_by_operator)",
             metrics.webhooks.clone(),
+        );
+        registry.register(
+            "nudge_events_webhooks_behind",
+            "Enabled webhooks with numbered events their endpoint has not acknowledged",
+            metrics.behind.clone(),
+        );
+        registry.register(
+            "nudge_events_oldest_unacknowledged_seconds",
+            "How long ago the oldest event an enabled webhook has not acknowledged happened",
+            metrics.oldest_unacknowledged.clone(),
         );
         registry.register(
             "nudge_events_webhooks_refreshed_timestamp_seconds",
@@ -150,6 +167,10 @@ impl EventsMetrics {
         set("failing", counts.failing);
         set("disabled", counts.disabled);
         set("disabled_by_operator", counts.disabled_by_operator);
+        self.behind
+            .set(i64::try_from(counts.behind).unwrap_or(i64::MAX));
+        self.oldest_unacknowledged
+            .set(counts.oldest_unacknowledged_s);
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());

@@ -45,8 +45,39 @@ struct Refusal {
     why: &'static str,
 }
 
-/// Signing secrets sealed again per transaction by [`Ledger::reseal_tenant_secrets`].
+/// Secrets sealed again per transaction by [`Ledger::reseal_tenant_secrets`].
 const RESEAL_BATCH: i64 = 500;
+
+/// Secrets sealed like the intake's signing secrets, each table's with its associated data
+/// (what binds a sealed secret to its row).
+struct SealedSecrets {
+    /// Up to `$1` rows still sealed with the destination key, locked.
+    select: &'static str,
+    /// Seals row (`$1`, `$2`) again: `$3` the new ciphertext, `$4` what sealed it.
+    update: &'static str,
+    aad: fn(uuid::Uuid, i32) -> Vec<u8>,
+}
+
+const SEALED_SECRETS: [SealedSecrets; 2] = [
+    SealedSecrets {
+        select: "SELECT tenant_id, generation, secret_ciphertext FROM tenant_secrets
+                 WHERE sealed_with = 'destination_key'
+                 ORDER BY tenant_id, generation LIMIT $1
+                 FOR UPDATE",
+        update: "UPDATE tenant_secrets SET secret_ciphertext = $3, sealed_with = $4
+                 WHERE tenant_id = $1 AND generation = $2",
+        aad: secret_aad,
+    },
+    SealedSecrets {
+        select: "SELECT tenant_id, generation, secret_ciphertext FROM tenant_webhook_secrets
+                 WHERE sealed_with = 'destination_key'
+                 ORDER BY tenant_id, generation LIMIT $1
+                 FOR UPDATE",
+        update: "UPDATE tenant_webhook_secrets SET secret_ciphertext = $3, sealed_with = $4
+                 WHERE tenant_id = $1 AND generation = $2",
+        aad: crate::webhooks::secret_aad,
+    },
+];
 
 /// A tenant and its operator flags.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -475,11 +506,12 @@ impl Ledger {
             .transpose()
     }
 
-    /// Seals again under the tenant secret key every signing secret still sealed with the
-    /// destination key (written before `crypto.tenant_secret_key` existed); `nudgectl migrate`
-    /// runs it once both keys are configured. 500 rows per transaction, each row locked,
-    /// opened, sealed and marked; running it again resumes. Returns how many it sealed again.
-    /// Needs the tenant secret key ([`LedgerError::TenantSecretKeyMissing`]).
+    /// Seals again under the tenant secret key every secret still sealed with the destination
+    /// key (written before `crypto.tenant_secret_key` existed): the intake's signing secrets
+    /// (`tenant_secrets`) and the events' webhook secrets (`tenant_webhook_secrets`); `nudgectl
+    /// migrate` runs it once both keys are configured. 500 rows per transaction, each row
+    /// locked, opened, sealed and marked; running it again resumes. Returns how many it sealed
+    /// again. Needs the tenant secret key ([`LedgerError::TenantSecretKeyMissing`]).
     pub async fn reseal_tenant_secrets(
         &self,
         cipher: &DestinationCipher,
@@ -488,44 +520,51 @@ impl Ledger {
             return Err(LedgerError::TenantSecretKeyMissing);
         }
         let mut resealed = 0;
+        for secrets in &SEALED_SECRETS {
+            resealed += self.reseal_secrets_of(secrets, cipher).await?;
+        }
+        Ok(resealed)
+    }
+
+    async fn reseal_secrets_of(
+        &self,
+        secrets: &SealedSecrets,
+        cipher: &DestinationCipher,
+    ) -> Result<u64, LedgerError> {
+        let mut resealed = 0;
         loop {
             let mut tx = self.pool.begin().await?;
-            let rows: Vec<(uuid::Uuid, i32, Vec<u8>)> = sqlx::query_as(
-                "SELECT tenant_id, generation, secret_ciphertext FROM tenant_secrets
-                 WHERE sealed_with = 'destination_key'
-                 ORDER BY tenant_id, generation LIMIT $1
-                 FOR UPDATE",
-            )
-            .bind(RESEAL_BATCH)
-            .fetch_all(&mut *tx)
-            .await?;
+            let rows: Vec<(uuid::Uuid, i32, Vec<u8>)> = sqlx::query_as(secrets.select)
+                .bind(RESEAL_BATCH)
+                .fetch_all(&mut *tx)
+                .await?;
             if rows.is_empty() {
                 return Ok(resealed);
             }
             for (tenant_id, generation, sealed) in &rows {
-                let aad = secret_aad(*tenant_id, *generation);
+                let aad = (secrets.aad)(*tenant_id, *generation);
                 let plain = cipher.open_tenant_secret(sealed, SealedWith::DestinationKey, &aad)?;
                 let (again, with) = cipher.seal_tenant_secret(&plain, &aad)?;
-                sqlx::query(
-                    "UPDATE tenant_secrets SET secret_ciphertext = $3, sealed_with = $4
-                     WHERE tenant_id = $1 AND generation = $2",
-                )
-                .bind(tenant_id)
-                .bind(generation)
-                .bind(again)
-                .bind(with.as_str())
-                .execute(&mut *tx)
-                .await?;
+                sqlx::query(secrets.update)
+                    .bind(tenant_id)
+                    .bind(generation)
+                    .bind(again)
+                    .bind(with.as_str())
+                    .execute(&mut *tx)
+                    .await?;
             }
             tx.commit().await?;
             resealed += rows.len() as u64;
         }
     }
 
-    /// How many signing secrets are still sealed with the destination key.
+    /// How many secrets (the intake's signing secrets and the webhooks') are still sealed with
+    /// the destination key.
     pub async fn tenant_secrets_sealed_with_destination_key(&self) -> Result<u64, LedgerError> {
         let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM tenant_secrets WHERE sealed_with = 'destination_key'",
+            "SELECT (SELECT count(*) FROM tenant_secrets WHERE sealed_with = 'destination_key')
+                    + (SELECT count(*) FROM tenant_webhook_secrets
+                       WHERE sealed_with = 'destination_key')",
         )
         .fetch_one(&self.pool)
         .await?;

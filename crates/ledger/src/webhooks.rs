@@ -59,7 +59,7 @@ impl WebhookSecret {
     }
 }
 
-fn secret_aad(tenant_id: Uuid, generation: i32) -> Vec<u8> {
+pub(crate) fn secret_aad(tenant_id: Uuid, generation: i32) -> Vec<u8> {
     format!("tenant-webhook-secret:{tenant_id}:{generation}").into_bytes()
 }
 
@@ -193,7 +193,7 @@ pub enum FailureRecorded {
 }
 
 /// How many webhooks are in each state (the push's gauges).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct WebhookCounts {
     pub enabled: u64,
     /// Enabled and failing (a retry is waiting).
@@ -202,6 +202,11 @@ pub struct WebhookCounts {
     pub disabled: u64,
     /// Disabled by an operator.
     pub disabled_by_operator: u64,
+    /// Enabled, with numbered events their endpoint has not acknowledged yet.
+    pub behind: u64,
+    /// How long ago the oldest of those events happened (its `occurred_at`), over the enabled
+    /// webhooks; 0 when none is behind.
+    pub oldest_unacknowledged_s: f64,
 }
 
 #[derive(sqlx::FromRow)]
@@ -755,14 +760,30 @@ impl Ledger {
         Ok(())
     }
 
-    /// How many webhooks are enabled, failing, and disabled (by failing, by an operator).
+    /// How many webhooks are enabled, failing, and disabled (by failing, by an operator), and
+    /// how far behind the enabled ones are: one probe of the `(tenant_id, position)` index per
+    /// webhook, for its first event past what its endpoint acknowledged.
     pub async fn webhook_counts(&self) -> Result<WebhookCounts, LedgerError> {
-        let (enabled, failing, disabled, by_operator): (i64, i64, i64, i64) = sqlx::query_as(
-            "SELECT count(*) FILTER (WHERE enabled),
-                    count(*) FILTER (WHERE enabled AND failures > 0),
-                    count(*) FILTER (WHERE disabled_by = 'failing'),
-                    count(*) FILTER (WHERE disabled_by = 'operator')
-             FROM tenant_webhooks",
+        let (enabled, failing, disabled, by_operator, behind, oldest): (
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            f64,
+        ) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE w.enabled),
+                    count(*) FILTER (WHERE w.enabled AND w.failures > 0),
+                    count(*) FILTER (WHERE w.disabled_by = 'failing'),
+                    count(*) FILTER (WHERE w.disabled_by = 'operator'),
+                    count(b.occurred_at) FILTER (WHERE w.enabled),
+                    COALESCE(EXTRACT(EPOCH FROM now() - min(b.occurred_at)
+                                                  FILTER (WHERE w.enabled)), 0)::float8
+             FROM tenant_webhooks w
+             LEFT JOIN LATERAL (
+                 SELECT e.occurred_at FROM delivery_events e
+                 WHERE e.tenant_id = w.tenant_id AND e.position > w.acked_position
+                 ORDER BY e.position LIMIT 1) b ON true",
         )
         .fetch_one(&self.pool)
         .await?;
@@ -772,6 +793,8 @@ impl Ledger {
             failing: n(failing),
             disabled: n(disabled),
             disabled_by_operator: n(by_operator),
+            behind: n(behind),
+            oldest_unacknowledged_s: oldest.max(0.0),
         })
     }
 }

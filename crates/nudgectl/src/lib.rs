@@ -905,8 +905,8 @@ async fn convert_subscribers(
     Ok(())
 }
 
-/// After the schema: seals again under `crypto.tenant_secret_key` the signing secrets still
-/// sealed with the destination key, when the tenant secret key is configured; otherwise says
+/// After the schema: seals again under `crypto.tenant_secret_key` the signing and webhook
+/// secrets still sealed with the destination key, when the tenant secret key is configured; otherwise says
 /// how many remain and what seals them again.
 async fn reseal_tenant_secrets(
     ledger: &Ledger,
@@ -918,13 +918,13 @@ async fn reseal_tenant_secrets(
         let remaining = ledger
             .tenant_secrets_sealed_with_destination_key()
             .await
-            .context("failed to count signing secrets sealed with the destination key")?;
+            .context("failed to count tenant secrets sealed with the destination key")?;
         if remaining > 0 {
             writeln!(
                 err,
-                "{remaining} tenant signing secrets are sealed with the destination key, which \
-                 the workers hold: set crypto.tenant_secret_key (here and on the intake) and \
-                 run `nudgectl migrate` again to seal them under it"
+                "{remaining} tenant secrets (signing or webhook) are sealed with the destination \
+                 key, which the workers hold: set crypto.tenant_secret_key (here, on the intake \
+                 and on nudge-events) and run `nudgectl migrate` again to seal them under it"
             )?;
         }
         return Ok(());
@@ -932,11 +932,12 @@ async fn reseal_tenant_secrets(
     let resealed = ledger
         .reseal_tenant_secrets(cipher)
         .await
-        .context("failed to seal signing secrets again (running migrate again resumes)")?;
+        .context("failed to seal tenant secrets again (running migrate again resumes)")?;
     if resealed > 0 {
         writeln!(
             out,
-            "tenant signing secrets sealed again under crypto.tenant_secret_key: {resealed}"
+            "tenant secrets (signing and webhook) sealed again under crypto.tenant_secret_key: \
+             {resealed}"
         )?;
     }
     Ok(())

@@ -393,6 +393,11 @@ async fn a_webhook_failing_too_long_is_disabled_and_enabling_it_resumes_where_it
     assert!(claim(&pusher).await.is_empty());
     let counts = owner.webhook_counts().await.unwrap();
     assert_eq!((counts.disabled, counts.disabled_by_operator), (1, 0));
+    assert_eq!(
+        (counts.behind, counts.oldest_unacknowledged_s),
+        (0, 0.0),
+        "a disabled webhook is alerted as such, not as behind"
+    );
 
     assert!(
         owner
@@ -408,6 +413,19 @@ async fn a_webhook_failing_too_long_is_disabled_and_enabling_it_resumes_where_it
     );
     let claimed = claim(&pusher).await;
     assert_eq!(claimed.len(), 1, "pushed again at once");
+    let counts = owner.webhook_counts().await.unwrap();
+    assert_eq!(counts.behind, 1, "{counts:?}");
+    let oldest: f64 = sqlx::query_scalar(
+        "SELECT EXTRACT(EPOCH FROM now() - min(occurred_at))::float8 FROM delivery_events",
+    )
+    .fetch_one(owner.pool())
+    .await
+    .unwrap();
+    // Both read the database's clock, a statement apart.
+    assert!(
+        (counts.oldest_unacknowledged_s - oldest).abs() < 5.0,
+        "{counts:?} against {oldest}"
+    );
     assert_eq!((claimed[0].acked_position, claimed[0].failures), (0, 0));
     assert_eq!(
         claimed[0].pending_through,

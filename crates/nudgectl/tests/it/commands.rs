@@ -886,7 +886,7 @@ async fn migrate_seals_old_signing_secrets_again_under_the_tenant_secret_key(poo
     .unwrap();
     let said = String::from_utf8(err).unwrap();
     assert!(
-        said.contains("1 tenant signing secrets are sealed with the destination key"),
+        said.contains("1 tenant secrets (signing or webhook) are sealed with the destination key"),
         "{said}"
     );
 
