@@ -247,7 +247,11 @@ pub fn write(results: &Results, dir: &Path) -> anyhow::Result<()> {
             runs = results.runs,
             prefetch = results.prefetch,
             events = match results.events {
-                crate::Events::On => "on (the ledger's default)",
+                crate::Events::On => {
+                    "on (the ledger's default; the loaded reminders' `scheduled` events are \
+                     numbered before the timed window, as the janitor does while they wait, \
+                     so the window holds what sending writes)"
+                }
                 crate::Events::Off => "off in the delivery cases (`--events off`)",
             },
             secs = results.seconds,
