@@ -17,7 +17,7 @@ use anyhow::Context;
 use chrono::{DateTime, Utc};
 use nudge_domain::{Channel, EventId, IdempotencyKey, ReminderId, SubscriberRef, TenantId};
 use nudge_e2e::TestEnv;
-use nudge_ledger::{Destination, DestinationCipher, Ledger, NewReminder};
+use nudge_ledger::{Destination, DestinationCipher, Ledger, NewReminder, SEQUENCE_BATCH_MAX};
 use serde::Serialize;
 use tokio::task::JoinSet;
 
@@ -253,9 +253,25 @@ async fn check_key_format(ledger: &Ledger, tenant: TenantId) -> anyhow::Result<(
     Ok(())
 }
 
-/// Planner statistics as a long-running ledger has them (autovacuum would analyse soon).
+/// The loaded rows as a long-running ledger has them: their `scheduled` events numbered (the
+/// janitor numbers them while reminders posted ahead wait, so a timed window holds what sending
+/// writes, not the load's numbering) and planner statistics taken (autovacuum would analyse
+/// soon).
 async fn analyze(ledger: &Ledger) -> anyhow::Result<()> {
-    for table in ["reminders", "deliveries", "contacts", "run_intents"] {
+    loop {
+        match ledger.sequence_events(SEQUENCE_BATCH_MAX).await?.numbered {
+            Some(0) => break,
+            Some(_) => {}
+            None => anyhow::bail!("the events' sequencer is held by another caller"),
+        }
+    }
+    for table in [
+        "reminders",
+        "deliveries",
+        "contacts",
+        "run_intents",
+        "delivery_events",
+    ] {
         sqlx::query(sqlx::AssertSqlSafe(format!("VACUUM ANALYZE {table}")))
             .execute(ledger.pool())
             .await?;

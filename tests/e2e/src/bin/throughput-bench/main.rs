@@ -34,7 +34,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use nudge_e2e::TestEnv;
-use nudge_ledger::{Ledger, SEQUENCE_BATCH_MAX};
+use nudge_ledger::Ledger;
 
 use crate::load::LoadSample;
 use crate::run::{RunSample, Shape};
@@ -71,8 +71,8 @@ struct Args {
     results: Option<PathBuf>,
     /// Whether the delivery cases write delivery events (`off` disables the ledger's event
     /// triggers in each case's database, to measure what the events cost the pipeline; the
-    /// timed `reminders load` keeps them). With `on`, the loaded reminders' `scheduled` events
-    /// are numbered before the timed window, as the janitor numbers them while reminders wait.
+    /// timed `reminders load` keeps them). Either way the loaded reminders' events are numbered
+    /// before the timed window, as the janitor numbers them while reminders wait.
     #[arg(long, value_enum, default_value_t = Events::On)]
     events: Events,
 }
@@ -145,24 +145,6 @@ pub async fn open_ledger(env: &TestEnv) -> anyhow::Result<Ledger> {
     .await?)
 }
 
-/// Numbers the loaded reminders' `scheduled` events and vacuums their table before the timed
-/// window, as the janitor and autovacuum do while reminders posted ahead of their time wait:
-/// the window then holds what sending writes (each delivery's `sent`, written and numbered),
-/// not the numbering of what the load wrote, which `--events off` loads without.
-async fn number_loaded_events(ledger: &Ledger) -> anyhow::Result<()> {
-    loop {
-        match ledger.sequence_events(SEQUENCE_BATCH_MAX).await?.numbered {
-            Some(0) => break,
-            Some(_) => {}
-            None => anyhow::bail!("the events' sequencer is held by another caller"),
-        }
-    }
-    sqlx::query("VACUUM (ANALYZE) delivery_events")
-        .execute(ledger.pool())
-        .await?;
-    Ok(())
-}
-
 async fn bench(args: &Args) -> anyhow::Result<Results> {
     let clock = Instant::now();
     let n = args.deliveries as usize;
@@ -216,9 +198,6 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
                 .await?;
             }
             load::due_now(&ledger, &env.cipher, tenant.id, n, "due").await?;
-            if args.events == Events::On {
-                number_loaded_events(&ledger).await?;
-            }
             ledger.pool().close().await;
             let sample = run::measure(
                 &mut env,
