@@ -25,9 +25,14 @@ use crate::{Ledger, LedgerError};
 /// one large claim does; a pass another relay moved since this claim read it is left as that
 /// relay wrote it (the other claim's turns stand; this one's are the ones not counted). Each
 /// tenant offers at most the claim's limit, so a claim reads at most
-/// `tenants with due work x limit` index entries. The lock re-checks that each row is still
-/// due and still this sender's, on its newest version: a reschedule that moved it later
-/// meanwhile leaves it for its new time, never queued early for a lease that would refuse it.
+/// `tenants with due work x limit` index entries. The lock and the update then take each
+/// offered row where the offer read it (its `ctid`, with its id): a plan that owes nothing to
+/// the table's statistics. Found again through an index or a join of all due rows, the plan
+/// rested on statistics that a batch falling due leaves stale until the next analyse, and a
+/// nested loop over 10,000 due rows cost a second per claim (decision 0414). The lock
+/// re-checks that each row is still due and still this sender's, on its newest version: a
+/// reschedule that moved it later meanwhile leaves it for its new time, never queued early for
+/// a lease that would refuse it; the update follows the row to that version.
 const CLAIM_DUE: &str = "WITH due_tenants AS MATERIALIZED (
         SELECT t.id, t.claim_weight, p.pass,
                sha256(convert_to(t.id::text || ':' || $5, 'UTF8')) AS tiebreak
@@ -43,11 +48,11 @@ const CLAIM_DUE: &str = "WITH due_tenants AS MATERIALIZED (
         FROM due_tenants dt
         CROSS JOIN (SELECT COALESCE(min(pass), 0) AS low FROM due_tenants) f),
     turns AS (
-        SELECT offered.id, offered.next_attempt_at, s.tiebreak,
+        SELECT offered.id, offered.row_tid, offered.next_attempt_at, s.tiebreak,
                s.start + (offered.n - 1)::float8 / s.claim_weight AS turn
         FROM starts s
         CROSS JOIN LATERAL (
-            SELECT d.id, d.next_attempt_at,
+            SELECT d.id, d.ctid AS row_tid, d.next_attempt_at,
                    row_number() OVER (ORDER BY d.next_attempt_at, d.id) AS n
             FROM deliveries d
             WHERE d.channel = $1 AND d.tenant_id = s.id AND d.state IN ('scheduled', 'retry_wait')
@@ -57,15 +62,19 @@ const CLAIM_DUE: &str = "WITH due_tenants AS MATERIALIZED (
         ORDER BY turn, s.tiebreak, offered.next_attempt_at, offered.id
         LIMIT $2),
     due AS (
-        SELECT d.id, turns.turn, turns.tiebreak FROM deliveries d JOIN turns ON d.id = turns.id
-        WHERE d.state IN ('scheduled', 'retry_wait')
-          AND d.next_attempt_at <= COALESCE($3, now()) AND d.owner = $4
-        FOR UPDATE OF d SKIP LOCKED),
+        SELECT d.id, turns.row_tid, turns.turn, turns.tiebreak
+        FROM turns
+        CROSS JOIN LATERAL (
+            SELECT d0.id FROM deliveries d0
+            WHERE d0.ctid = turns.row_tid AND d0.id = turns.id
+              AND d0.state IN ('scheduled', 'retry_wait')
+              AND d0.next_attempt_at <= COALESCE($3, now()) AND d0.owner = $4
+            FOR UPDATE SKIP LOCKED) d),
     claimed AS (
         UPDATE deliveries d
         SET state = 'queued', generation = d.generation + 1,
             queued_at = COALESCE($3, now()), updated_at = COALESCE($3, now())
-        FROM due WHERE d.id = due.id
+        FROM due WHERE d.ctid = due.row_tid AND d.id = due.id
         RETURNING d.id, d.reminder_id, d.tenant_id, d.channel, d.generation, d.lane,
                   d.next_attempt_at, due.turn, due.tiebreak,
                   (SELECT r.correlation_id FROM reminders r WHERE r.id = d.reminder_id)

@@ -688,6 +688,103 @@ async fn a_transaction_writes_the_events_of_its_changes_whatever_came_before_the
     assert_eq!(first_seq, 2, "scheduled, cancelled");
 }
 
+/// The gate of migration 20261225000001: a statement's rows add up to the same event count
+/// before and after exactly when none is an event, which holds because a count never goes
+/// down. A large statement of no event writes none; one whose every row is an event writes
+/// each, and one event among many non-events is found.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_gate_finds_every_event_of_a_large_statement_and_a_count_never_goes_down(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "appt-0", &[Channel::Sms], t0()).await;
+    sqlx::query(
+        "WITH r AS (
+             INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels,
+                                    scheduled_at, expires_at, created_at)
+             SELECT gen_random_uuid(), $1, 'bulk-' || g, 'p', ARRAY['sms'], $2,
+                    $2 + interval '1 day', $2
+             FROM generate_series(1, 3000) g
+             RETURNING id, tenant_id, scheduled_at, expires_at)
+         INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
+             scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
+         SELECT gen_random_uuid(), r.id, r.tenant_id, 'sms', 'scheduled',
+                'nudge-' || r.id::text || '-sms', r.scheduled_at, r.expires_at, r.scheduled_at,
+                $2, $2
+         FROM r",
+    )
+    .bind(tenant.id.as_uuid())
+    .bind(t0())
+    .execute(&pool)
+    .await
+    .unwrap();
+    let scheduled = written(&ledger).await;
+    assert_eq!(scheduled, 3001, "one scheduled event per delivery");
+
+    // 3,001 rows, none an event (queued is no event): nothing written.
+    sqlx::query("UPDATE deliveries SET state = 'queued', generation = generation + 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(written(&ledger).await, scheduled, "queued is no event");
+
+    // One event among 3,001 rows: found, and only it.
+    let one: uuid::Uuid = sqlx::query_scalar::<_, Option<uuid::Uuid>>(
+        "UPDATE deliveries SET state = CASE WHEN event_id_rank = 1 THEN 'cancelled' ELSE state END,
+                settled_at = CASE WHEN event_id_rank = 1 THEN $1 END,
+                next_attempt_at = CASE WHEN event_id_rank = 1 THEN NULL ELSE next_attempt_at END,
+                updated_at = $1
+         FROM (SELECT id AS ranked_id, row_number() OVER (ORDER BY id) AS event_id_rank
+               FROM deliveries) ranked
+         WHERE deliveries.id = ranked.ranked_id
+         RETURNING CASE WHEN event_id_rank = 1 THEN deliveries.id END",
+    )
+    .bind(t0())
+    .fetch_all(&pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .flatten()
+    .next()
+    .unwrap();
+    let cancelled: Vec<(uuid::Uuid, String)> =
+        sqlx::query_as("SELECT delivery_id, kind FROM delivery_events WHERE kind <> 'scheduled'")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(cancelled, vec![(one, "cancelled".to_owned())]);
+
+    // Every remaining row an event: each written.
+    sqlx::query(
+        "UPDATE deliveries SET state = 'expired', settled_at = $1, next_attempt_at = NULL,
+                updated_at = $1
+         WHERE state = 'queued'",
+    )
+    .bind(t0())
+    .execute(&pool)
+    .await
+    .unwrap();
+    let expired: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM delivery_events WHERE kind = 'expired'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(expired, 3000);
+
+    // A count written lower is refused, and changes nothing.
+    let lowered = sqlx::query("UPDATE deliveries SET event_seq = event_seq - 1 WHERE id = $1")
+        .bind(one)
+        .execute(&pool)
+        .await
+        .unwrap_err();
+    assert!(lowered.to_string().contains("never goes down"), "{lowered}");
+    let seq: i32 = sqlx::query_scalar("SELECT event_seq FROM deliveries WHERE id = $1")
+        .bind(one)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(seq, 2, "scheduled, cancelled");
+}
+
 /// An adopted failover moves the positions on (migration 20261224000001): the promoted
 /// replica may have missed commits that numbered events a client has read, so every event
 /// numbered after it comes after any position given before.

@@ -671,3 +671,73 @@ async fn finding_due_work_uses_the_partial_index_on_a_large_ledger(pool: PgPool)
         "only the one due SMS delivery of {reminder}"
     );
 }
+
+/// A batch of due work in a table whose statistics are stale (analysed before the batch, or
+/// never: autovacuum off or behind): the claim still takes each offered row where the offer
+/// read it. Found again through a join with every due row instead, the lock became a nested
+/// loop of 10,000 x 500 rows, a second per claim (decision 0414).
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn a_claim_takes_the_offered_rows_where_they_are_whatever_the_statistics_say(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    owed(&ledger, tenant.id, "seed", &[Channel::Sms], t0()).await;
+    sqlx::query(
+        "WITH r AS (
+             INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels,
+                                    scheduled_at, expires_at, created_at)
+             SELECT gen_random_uuid(), $1, 'bulk-' || g, 'p', ARRAY['sms'],
+                    $2 - g * interval '1 millisecond', $2 + interval '1 day', $2
+             FROM generate_series(1, 10000) g
+             RETURNING id, tenant_id, scheduled_at, expires_at)
+         INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
+             scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
+         SELECT gen_random_uuid(), r.id, r.tenant_id, 'sms', 'scheduled',
+                'nudge-' || r.id::text || '-sms', r.scheduled_at, r.expires_at, r.scheduled_at,
+                $2, $2
+         FROM r",
+    )
+    .bind(tenant.id.as_uuid())
+    .bind(t0())
+    .execute(&pool)
+    .await
+    .unwrap();
+    let analysed: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
+        "SELECT GREATEST(last_analyze, last_autoanalyze) FROM pg_stat_user_tables
+         WHERE relname = 'deliveries'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        analysed, None,
+        "the batch came after the last analyse (none)"
+    );
+
+    // With the database's clock, as every process claims.
+    let plan = ledger
+        .explain_claim_due(Channel::Sms, 500, nudge_ledger::LedgerTime::Database)
+        .await
+        .unwrap();
+    // The offered rows come from the partial index; the lock and the update each take them
+    // where the offer read them (one TID scan each), never through a scan of the due rows.
+    assert!(plan.contains("deliveries_due_tenant_idx"), "{plan}");
+    assert_eq!(plan.matches("Tid Scan on deliveries").count(), 2, "{plan}");
+    assert!(!plan.contains("Bitmap Heap Scan on deliveries"), "{plan}");
+    assert!(!plan.contains("Seq Scan on deliveries"), "{plan}");
+
+    // And it claims what it should: the 500 oldest.
+    let claimed = ledger.claim_due(Channel::Sms, 500, at(t0())).await.unwrap();
+    assert_eq!(claimed.len(), 500);
+    let oldest: Vec<uuid::Uuid> = sqlx::query_scalar(
+        "SELECT id FROM deliveries WHERE channel = 'sms'
+         ORDER BY next_attempt_at, id LIMIT 500",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut got: Vec<uuid::Uuid> = claimed.iter().map(|d| d.id.as_uuid()).collect();
+    let mut want = oldest;
+    got.sort();
+    want.sort();
+    assert_eq!(got, want, "the 500 oldest due, no other");
+}

@@ -253,11 +253,13 @@ async fn check_key_format(ledger: &Ledger, tenant: TenantId) -> anyhow::Result<(
     Ok(())
 }
 
-/// The loaded rows as a long-running ledger has them: their `scheduled` events numbered (the
-/// janitor numbers them while reminders posted ahead wait, so a timed window holds what sending
-/// writes, not the load's numbering) and planner statistics taken (autovacuum would analyse
-/// soon).
-async fn analyze(ledger: &Ledger) -> anyhow::Result<()> {
+/// The loaded rows' `scheduled` events numbered, and their table vacuumed, as the janitor and
+/// autovacuum leave them while reminders posted ahead of their time wait: a timed window then
+/// holds what sending writes, not the numbering of what the load wrote (`--events off` loads
+/// none). The delivery cases call this alone: their due rows stay unanalysed, as a batch that
+/// has just fallen due is until the next analyse, so the pipeline's plans are measured without
+/// fresh statistics.
+pub async fn number_events(ledger: &Ledger) -> anyhow::Result<()> {
     loop {
         match ledger.sequence_events(SEQUENCE_BATCH_MAX).await?.numbered {
             Some(0) => break,
@@ -265,13 +267,17 @@ async fn analyze(ledger: &Ledger) -> anyhow::Result<()> {
             None => anyhow::bail!("the events' sequencer is held by another caller"),
         }
     }
-    for table in [
-        "reminders",
-        "deliveries",
-        "contacts",
-        "run_intents",
-        "delivery_events",
-    ] {
+    sqlx::query("VACUUM ANALYZE delivery_events")
+        .execute(ledger.pool())
+        .await?;
+    Ok(())
+}
+
+/// The loaded rows as a long-running ledger has them: events numbered ([`number_events`]) and
+/// planner statistics taken (autovacuum would analyse soon).
+async fn analyze(ledger: &Ledger) -> anyhow::Result<()> {
+    number_events(ledger).await?;
+    for table in ["reminders", "deliveries", "contacts", "run_intents"] {
         sqlx::query(sqlx::AssertSqlSafe(format!("VACUUM ANALYZE {table}")))
             .execute(ledger.pool())
             .await?;

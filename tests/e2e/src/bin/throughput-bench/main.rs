@@ -198,6 +198,7 @@ async fn bench(args: &Args) -> anyhow::Result<Results> {
                 .await?;
             }
             load::due_now(&ledger, &env.cipher, tenant.id, n, "due").await?;
+            load::number_events(&ledger).await?;
             ledger.pool().close().await;
             let sample = run::measure(
                 &mut env,
