@@ -96,6 +96,40 @@ pub async fn owed(
     created.id
 }
 
+/// `n` SMS deliveries of `tenant`, `scheduled`, in one statement (reminder and delivery each,
+/// no contact): the g-th due at `due - g x step_ms` milliseconds, expiring a day after `due`.
+/// For tests that need a large batch, as a bulk import leaves it.
+pub async fn bulk_due_sms(
+    pool: &PgPool,
+    tenant_id: TenantId,
+    n: i64,
+    due: DateTime<Utc>,
+    step_ms: i64,
+) {
+    sqlx::query(
+        "WITH r AS (
+             INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels,
+                                    scheduled_at, expires_at, created_at)
+             SELECT gen_random_uuid(), $1, 'bulk-' || g, 'p', ARRAY['sms'],
+                    $2 - g * $4 * interval '1 millisecond', $2 + interval '1 day', $2
+             FROM generate_series(1, $3::bigint) g
+             RETURNING id, tenant_id, scheduled_at, expires_at)
+         INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
+             scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
+         SELECT gen_random_uuid(), r.id, r.tenant_id, 'sms', 'scheduled',
+                'nudge-' || r.id::text || '-sms', r.scheduled_at, r.expires_at, r.scheduled_at,
+                $2, $2
+         FROM r",
+    )
+    .bind(tenant_id.as_uuid())
+    .bind(due)
+    .bind(n)
+    .bind(step_ms)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// The fixed instant a statement evaluates its time conditions at, in place of the database's
 /// clock: the same statements production runs, with time moved by the test.
 pub fn at(t: DateTime<Utc>) -> LedgerTime {

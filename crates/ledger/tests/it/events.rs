@@ -697,26 +697,7 @@ async fn the_gate_finds_every_event_of_a_large_statement_and_a_count_never_goes_
     let ledger = Ledger::from_pool(pool.clone());
     let tenant = tenant(&ledger).await;
     owed(&ledger, tenant.id, "appt-0", &[Channel::Sms], t0()).await;
-    sqlx::query(
-        "WITH r AS (
-             INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels,
-                                    scheduled_at, expires_at, created_at)
-             SELECT gen_random_uuid(), $1, 'bulk-' || g, 'p', ARRAY['sms'], $2,
-                    $2 + interval '1 day', $2
-             FROM generate_series(1, 3000) g
-             RETURNING id, tenant_id, scheduled_at, expires_at)
-         INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
-             scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
-         SELECT gen_random_uuid(), r.id, r.tenant_id, 'sms', 'scheduled',
-                'nudge-' || r.id::text || '-sms', r.scheduled_at, r.expires_at, r.scheduled_at,
-                $2, $2
-         FROM r",
-    )
-    .bind(tenant.id.as_uuid())
-    .bind(t0())
-    .execute(&pool)
-    .await
-    .unwrap();
+    bulk_due_sms(&pool, tenant.id, 3000, t0(), 0).await;
     let scheduled = written(&ledger).await;
     assert_eq!(scheduled, 3001, "one scheduled event per delivery");
 

@@ -681,26 +681,7 @@ async fn a_claim_takes_the_offered_rows_where_they_are_whatever_the_statistics_s
     let ledger = Ledger::from_pool(pool.clone());
     let tenant = tenant(&ledger).await;
     owed(&ledger, tenant.id, "seed", &[Channel::Sms], t0()).await;
-    sqlx::query(
-        "WITH r AS (
-             INSERT INTO reminders (id, tenant_id, event_id, subscriber_ref, channels,
-                                    scheduled_at, expires_at, created_at)
-             SELECT gen_random_uuid(), $1, 'bulk-' || g, 'p', ARRAY['sms'],
-                    $2 - g * interval '1 millisecond', $2 + interval '1 day', $2
-             FROM generate_series(1, 10000) g
-             RETURNING id, tenant_id, scheduled_at, expires_at)
-         INSERT INTO deliveries (id, reminder_id, tenant_id, channel, state, idempotency_key,
-             scheduled_at, expires_at, next_attempt_at, created_at, updated_at)
-         SELECT gen_random_uuid(), r.id, r.tenant_id, 'sms', 'scheduled',
-                'nudge-' || r.id::text || '-sms', r.scheduled_at, r.expires_at, r.scheduled_at,
-                $2, $2
-         FROM r",
-    )
-    .bind(tenant.id.as_uuid())
-    .bind(t0())
-    .execute(&pool)
-    .await
-    .unwrap();
+    bulk_due_sms(&pool, tenant.id, 10000, t0(), 1).await;
     let analysed: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
         "SELECT GREATEST(last_analyze, last_autoanalyze) FROM pg_stat_user_tables
          WHERE relname = 'deliveries'",
