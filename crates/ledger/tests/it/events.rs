@@ -766,6 +766,186 @@ async fn the_gate_finds_every_event_of_a_large_statement_and_a_count_never_goes_
     assert_eq!(seq, 2, "scheduled, cancelled");
 }
 
+/// The state a case's delivery is set to, with the columns its CHECKs tie to that state, from
+/// the case's columns `{side}_state`, `{side}_reason` (`old` or `new`), for the cases of one
+/// group (`counts`). The second update (`second`) shifts `scheduled_at` for the cases that move
+/// it and, in the group that `counts`, raises the count itself, by the mapping, as the worker's
+/// record does (decision 0607).
+fn set_case_state(side: &str, second: bool, counts: bool) -> String {
+    let count = if second && counts {
+        ", event_seq = d.event_seq
+             + CASE WHEN nudge_delivery_event_kind(d.state, c.new_state, d.scheduled_at,
+                                                   d.scheduled_at + CASE WHEN c.moved
+                                                       THEN interval '1 second'
+                                                       ELSE interval '0' END,
+                                                   d.last_error_reason, c.new_reason)
+                    IS NULL THEN 0 ELSE 1 END"
+    } else {
+        ""
+    };
+    format!(
+        "UPDATE deliveries d
+         SET state = c.{side}_state,
+             lease_owner = CASE WHEN c.{side}_state = 'sending' THEN 'worker-1' END,
+             lease_expires_at = CASE WHEN c.{side}_state = 'sending'
+                                     THEN now() + interval '1 minute' END,
+             send_started_at = NULL,
+             settled_at = CASE WHEN c.{side}_state IN ('delivered', 'dead_lettered', 'expired',
+                                                       'cancelled', 'suppressed', 'ambiguous')
+                               THEN now() END,
+             next_attempt_at = CASE WHEN c.{side}_state IN ('scheduled', 'retry_wait', 'queued')
+                                    THEN now() END,
+             last_error_reason = c.{side}_reason,
+             scheduled_at = d.scheduled_at
+                 + CASE WHEN {second} AND c.moved THEN interval '1 second' ELSE interval '0' END
+             {count}
+         FROM event_cases c WHERE c.delivery_id = d.id AND c.counts = {counts}"
+    )
+}
+
+/// One case's change, what was counted and what the statement trigger wrote.
+#[derive(Debug, sqlx::FromRow)]
+struct CaseOutcome {
+    old_state: String,
+    new_state: String,
+    moved: bool,
+    old_reason: Option<String>,
+    new_reason: Option<String>,
+    counted: i32,
+    /// The mapping's kind for the change.
+    kind: Option<String>,
+    written: Option<String>,
+}
+
+/// Every pair of states, the time moved or not, and the reasons that make a repeated wait for
+/// a missing account no event, on the deliveries `counts` marks, each case's change in one
+/// statement; what was counted and written for each.
+async fn run_event_cases(conn: &mut sqlx::PgConnection, counts: bool) -> Vec<CaseOutcome> {
+    sqlx::query(sqlx::AssertSqlSafe(set_case_state("old", false, counts)))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE event_cases c SET seq_before = d.event_seq
+         FROM deliveries d WHERE d.id = c.delivery_id AND c.counts = $1",
+    )
+    .bind(counts)
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(set_case_state("new", true, counts)))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::query_as(
+        "SELECT c.old_state, c.new_state, c.moved, c.old_reason, c.new_reason,
+                d.event_seq - c.seq_before AS counted,
+                nudge_delivery_event_kind(c.old_state, c.new_state, d.scheduled_at
+                    - CASE WHEN c.moved THEN interval '1 second' ELSE interval '0' END,
+                    d.scheduled_at, c.old_reason, c.new_reason) AS kind,
+                (SELECT string_agg(e.kind, ',') FROM delivery_events e
+                 WHERE e.delivery_id = d.id AND e.delivery_seq > c.seq_before) AS written
+         FROM event_cases c JOIN deliveries d ON d.id = c.delivery_id
+         WHERE c.counts = $1",
+    )
+    .bind(counts)
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap()
+}
+
+/// The row trigger that counts an event (`deliveries_event_count`) counts exactly the changes
+/// the mapping (`nudge_delivery_event_kind`) names an event, and the statement trigger writes
+/// exactly those, of that kind; a statement that counts its own events (the worker's record,
+/// decision 0607) gets the same events, each counted once. The trigger's condition is no
+/// narrower than the mapping, and calls no function: preparing one parses its body for every
+/// statement.
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn the_count_trigger_counts_exactly_the_changes_the_mapping_names_events(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    let states = [
+        "scheduled",
+        "queued",
+        "sending",
+        "retry_wait",
+        "delivered",
+        "dead_lettered",
+        "expired",
+        "ambiguous",
+        "cancelled",
+        "suppressed",
+    ];
+    // 10 x 10 states x moved or not x 4 pairs of reasons, counted by the trigger and by the
+    // statement.
+    let cases = (states.len() * states.len() * 2 * 4) as i64;
+    bulk_due_sms(&pool, tenant.id, 2 * cases, t0(), 1000).await;
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query(
+        "CREATE TEMP TABLE event_cases AS
+         SELECT d.id AS delivery_id, c.old_state, c.new_state, c.moved, c.old_reason,
+                c.new_reason, c.counts, 0 AS seq_before
+         FROM (SELECT id, row_number() OVER (ORDER BY id) AS n FROM deliveries) d
+         JOIN (SELECT row_number() OVER () AS n, o AS old_state, nw AS new_state, moved,
+                      r.old_reason, r.new_reason, counts
+               FROM unnest(ARRAY[false, true]) counts, unnest($1::text[]) o,
+                    unnest($1::text[]) nw, unnest(ARRAY[false, true]) moved,
+                    (VALUES (NULL, NULL), ('account_unavailable', 'account_unavailable'),
+                            ('account_unavailable', NULL), (NULL, 'account_unavailable'))
+                        r(old_reason, new_reason)) c ON c.n = d.n",
+    )
+    .bind(states)
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let made: i64 = sqlx::query_scalar("SELECT count(*) FROM event_cases")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(made, 2 * cases);
+
+    for counts in [false, true] {
+        let outcomes = run_event_cases(&mut conn, counts).await;
+        assert_eq!(outcomes.len() as i64, cases);
+        let wrong: Vec<&CaseOutcome> = outcomes
+            .iter()
+            .filter(|o| o.counted != i32::from(o.kind.is_some()) || o.written != o.kind)
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "counted or written against the mapping (the statement counts: {counts}): {wrong:?}"
+        );
+        let events = outcomes.iter().filter(|o| o.kind.is_some()).count();
+        assert!(
+            events > 100 && events + 100 < outcomes.len(),
+            "both events and changes of none among the cases: {events} of {}",
+            outcomes.len()
+        );
+        // The repeated wait for a missing account passes the condition and is no event.
+        let unavailable = Some("account_unavailable");
+        assert!(outcomes.iter().any(|o| {
+            o.old_state == "queued"
+                && o.new_state == "retry_wait"
+                && !o.moved
+                && o.old_reason.as_deref() == unavailable
+                && o.new_reason.as_deref() == unavailable
+                && o.counted == 0
+        }));
+    }
+
+    // A function call in the stored condition is a FUNCEXPR node (operators are OPEXPR).
+    let (definition, calls): (String, bool) = sqlx::query_as(
+        "SELECT pg_get_triggerdef(t.oid), t.tgqual::text LIKE '%{FUNCEXPR%'
+         FROM pg_trigger t
+         WHERE t.tgrelid = 'deliveries'::regclass AND t.tgname = 'deliveries_event_count'
+           AND t.tgqual IS NOT NULL",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    assert!(!calls, "the condition calls a function: {definition}");
+}
+
 /// An adopted failover moves the positions on (migration 20261224000001): the promoted
 /// replica may have missed commits that numbered events a client has read, so every event
 /// numbered after it comes after any position given before.
