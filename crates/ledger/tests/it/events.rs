@@ -769,8 +769,8 @@ async fn the_gate_finds_every_event_of_a_large_statement_and_a_count_never_goes_
 /// The state a case's delivery is set to, with the columns its CHECKs tie to that state, from
 /// the case's columns `{side}_state`, `{side}_reason` (`old` or `new`), for the cases of one
 /// group (`counts`). The second update (`second`) shifts `scheduled_at` for the cases that move
-/// it and, in the group that `counts`, raises the count itself, by the mapping, as the worker's
-/// record does (decision 0607).
+/// it and, in the group that `counts`, raises the count itself, by the mapping, as a statement
+/// may (the row trigger counts whatever the statement wrote).
 fn set_case_state(side: &str, second: bool, counts: bool) -> String {
     let count = if second && counts {
         ", event_seq = d.event_seq
@@ -856,8 +856,8 @@ async fn run_event_cases(conn: &mut sqlx::PgConnection, counts: bool) -> Vec<Cas
 
 /// The row trigger that counts an event (`deliveries_event_count`) counts exactly the changes
 /// the mapping (`nudge_delivery_event_kind`) names an event, and the statement trigger writes
-/// exactly those, of that kind; a statement that counts its own events (the worker's record,
-/// decision 0607) gets the same events, each counted once. The trigger's condition is no
+/// exactly those, of that kind; a statement that raises the counts itself gets the same
+/// events, each counted once. The trigger's condition (decision 0607) is no
 /// narrower than the mapping, and calls no function: preparing one parses its body for every
 /// statement.
 #[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
