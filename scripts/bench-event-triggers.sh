@@ -30,7 +30,7 @@ while [ $# -gt 0 ]; do
     --batch) batch=$2; shift 2 ;;
     --cycles) cycles=$2; shift 2 ;;
     --results) results=$2; shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -51,7 +51,8 @@ postmaster=$(head -1 "$data_dir/postmaster.pid" 2>/dev/null) || {
 
 cargo build --release --locked -p nudgectl --bins
 work=$(mktemp -d)
-trap 'psql "$admin" -qc "DROP DATABASE IF EXISTS $db" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+trap 'psql "$admin" -qc "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null ||
+  echo "could not drop the scratch database $db: drop it by hand" >&2; rm -rf "$work"' EXIT
 psql "$admin" -qc "DROP DATABASE IF EXISTS $db" -c "CREATE DATABASE $db"
 NUDGE_DATABASE__URL="$url" target/release/nudgectl migrate >/dev/null
 
@@ -126,6 +127,12 @@ cluster_cpu() {
 # A backend's CPU reaches the postmaster's count once it has exited and been reaped: wait for
 # the cluster to be back to the processes it had idle.
 idle=$(pgrep -c -P "$postmaster")
+for _ in $(seq 20); do
+  sleep 0.5
+  now=$(pgrep -c -P "$postmaster")
+  (( now == idle )) && break
+  idle=$now
+done
 wait_idle() {
   for _ in $(seq 100); do
     (( $(pgrep -c -P "$postmaster") <= idle )) && return 0
@@ -144,7 +151,7 @@ for run in $(seq 1 "$runs"); do
       on) triggers ENABLE DISABLE ENABLE ;;
       on-mapping) triggers DISABLE ENABLE ENABLE ;;
     esac
-    psql "$url" -q -c "VACUUM deliveries" -c "DELETE FROM delivery_events" \
+    psql "$url" -q -v ON_ERROR_STOP=1 -c "VACUUM deliveries" -c "DELETE FROM delivery_events" \
       -c "VACUUM delivery_events"
     wait_idle
     before=$(cluster_cpu)

@@ -921,7 +921,8 @@ async fn the_count_trigger_counts_exactly_the_changes_the_mapping_names_events(p
             "both events and changes of none among the cases: {events} of {}",
             outcomes.len()
         );
-        // The repeated wait for a missing account passes the condition and is no event.
+        // The repeated wait for a missing account is no event (it passes the condition: the
+        // function's mapping decides).
         let unavailable = Some("account_unavailable");
         assert!(outcomes.iter().any(|o| {
             o.old_state == "queued"
