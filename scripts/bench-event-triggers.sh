@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the delivery-event triggers cost PostgreSQL per delivery (decisions 0603, 0605-0607),
+# What the delivery-event triggers cost PostgreSQL per delivery (decisions 0603, 0605-0608),
 # without the services around them: a scratch database migrated by `nudgectl migrate`, 20,000
 # SMS deliveries, and pgbench running a cycle of the engine's own statement shapes on batches of
 # --batch deliveries (default 5, as a running pipeline's statements are small): the claim
@@ -11,11 +11,14 @@
 #                `_events_updated`), as the throughput benchmark's `--events off`;
 #   on           the triggers as migrated;
 #   on-mapping   as `on`, but the count trigger called WHEN the mapping names an event (its
-#                condition before migration 20261226000001), to show what 0607 saved.
+#                condition before migration 20261226000001), to show what 0607 saved;
+#   on-position-key  as `on`, but `position` under a unique constraint indexing every event
+#                (unnumbered ones as NULL), as before migration 20261227000001 (0608).
+# After each run the sequencer numbers the run's events in one call, measured on its own.
 # Measures the PostgreSQL cluster's CPU (the postmaster, its children and the children it has
 # reaped, from /proc): run it on the database's own host, with nothing else using it. Prints
-# the median and the worst run per variant in us per delivery, and writes
-# bench/results/event-triggers-<UTC stamp>.md (or under --results DIR).
+# the median and the worst run per variant in us per delivery (and per event numbered), and
+# writes bench/results/event-triggers-<UTC stamp>.md (or under --results DIR).
 #   scripts/bench-event-triggers.sh [--runs N] [--batch N] [--cycles N] [--results DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +33,7 @@ while [ $# -gt 0 ]; do
     --batch) batch=$2; shift 2 ;;
     --cycles) cycles=$2; shift 2 ;;
     --results) results=$2; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -142,17 +145,32 @@ wait_idle() {
   exit 1
 }
 
-variants=(off on on-mapping)
-declare -A samples
+# The position index before 0608, for `on-position-key`, or as migrated.
+position_index() {
+  if [ "$1" = key ]; then
+    psql "$url" -q -v ON_ERROR_STOP=1 -c "DROP INDEX delivery_events_position_idx" \
+      -c "ALTER TABLE delivery_events ADD CONSTRAINT delivery_events_position_key UNIQUE (position)"
+  else
+    psql "$url" -q -v ON_ERROR_STOP=1 \
+      -c "ALTER TABLE delivery_events DROP CONSTRAINT delivery_events_position_key" \
+      -c "CREATE UNIQUE INDEX delivery_events_position_idx ON delivery_events (position)
+            WHERE position IS NOT NULL"
+  fi
+}
+
+variants=(off on on-mapping on-position-key)
+declare -A samples numbering
 for run in $(seq 1 "$runs"); do
   for variant in "${variants[@]}"; do
     case $variant in
       off) triggers DISABLE DISABLE DISABLE ;;
       on) triggers ENABLE DISABLE ENABLE ;;
       on-mapping) triggers DISABLE ENABLE ENABLE ;;
+      on-position-key) triggers ENABLE DISABLE ENABLE ;;
     esac
     psql "$url" -q -v ON_ERROR_STOP=1 -c "VACUUM deliveries" -c "DELETE FROM delivery_events" \
       -c "VACUUM delivery_events"
+    if [ "$variant" = on-position-key ]; then position_index key; fi
     wait_idle
     before=$(cluster_cpu)
     PGOPTIONS='-c synchronous_commit=off' pgbench -n -M prepared -c 1 -t "$cycles" \
@@ -164,6 +182,17 @@ for run in $(seq 1 "$runs"); do
       'BEGIN { printf "%.1f", (b - a) * 1e6 / n }')
     samples[$variant]+="$us "
     echo "run $run: $variant: $us us of PostgreSQL CPU per delivery" >&2
+    events=$(psql "$url" -Atc "SELECT count(*) FROM delivery_events WHERE position IS NULL")
+    if (( events > 0 )); then
+      psql "$url" -q -v ON_ERROR_STOP=1 -c "SELECT nudge_sequence_delivery_events(100000)" >/dev/null
+      wait_idle
+      numbered=$(cluster_cpu)
+      us=$(awk -v a="$after" -v b="$numbered" -v n="$events" \
+        'BEGIN { printf "%.1f", (b - a) * 1e6 / n }')
+      numbering[$variant]+="$us "
+      echo "run $run: $variant: numbering $events events: $us us each" >&2
+    fi
+    if [ "$variant" = on-position-key ]; then position_index partial; fi
   done
 done
 triggers ENABLE DISABLE ENABLE
@@ -186,6 +215,21 @@ out="$results/event-triggers-$stamp.md"
       '{ x[NR] = $1 } END { m = (NR % 2) ? x[(NR + 1) / 2] : (x[NR / 2] + x[NR / 2 + 1]) / 2;
          printf "| %s | %.1f | %.1f |", v, m, x[NR] }'
     echo " ${samples[$variant]}|"
+  done
+  echo
+  echo "Numbering a run's events afterwards, in one call of the sequencer (the CPU's clock" \
+    "ticks at 1/$(getconf CLK_TCK) s, about $(awk -v t="$(getconf CLK_TCK)" -v n=$((cycles * batch)) \
+      'BEGIN { printf "%.1f", 1e6 / t / n }') us an event at one event per delivery):"
+  echo
+  echo "| variant | median us/event | worst run | runs |"
+  echo "|---|---|---|---|"
+  for variant in "${variants[@]}"; do
+    [ -n "${numbering[$variant]:-}" ] || continue
+    # shellcheck disable=SC2086
+    printf '%s\n' ${numbering[$variant]} | sort -n | awk -v v="$variant" \
+      '{ x[NR] = $1 } END { m = (NR % 2) ? x[(NR + 1) / 2] : (x[NR / 2] + x[NR / 2 + 1]) / 2;
+         printf "| %s | %.1f | %.1f |", v, m, x[NR] }'
+    echo " ${numbering[$variant]}|"
   done
 } > "$out"
 cat "$out"

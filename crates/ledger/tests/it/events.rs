@@ -981,3 +981,84 @@ async fn positions_move_on_after_an_adopted_failover(pool: PgPool) {
     let last = all_events(&ledger, tenant.id).await;
     assert_eq!(last[2].position, last[1].position + 1);
 }
+
+/// The plan PostgreSQL picks for `sql` with sequential scans off (the test's table is tiny).
+async fn plan_of(conn: &mut sqlx::PgConnection, sql: &str) -> String {
+    let lines: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}")))
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+    lines.join("\n")
+}
+
+#[sqlx::test(migrator = "nudge_ledger::MIGRATOR")]
+async fn positions_are_unique_and_indexed_for_numbered_events_only(pool: PgPool) {
+    let ledger = Ledger::from_pool(pool.clone());
+    let tenant = tenant(&ledger).await;
+    for event in ["appt-1", "appt-2", "appt-3"] {
+        owed(&ledger, tenant.id, event, &[Channel::Sms], t0() + secs(600)).await;
+    }
+    assert_eq!(ledger.sequence_events(2).await.unwrap().numbered, Some(2));
+
+    // One index on `position`: unique, over the numbered events.
+    let indexes: Vec<(String, bool, Option<String>)> = sqlx::query_as(
+        "SELECT c.relname::text, i.indisunique, pg_get_expr(i.indpred, i.indrelid)
+         FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+         WHERE i.indrelid = 'delivery_events'::regclass AND i.indnatts = 1
+           AND a.attname = 'position'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        indexes,
+        [(
+            "delivery_events_position_idx".to_owned(),
+            true,
+            Some("(\"position\" IS NOT NULL)".to_owned())
+        )]
+    );
+
+    // A second event given a position already given is refused.
+    let taken = sqlx::query(
+        "UPDATE delivery_events SET position = (SELECT min(position) FROM delivery_events)
+         WHERE position IS NULL",
+    )
+    .execute(&pool)
+    .await
+    .expect_err("a position given twice");
+    assert_eq!(
+        taken.as_database_error().and_then(|e| e.code()).as_deref(),
+        Some("23505"),
+        "{taken}"
+    );
+
+    // The readers of all tenants' positions (retention's bound and its deletion order) are
+    // served by it.
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("SET enable_seqscan = off")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    for sql in [
+        "SELECT max(position) FROM delivery_events WHERE occurred_at <= now()",
+        "SELECT id FROM delivery_events WHERE position <= 2 ORDER BY position LIMIT 10",
+    ] {
+        let plan = plan_of(&mut conn, sql).await;
+        assert!(
+            plan.contains("delivery_events_position_idx"),
+            "{sql}:\n{plan}"
+        );
+    }
+
+    // The unnumbered event is numbered next, after the others.
+    assert_eq!(ledger.sequence_events(10).await.unwrap().numbered, Some(1));
+    let positions: Vec<i64> = all_events(&ledger, tenant.id)
+        .await
+        .iter()
+        .map(|e| e.position)
+        .collect();
+    assert_eq!(positions.len(), 3);
+    assert!(positions.windows(2).all(|w| w[0] < w[1]), "{positions:?}");
+}
