@@ -197,6 +197,15 @@ for run in $(seq 1 "$runs"); do
 done
 triggers ENABLE DISABLE ENABLE
 
+# One row of a table: the variant, the median and the worst (highest) of its runs, the runs.
+table_row() {
+  # shellcheck disable=SC2086
+  printf '%s\n' $2 | sort -n | awk -v v="$1" \
+    '{ x[NR] = $1 } END { m = (NR % 2) ? x[(NR + 1) / 2] : (x[NR / 2] + x[NR / 2 + 1]) / 2;
+       printf "| %s | %.1f | %.1f |", v, m, x[NR] }'
+  echo " $2|"
+}
+
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$results"
 out="$results/event-triggers-$stamp.md"
@@ -210,11 +219,7 @@ out="$results/event-triggers-$stamp.md"
   echo "| variant | median us/delivery | worst run | runs |"
   echo "|---|---|---|---|"
   for variant in "${variants[@]}"; do
-    # shellcheck disable=SC2086
-    printf '%s\n' ${samples[$variant]} | sort -n | awk -v v="$variant" \
-      '{ x[NR] = $1 } END { m = (NR % 2) ? x[(NR + 1) / 2] : (x[NR / 2] + x[NR / 2 + 1]) / 2;
-         printf "| %s | %.1f | %.1f |", v, m, x[NR] }'
-    echo " ${samples[$variant]}|"
+    table_row "$variant" "${samples[$variant]}"
   done
   echo
   echo "Numbering a run's events afterwards, in one call of the sequencer (the CPU's clock" \
@@ -224,12 +229,7 @@ out="$results/event-triggers-$stamp.md"
   echo "| variant | median us/event | worst run | runs |"
   echo "|---|---|---|---|"
   for variant in "${variants[@]}"; do
-    [ -n "${numbering[$variant]:-}" ] || continue
-    # shellcheck disable=SC2086
-    printf '%s\n' ${numbering[$variant]} | sort -n | awk -v v="$variant" \
-      '{ x[NR] = $1 } END { m = (NR % 2) ? x[(NR + 1) / 2] : (x[NR / 2] + x[NR / 2 + 1]) / 2;
-         printf "| %s | %.1f | %.1f |", v, m, x[NR] }'
-    echo " ${numbering[$variant]}|"
+    if [ -n "${numbering[$variant]:-}" ]; then table_row "$variant" "${numbering[$variant]}"; fi
   done
 } > "$out"
 cat "$out"
