@@ -9,9 +9,15 @@
 -- such a condition), so a partial index serves them all.
 --
 -- Positions stay unique: the new index is unique over the numbered events, the only ones that
--- have one. It is built before the constraint is dropped, so no moment is without it; the
--- build holds a SHARE lock on `delivery_events`, so statements that write an event wait for it
--- (a few seconds for millions of events; nothing fails).
+-- have one.
+--
+-- Locks: the build holds a SHARE lock on `delivery_events` and the drop an ACCESS EXCLUSIVE
+-- one, both until the migration commits. Meanwhile every statement that writes an event waits
+-- (and readers of events wait for the drop); a service's statement gives up after its
+-- `database.lock_timeout_ms` (2 s by default) and fails as on any lock it cannot get, and
+-- `nudgectl migrate` itself runs under `database.statement_timeout_ms` (30 s by default), so on
+-- a large `delivery_events` the build can time out and roll back, to be run again with a
+-- longer one. Apply it while the pipeline is quiet.
 
 CREATE UNIQUE INDEX delivery_events_position_idx ON delivery_events (position)
     WHERE position IS NOT NULL;
